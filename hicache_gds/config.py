@@ -1,0 +1,221 @@
+"""Settings: one frozen `Config`, read from a dict (adapters), the environment, then defaults.
+
+Precedence is dict key > environment variable > default. `ENABLE_GDS` and `GDS_PATH` keep their
+bare names; every other setting is `HICACHE_GDS_<KEY>` in the environment and `<key>` (lower
+case) in a dict. An unknown key or a bad value raises one `ConfigError` naming the key and what it
+accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .errors import ConfigError
+
+__all__ = ["Config", "parse_size", "ENV_PREFIX", "describe_keys"]
+
+ENV_PREFIX = "HICACHE_GDS_"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+
+def parse_size(value: Any, *, key: str = "size") -> int:
+    """Parse a byte count: an int, or a string with an optional k/m/g/t suffix (powers of 1024)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a byte count such as 64G, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: a byte count cannot be negative, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ConfigError(f"{key}: expected a byte count such as 4096, 512M or 64G, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}: {value!r} is not a boolean; use one of 1, 0, true, false, yes, no")
+
+
+def _choice(*accepted: str) -> Callable[[Any, str], str]:
+    def parse(value: Any, key: str) -> str:
+        s = str(value).strip().lower()
+        if s == "true":
+            s = "1"
+        elif s == "false":
+            s = "0"
+        if s not in accepted:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(accepted)}")
+        return s
+    return parse
+
+
+def _paths(value: Any, key: str) -> tuple[str, ...]:
+    if value is None or value == "":
+        return ()
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    out = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(f"{key}: expected directory paths, got {item!r}")
+        item = item.strip()
+        if not item:
+            continue
+        if "\x00" in item:
+            raise ConfigError(f"{key}: a path contains a NUL byte")
+        out.append(os.path.abspath(os.path.expanduser(item)))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"{key}: a directory is listed twice: {', '.join(out)}")
+    return tuple(out)
+
+
+def _positive_float(value: Any, key: str) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number of seconds > 0, got {value!r}") from None
+    if not f > 0 or f != f or f == float("inf"):
+        raise ConfigError(f"{key}: expected a number of seconds > 0, got {value!r}")
+    return f
+
+
+def _fraction(value: Any, key: str) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a fraction in (0, 1], got {value!r}") from None
+    if not 0 < f <= 1:
+        raise ConfigError(f"{key}: expected a fraction in (0, 1], got {value!r}")
+    return f
+
+
+def _int_at_least(lo: int) -> Callable[[Any, str], int]:
+    def parse(value: Any, key: str) -> int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer >= {lo}, got {value!r}")
+        try:
+            i = int(str(value).strip())
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer >= {lo}, got {value!r}") from None
+        if i < lo:
+            raise ConfigError(f"{key}: expected an integer >= {lo}, got {i}")
+        return i
+    return parse
+
+
+def _size(value: Any, key: str) -> int:
+    return parse_size(value, key=key)
+
+
+def _text(value: Any, key: str) -> str:
+    s = str(value)
+    if "\x00" in s or len(s) > 256:
+        raise ConfigError(f"{key}: expected a short text without NUL bytes")
+    return s
+
+
+def _engine(value: Any, key: str) -> str:
+    s = str(value).strip().lower()
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.\-]{0,63}", s):
+        raise ConfigError(f"{key}: {value!r} is not an engine name (see `hicache-gds doctor` for the list)")
+    return s
+
+
+# name -> (env var, parser, default, help). Field order is the order `describe_keys` prints.
+_SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
+    "enable_gds": ("ENABLE_GDS", _choice("auto", "1", "0"), "auto",
+                   "1: GPU-direct engines or fail at open; 0: host path only; auto: GDS where cuFile accepts the path"),
+    "gds_path": ("GDS_PATH", _paths, (), "directory, or comma-separated directories (one per NVMe), pages striped"),
+    "engine": (ENV_PREFIX + "ENGINE", _engine, "auto", "transfer engine name, or auto"),
+    "capacity": (ENV_PREFIX + "CAPACITY", _size, 0, "bytes of page slots per namespace (0: capacity_fraction of free space)"),
+    "capacity_fraction": (ENV_PREFIX + "CAPACITY_FRACTION", _fraction, 0.5, "share of free space used when capacity is 0"),
+    "preallocate": (ENV_PREFIX + "PREALLOCATE", _bool, True, "fallocate slab files at open, so a full disk fails early"),
+    "verify": (ENV_PREFIX + "VERIFY", _bool, True, "check each page's xxh3 checksum on read; a mismatch is a miss"),
+    "direct_io": (ENV_PREFIX + "DIRECT_IO", _bool, True, "open slab files with O_DIRECT"),
+    "sync": (ENV_PREFIX + "SYNC", _bool, False, "fdatasync before a page is published (power-loss durability)"),
+    "io_timeout": (ENV_PREFIX + "IO_TIMEOUT", _positive_float, 60.0, "seconds one batch may take before it fails"),
+    "io_threads": (ENV_PREFIX + "IO_THREADS", _int_at_least(1), 16, "IO threads of the bounce engine (its queue depth)"),
+    "nixl_queue": (ENV_PREFIX + "NIXL_QUEUE", _choice("uring", "aio", "posix_aio"), "aio",
+                   "NIXL POSIX queue: Linux AIO, io_uring or POSIX AIO"),
+    "max_request_bytes": (ENV_PREFIX + "MAX_REQUEST_BYTES", _size, 0, "split requests above this size (0: engine's limit)"),
+    "namespace": (ENV_PREFIX + "NAMESPACE", _text, "", "tenant tag mixed into the namespace; tenants never share pages"),
+    "cufile_json": (ENV_PREFIX + "CUFILE_JSON", _text, "", "cufile.json to use when CUFILE_ENV_PATH_JSON is unset"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated settings. Build with `Config.load(overrides)`; fields are documented in `_SPEC`."""
+
+    enable_gds: str = "auto"
+    gds_path: tuple[str, ...] = ()
+    engine: str = "auto"
+    capacity: int = 0
+    capacity_fraction: float = 0.5
+    preallocate: bool = True
+    verify: bool = True
+    direct_io: bool = True
+    sync: bool = False
+    io_timeout: float = 60.0
+    io_threads: int = 16
+    nixl_queue: str = "aio"
+    max_request_bytes: int = 0
+    namespace: str = ""
+    cufile_json: str = ""
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def load(cls, overrides: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None,
+             ignore: tuple[str, ...] = ()) -> "Config":
+        """Read settings from `overrides` (dict keys win), then `env` (default `os.environ`), then defaults.
+
+        Keys listed in `ignore` are skipped in `overrides` (adapters pass their engine's own keys).
+        Unknown dict keys and unknown `HICACHE_GDS_*` variables raise `ConfigError`.
+        """
+        env = os.environ if env is None else env
+        overrides = dict(overrides or {})
+        for k in ignore:
+            overrides.pop(k, None)
+        unknown = sorted(k for k in overrides if k not in _SPEC)
+        if unknown:
+            raise ConfigError(f"unknown config key {unknown[0]!r}; accepted keys: {', '.join(_SPEC)}")
+        env_names = {spec[0] for spec in _SPEC.values()}
+        stray = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in env_names)
+        if stray:
+            raise ConfigError(f"unknown environment variable {stray[0]}; accepted: "
+                              + ", ".join(s[0] for s in _SPEC.values()))
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, (env_name, parse, default, _help) in _SPEC.items():
+            if name in overrides:
+                values[name] = parse(overrides[name], name)
+                sources[name] = "config"
+            elif env_name in env and env[env_name] != "":
+                values[name] = parse(env[env_name], env_name)
+                sources[name] = "env"
+            else:
+                values[name] = default
+                sources[name] = "default"
+        return cls(**values, sources=sources)
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with `changes` validated like dict overrides."""
+        parsed = {k: _SPEC[k][1](v, k) if k in _SPEC else v for k, v in changes.items()}
+        return dataclasses.replace(self, **parsed)
+
+
+def describe_keys() -> list[tuple[str, str, Any, str]]:
+    """(key, environment variable, default, help) for every setting, for docs and `doctor`."""
+    return [(k, s[0], s[2], s[3]) for k, s in _SPEC.items()]

@@ -1,0 +1,60 @@
+"""Typed errors.
+
+Every error subclasses the built-in a caller would already catch, so code that knows nothing of
+hicache-gds still handles them sensibly (`OSError` for IO, `ValueError` for bad input,
+`ImportError` for a missing engine).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HiCacheGDSError",
+    "ConfigError",
+    "EngineUnavailable",
+    "GDSUnavailable",
+    "TransferError",
+    "TransferTimeout",
+    "StoreFullError",
+    "StoreLockedError",
+    "RegionError",
+]
+
+
+class HiCacheGDSError(Exception):
+    """Base of every error raised by hicache-gds."""
+
+
+class ConfigError(HiCacheGDSError, ValueError):
+    """A configuration key or value is not accepted; the message names the key and the accepted values."""
+
+
+class EngineUnavailable(HiCacheGDSError, ImportError):
+    """A transfer engine cannot run on this machine; the message says why."""
+
+
+class GDSUnavailable(EngineUnavailable):
+    """`ENABLE_GDS=1` was asked for but no GPU-direct engine can serve the path."""
+
+
+class TransferError(HiCacheGDSError, OSError):
+    """A transfer failed. The message names the engine, the operation and the file."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A transfer did not complete within its timeout.
+
+    The IO may still land later: callers must neither reuse the destination memory for other data
+    nor publish or recycle the file slots of a timed-out write.
+    """
+
+
+class StoreFullError(HiCacheGDSError, OSError):
+    """The storage directory has no room for the slab files (ENOSPC)."""
+
+
+class StoreLockedError(HiCacheGDSError, OSError):
+    """Another process holds the namespace open for writing."""
+
+
+class RegionError(HiCacheGDSError, ValueError):
+    """A memory region is outside every registered buffer, misaligned, or of the wrong size."""

@@ -1,0 +1,487 @@
+"""`PageStore`: the one API adapters use. Keys in, pages (memory regions) in or out, per-page results.
+
+    store = PageStore(page_bytes, {"model": "llama3-8b", "layout": "page_first", ...}, config={...})
+    store.register_memory(buf_addr, buf_nbytes)          # once
+    store.put(keys, Pages.contiguous(buf_addr, page_bytes, idx))   -> [True, ...]
+    store.get(keys, pages) -> [True, False, ...]          # False: miss, failed IO or bad checksum
+    store.exists(keys) / store.prefix(keys) / delete / clear / stats / close
+
+Write order (the crash-safety contract, with `Index`): reserve free slots (evictions committed
+first) -> write page bytes -> [fdatasync] -> publish rows. A page is never visible before its
+bytes are on disk, and `put` returns True only for published pages.
+
+Thread-safe: SGLang calls exists, get and put from three threads at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import xxhash
+
+from .config import Config
+from .engines.base import MemKind, Op, Transfer, TransferEngine, split_batches
+from .engines.select import choose_engine
+from .errors import ConfigError, RegionError, StoreLockedError, TransferError, TransferTimeout
+from .index import Index
+from .layout import Pages, namespace_id
+from .memory import HostBuffer, align_up, view
+from .slabs import SlabSet, prepare_root, private_dir
+from .stats import StoreStats
+
+__all__ = ["PageStore", "MAX_KEY_BYTES"]
+
+log = logging.getLogger("hicache_gds.store")
+MAX_KEY_BYTES = 1024
+_PIPELINE_BYTES = 64 << 20  # requests per batch are cut to this, so checksums overlap the IO
+_MIN_DIRECT_SEGMENT = 128 << 10  # smaller segments are gathered into one aligned IO per page
+_OK, _FAIL, _TIMEOUT, _BADSUM = 1, 0, 2, 3
+
+
+def _csum(segments: Iterable[tuple[int, int]]) -> int:
+    h = xxhash.xxh3_64()
+    for addr, n in segments:
+        h.update(view(addr, n))
+    d = h.intdigest()
+    # SQLite integers are signed 64-bit; 0 means "not recorded" (VRAM pages).
+    return (d - (1 << 64) if d >= 1 << 63 else d) or 1
+
+
+class _Staging:
+    """Aligned host buffers registered with the engine, lent to one call at a time."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self.engine = engine
+        self.free: list[HostBuffer] = []
+        self.lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> HostBuffer:
+        with self.lock:
+            fits = [b for b in self.free if b.nbytes >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.nbytes)
+                self.free.remove(buf)
+                return buf
+        buf = HostBuffer(align_up(nbytes, 1 << 20))
+        self.engine.register_memory(buf.addr, buf.nbytes, MemKind.DRAM)
+        return buf
+
+    def release(self, buf: HostBuffer) -> None:
+        with self.lock:
+            self.free.append(buf)
+            if len(self.free) > 6:  # keep a few; the rest go back to the OS
+                old = min(self.free, key=lambda b: b.nbytes)
+                self.free.remove(old)
+                self.engine.deregister_memory(old.addr)
+                old.close()
+
+    def close(self) -> None:
+        with self.lock:
+            for b in self.free:
+                self.engine.deregister_memory(b.addr)
+                b.close()
+            self.free.clear()
+
+
+class PageStore:
+    """Fixed-size pages under string keys, in slab files under `GDS_PATH`, moved by one engine.
+
+    Parameters
+    ----------
+    page_bytes:
+        Size of every page in this namespace.
+    identity:
+        What makes the bytes meaningful (model, dtype, layout, geometry, rank...). Hashed into the
+        namespace directory; `config.namespace` (tenant) is mixed in too.
+    config:
+        A `Config`, or a dict of overrides on top of the environment.
+    mem_kinds:
+        Memory kinds the caller will pass (VRAM makes `auto` prefer GPU-direct engines).
+    engine:
+        An engine to use instead of choosing one (tests, benchmarks, wrappers).
+    """
+
+    def __init__(self, page_bytes: int, identity: Mapping[str, Any] | None = None, *,
+                 config: Config | Mapping[str, Any] | None = None,
+                 mem_kinds: Iterable[MemKind] = (MemKind.DRAM,), engine: TransferEngine | None = None) -> None:
+        cfg = config if isinstance(config, Config) else Config.load(config)
+        if not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise ConfigError(f"page_bytes must be a positive integer, got {page_bytes!r}")
+        if not cfg.gds_path:
+            raise ConfigError("GDS_PATH is not set: give one directory, or comma-separated directories "
+                              "(one per NVMe drive), in the GDS_PATH environment variable or the gds_path key")
+        self.config = cfg
+        self.page_bytes = page_bytes
+        self.slot_bytes = align_up(page_bytes)
+        roots = [prepare_root(p) for p in cfg.gds_path]
+        ident = {str(k): str(v) for k, v in (identity or {}).items()}
+        ident.update(page_bytes=str(page_bytes), tenant=cfg.namespace, ndirs=str(len(roots)))
+        self.identity = ident
+        self.namespace = namespace_id(ident)
+        self.dirs = [private_dir(r, self.namespace) for r in roots]
+        self._lock_fd = self._lock_namespace(self.dirs[0])
+        self._closed = False
+        try:
+            self._write_meta()
+            nslots = self._nslots(cfg)
+            self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate)
+            self.index = Index(os.path.join(self.dirs[0], "index.sqlite3"), nslots,
+                               {"slot_bytes": str(self.slot_bytes), "page_bytes": str(page_bytes),
+                                "ndirs": str(len(self.dirs))})
+            if engine is None:
+                choice = choose_engine(cfg, self.dirs[0], frozenset(MemKind(k) for k in mem_kinds))
+                engine, self.engine_reason = choice.engine, choice.reason
+            else:
+                self.engine_reason = f"{engine.name}: given by the caller"
+            self.engine = engine
+            self._fids = [engine.open_file(p) for p in self.slabs.paths]
+            self._sync_fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in self.slabs.paths] if cfg.sync else []
+        except BaseException:
+            self._unlock()
+            raise
+        self._staging = _Staging(engine)
+        self._stats = StoreStats()
+        log.info("hicache-gds store %s: %d slots of %d bytes on %s; engine %s",
+                 self.namespace, nslots, self.slot_bytes, ",".join(self.dirs), self.engine_reason)
+
+    # -- open ------------------------------------------------------------------------------------
+    @staticmethod
+    def _lock_namespace(d: str) -> int:
+        fd = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise StoreLockedError(f"namespace {d} is open by pid {holder}; two processes cannot write one "
+                                   f"namespace (give each rank its own identity, or a distinct HICACHE_GDS_NAMESPACE)")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def _write_meta(self) -> None:
+        path = os.path.join(self.dirs[0], "namespace.json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"identity": self.identity, "slot_bytes": self.slot_bytes, "dirs": self.dirs}, f, indent=1)
+        os.replace(tmp, path)
+
+    def _nslots(self, cfg: Config) -> int:
+        nd = len(self.dirs)
+        existing = [os.path.join(d, SlabSet.FILE_NAME) for d in self.dirs]
+        sizes = [os.path.getsize(p) if os.path.exists(p) else 0 for p in existing]
+        if cfg.capacity:
+            nslots = cfg.capacity // self.slot_bytes
+        elif sizes[0]:
+            nslots = sum(s // self.slot_bytes for s in sizes)  # keep the size chosen at first open
+        else:
+            free = min(os.statvfs(d).f_bavail * os.statvfs(d).f_frsize + s for d, s in zip(self.dirs, sizes))
+            nslots = int(free * cfg.capacity_fraction) // self.slot_bytes * nd
+        if nslots < 1:
+            raise ConfigError(f"capacity: {cfg.capacity or 'the free space'} holds no page of {self.slot_bytes} "
+                              f"bytes; raise HICACHE_GDS_CAPACITY or free space under GDS_PATH")
+        return nslots
+
+    # -- validation ------------------------------------------------------------------------------
+    @staticmethod
+    def _check_keys(keys: Sequence[str]) -> list[str]:
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+            raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
+        for i, k in enumerate(keys):
+            if not isinstance(k, str):
+                raise TypeError(f"key {i} is {type(k).__name__}, not str")
+            if not k or len(k) > MAX_KEY_BYTES or "\x00" in k:
+                raise ValueError(f"key {i} is empty, longer than {MAX_KEY_BYTES} characters, or contains NUL")
+        return list(keys)
+
+    def _check_pages(self, keys: list[str], pages: Pages) -> None:
+        if not isinstance(pages, Pages):
+            raise TypeError(f"pages must be hicache_gds.Pages, got {type(pages).__name__}")
+        if len(pages) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
+        sizes = pages.page_nbytes
+        bad = np.flatnonzero(sizes != self.page_bytes)
+        if bad.size:
+            i = int(bad[0])
+            raise RegionError(f"page {i} has {int(sizes[i])} bytes; pages of this store have {self.page_bytes}")
+        if len(pages):
+            mem = np.stack([pages.addrs.ravel(), pages.lens.ravel()], axis=1)
+            self.engine.check_regions(pages.kind, mem)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("the page store is closed")
+
+    # -- queries ---------------------------------------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Per key: is the page present."""
+        self._check_open()
+        return self.index.contains(self._check_keys(keys))
+
+    def prefix(self, keys: Sequence[str]) -> int:
+        """Length of the longest run of present keys from the start."""
+        self._check_open()
+        return self.index.prefix_len(self._check_keys(keys))
+
+    def register_memory(self, addr: int, nbytes: int, kind: MemKind = MemKind.DRAM) -> None:
+        """Register a buffer that pages will point into (once, before put/get)."""
+        self._check_open()
+        self.engine.register_memory(addr, nbytes, MemKind(kind))
+
+    def register_tensor(self, tensor: Any) -> None:
+        self.register_memory(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                             MemKind.VRAM if tensor.is_cuda else MemKind.DRAM)
+
+    # -- put / get -------------------------------------------------------------------------------
+    def put(self, keys: Sequence[str], pages: Pages) -> list[bool]:
+        """Write pages; True per page once it is durable and visible. Present keys are not rewritten."""
+        self._check_open()
+        keys = self._check_keys(keys)
+        self._check_pages(keys, pages)
+        t0 = time.perf_counter_ns()
+        result = [False] * len(keys)
+        present = self.index.contains(keys)
+        first: dict[str, int] = {}
+        todo = []
+        for i, k in enumerate(keys):
+            if present[i]:
+                result[i] = True
+            elif k not in first:
+                first[k] = i
+                todo.append(i)
+        slots = self.index.reserve(len(todo))
+        todo_w = todo[:len(slots)]
+        status, sums = self._io(Op.WRITE, pages.select(todo_w), np.asarray(slots, dtype=np.int64), None)
+        if self.config.sync and (status == _OK).any():
+            for fd in self._sync_fds:
+                os.fdatasync(fd)
+        ok_items = [(keys[i], slots[j], self.page_bytes, int(sums[j])) for j, i in enumerate(todo_w)
+                    if status[j] == _OK]
+        published = self.index.publish(ok_items)
+        for (key, _, _, _), pub in zip(ok_items, published):
+            result[first[key]] = True  # published now, or by a concurrent put of the same key
+        self.index.release(slots[j] for j in range(len(todo_w)) if status[j] in (_FAIL, _BADSUM))
+        self.index.lose(slots[j] for j in range(len(todo_w)) if status[j] == _TIMEOUT)
+        for i, k in enumerate(keys):
+            if i != first.get(k, i):
+                result[i] = result[first[k]]
+        nw = int(sum(published))
+        self._stats.add(pages_written=nw, bytes_written=nw * self.page_bytes,
+                        put_skipped_present=sum(present), put_failed=len(keys) - sum(result),
+                        timeouts=int((status == _TIMEOUT).sum()))
+        self._stats.batch(True, time.perf_counter_ns() - t0)
+        return result
+
+    def get(self, keys: Sequence[str], pages: Pages) -> list[bool]:
+        """Read pages into memory; False per page that is missing, failed, or failed its checksum."""
+        self._check_open()
+        keys = self._check_keys(keys)
+        self._check_pages(keys, pages)
+        t0 = time.perf_counter_ns()
+        entries = self.index.lookup_pin(keys)
+        hits = [i for i, e in enumerate(entries) if e is not None]
+        result = [False] * len(keys)
+        try:
+            slots = np.array([entries[i].slot for i in hits], dtype=np.int64)
+            expect = np.array([entries[i].csum for i in hits], dtype=np.int64)
+            status, _ = self._io(Op.READ, pages.select(hits), slots, expect if self.config.verify else None)
+        finally:
+            self.index.unpin(entries[i].slot for i in hits)
+        bad = [keys[hits[j]] for j in range(len(hits)) if status[j] == _BADSUM]
+        if bad:
+            log.warning("hicache-gds: %d page(s) failed their checksum in %s and were dropped", len(bad),
+                        self.namespace)
+            self.index.drop(bad)
+        for j, i in enumerate(hits):
+            result[i] = bool(status[j] == _OK)
+        nr = sum(result)
+        self._stats.add(hits=len(hits), misses=len(keys) - len(hits), pages_read=nr, bytes_read=nr * self.page_bytes,
+                        get_failed=len(hits) - nr - len(bad), checksum_mismatches=len(bad),
+                        timeouts=int((status == _TIMEOUT).sum()))
+        self._stats.batch(False, time.perf_counter_ns() - t0)
+        return result
+
+    def _io(self, op: Op, pages: Pages, slots: np.ndarray, expect: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Move pages to/from slots. Returns (status per page, checksum per page for writes)."""
+        n = len(pages)
+        status = np.full(n, _FAIL, dtype=np.int8)
+        sums = np.zeros(n, dtype=np.int64)
+        if n == 0:
+            return status, sums
+        caps = self.engine.capabilities
+        fidx, base = self.slabs.place(slots)
+        fids = np.asarray(self._fids, dtype=np.uint64)[fidx]
+        lens = pages.lens
+        stage = pages.kind is MemKind.DRAM and (
+            (caps.alignment > 1 and bool(((pages.addrs % np.uint64(caps.alignment)) | (lens % np.uint64(caps.alignment))).any()))
+            or float(lens.mean()) < _MIN_DIRECT_SEGMENT and lens.shape[1] > 1)
+        if not stage and pages.kind is MemKind.VRAM and caps.alignment > 1 and bool(
+                ((pages.addrs % np.uint64(caps.alignment)) | (lens % np.uint64(caps.alignment))).any()):
+            raise RegionError(f"{self.engine.name}: device pages must be {caps.alignment}-byte aligned")
+        buf = self._staging.acquire(n * self.slot_bytes) if stage else None
+        try:
+            if buf is not None:
+                # One aligned descriptor per page: the whole slot, staged in host memory.
+                src_addrs = np.uint64(buf.addr) + np.arange(n, dtype=np.uint64) * np.uint64(self.slot_bytes)
+                if op is Op.WRITE:
+                    self._gather(pages, src_addrs)
+                mem_a = src_addrs.reshape(n, 1)
+                mem_l = np.full((n, 1), self.slot_bytes, dtype=np.uint64)
+                self._stats.add(staged_pages=n)
+            else:
+                mem_a, mem_l = pages.addrs, lens
+            seg_off = np.cumsum(mem_l, axis=1) - mem_l
+            file_off = base.reshape(n, 1) + seg_off
+            mem_a, mem_l, file_off, per_page = self._cut(mem_a, mem_l, file_off, caps.max_desc_bytes)
+            rows = np.concatenate([[0], np.cumsum(per_page)])
+            mem = np.stack([mem_a, mem_l], axis=1)
+            fil = np.stack([np.repeat(fids, per_page), file_off], axis=1)
+            plan = list(split_batches(per_page, np.full(n, self.slot_bytes), caps,
+                                      self.config.max_request_bytes or _PIPELINE_BYTES))
+            deadline = time.monotonic() + self.config.io_timeout
+            posted: list[tuple[int, int, Transfer | None]] = []
+            for a, b in plan:
+                try:
+                    t = self.engine.submit(op, MemKind.DRAM if buf is not None else pages.kind,
+                                           mem[rows[a]:rows[b]], fil[rows[a]:rows[b]])
+                except (TransferError, OSError, ValueError) as exc:
+                    log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, b - a, exc)
+                    t = None
+                posted.append((a, b, t))
+            if op is Op.WRITE:
+                for j in range(n):  # overlaps the IO in flight
+                    sums[j] = self._page_sum(pages, buf, j)
+            for a, b, t in posted:
+                if t is None:
+                    continue
+                try:
+                    t.wait(max(0.0, deadline - time.monotonic()))
+                except TransferTimeout as exc:
+                    log.error("hicache-gds: %s", exc)
+                    status[a:b] = _TIMEOUT
+                    continue
+                except TransferError as exc:
+                    log.warning("hicache-gds: %s", exc)
+                    continue
+                finally:
+                    t.release()
+                status[a:b] = _OK
+                if op is Op.READ:
+                    if buf is not None:
+                        self._scatter(pages, buf, a, b)
+                    if expect is not None:
+                        for j in range(a, b):
+                            if expect[j] and self._page_sum(pages, None, j) != expect[j]:
+                                status[j] = _BADSUM
+            return status, sums
+        finally:
+            if buf is not None:
+                if (status == _TIMEOUT).any():
+                    pass  # the IO may still land in it: never lend it again
+                else:
+                    self._staging.release(buf)
+
+    @staticmethod
+    def _cut(mem_a: np.ndarray, mem_l: np.ndarray, file_off: np.ndarray, limit: int):
+        """Flatten (P, S) descriptors to rows, splitting any longer than `limit`."""
+        n = mem_a.shape[0]
+        a, l, f = mem_a.ravel(), mem_l.ravel(), file_off.ravel()
+        if int(l.max()) <= limit:
+            return a, l, f, np.full(n, mem_a.shape[1], dtype=np.int64)
+        pieces = ((l + np.uint64(limit - 1)) // np.uint64(limit)).astype(np.int64)
+        rep = np.repeat(np.arange(len(l)), pieces)
+        k = np.arange(len(rep)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        off = k.astype(np.uint64) * np.uint64(limit)
+        ln = np.minimum(l[rep] - off, np.uint64(limit))
+        per_page = pieces.reshape(n, -1).sum(axis=1)
+        return a[rep] + off, ln, f[rep] + off, per_page
+
+    def _gather(self, pages: Pages, dst: np.ndarray) -> None:
+        for j in range(len(pages)):
+            out = view(int(dst[j]), self.page_bytes)
+            pos = 0
+            for addr, n in zip(pages.addrs[j].tolist(), pages.lens[j].tolist()):
+                out[pos:pos + n] = view(addr, n)
+                pos += n
+
+    def _scatter(self, pages: Pages, buf: HostBuffer, a: int, b: int) -> None:
+        for j in range(a, b):
+            src = view(buf.addr + j * self.slot_bytes, self.page_bytes)
+            pos = 0
+            for addr, n in zip(pages.addrs[j].tolist(), pages.lens[j].tolist()):
+                view(addr, n)[:] = src[pos:pos + n]
+                pos += n
+
+    def _page_sum(self, pages: Pages, buf: HostBuffer | None, j: int) -> int:
+        if buf is not None:
+            return _csum([(buf.addr + j * self.slot_bytes, self.page_bytes)])
+        if pages.kind is MemKind.VRAM:
+            return 0  # not hashed on the host; reads of such pages are not verified
+        return _csum(zip(pages.addrs[j].tolist(), pages.lens[j].tolist()))
+
+    # -- maintenance -----------------------------------------------------------------------------
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove pages; True per key that was present."""
+        self._check_open()
+        keys = self._check_keys(keys)
+        present = self.index.contains(keys)
+        self.index.drop(k for k, p in zip(keys, present) if p)
+        return present
+
+    def clear(self) -> int:
+        """Remove every page of this namespace; returns how many there were."""
+        self._check_open()
+        return self.index.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, latency histograms, the engine and the path that actually ran."""
+        out = self._stats.snapshot()
+        out.update(self.engine.info())
+        out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
+                   page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, index_recovery_s=self.index.recovery_s)
+        out.update(self.index.stats())
+        return out
+
+    def close(self) -> None:
+        """Flush the index and release files, buffers and the namespace lock. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._staging.close()
+            for fid in self._fids:
+                self.engine.close_file(fid)
+            for fd in self._sync_fds:
+                os.close(fd)
+            self.engine.close()
+        finally:
+            self.index.close()
+            self._unlock()
+
+    def __enter__(self) -> "PageStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
