@@ -106,9 +106,27 @@ class Index:
         self._db = self._open(meta)
         self._load()
 
+    def _txn(self, *statements: tuple[str, Iterable]) -> None:
+        """Run statements in one transaction (caller holds the lock); OSError if SQLite cannot write."""
+        try:
+            self._db.execute("BEGIN")
+            for sql, rows in statements:
+                self._db.executemany(sql, rows)
+            self._flush_touches()
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            raise OSError(f"index {self.db_path}: write failed: {exc}") from exc
+
     # -- queries ---------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._map)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._map
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         m = self._map
@@ -158,10 +176,7 @@ class Index:
                         if len(victims) == need:
                             break
                 if victims:
-                    self._db.execute("BEGIN")
-                    self._db.executemany("DELETE FROM pages WHERE key = ?", ((k,) for k in victims))
-                    self._flush_touches()
-                    self._db.execute("COMMIT")
+                    self._txn(("DELETE FROM pages WHERE key = ?", [(k,) for k in victims]))
                     for k in victims:
                         self._free.append(self._map.pop(k).slot)
                         self._touched.pop(k, None)
@@ -202,10 +217,7 @@ class Index:
                     self._clock += 1
                     result.append(True)
             if fresh:
-                self._db.execute("BEGIN")
-                self._db.executemany("INSERT INTO pages VALUES (?, ?, ?, ?, ?)", fresh)
-                self._flush_touches()
-                self._db.execute("COMMIT")
+                self._txn(("INSERT INTO pages VALUES (?, ?, ?, ?, ?)", fresh))
                 for key, slot, nbytes, csum, _ in fresh:
                     self._map[key] = Entry(slot, nbytes, csum)
             self._free.extend(dup_slots)
@@ -217,9 +229,7 @@ class Index:
             gone = [(k, self._map[k]) for k in keys if k in self._map]
             if not gone:
                 return 0
-            self._db.execute("BEGIN")
-            self._db.executemany("DELETE FROM pages WHERE key = ?", ((k,) for k, _ in gone))
-            self._db.execute("COMMIT")
+            self._txn(("DELETE FROM pages WHERE key = ?", [(k,) for k, _ in gone]))
             for k, e in gone:
                 del self._map[k]
                 self._touched.pop(k, None)
@@ -243,9 +253,7 @@ class Index:
     def flush(self) -> None:
         with self._lock:
             if self._touched:
-                self._db.execute("BEGIN")
-                self._flush_touches()
-                self._db.execute("COMMIT")
+                self._txn()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -258,10 +266,10 @@ class Index:
                 return
             try:
                 if self._touched:
-                    self._db.execute("BEGIN")
-                    self._flush_touches()
-                    self._db.execute("COMMIT")
+                    self._txn()
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except (OSError, sqlite3.Error) as exc:
+                log.warning("index %s: closing without a checkpoint: %s", self.db_path, exc)
             finally:
                 self._db.close()
                 self._db = None  # type: ignore[assignment]

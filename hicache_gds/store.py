@@ -262,7 +262,11 @@ class PageStore:
             elif k not in first:
                 first[k] = i
                 todo.append(i)
-        slots = self.index.reserve(len(todo))
+        try:
+            slots = self.index.reserve(len(todo))
+        except OSError as exc:
+            log.warning("hicache-gds: no slots for %d pages: %s", len(todo), exc)
+            slots = []
         todo_w = todo[:len(slots)]
         status, sums = self._io(Op.WRITE, pages.select(todo_w), np.asarray(slots, dtype=np.int64), None)
         if self.config.sync and (status == _OK).any():
@@ -270,9 +274,18 @@ class PageStore:
                 os.fdatasync(fd)
         ok_items = [(keys[i], slots[j], self.page_bytes, int(sums[j])) for j, i in enumerate(todo_w)
                     if status[j] == _OK]
-        published = self.index.publish(ok_items)
+        try:
+            published = self.index.publish(ok_items)
+        except OSError as exc:
+            log.warning("hicache-gds: %d written pages not published: %s", len(ok_items), exc)
+            published = [False] * len(ok_items)
+            for j in range(len(todo_w)):
+                if status[j] == _OK:
+                    status[j] = _FAIL
         for (key, _, _, _), pub in zip(ok_items, published):
-            result[first[key]] = True  # published now, or by a concurrent put of the same key
+            # Published now, or by a concurrent put of the same key (publish returned False and
+            # the key is present); an index write failure leaves it False.
+            result[first[key]] = pub or key in self.index
         self.index.release(slots[j] for j in range(len(todo_w)) if status[j] in (_FAIL, _BADSUM))
         self.index.lose(slots[j] for j in range(len(todo_w)) if status[j] == _TIMEOUT)
         for i, k in enumerate(keys):
@@ -304,7 +317,10 @@ class PageStore:
         if bad:
             log.warning("hicache-gds: %d page(s) failed their checksum in %s and were dropped", len(bad),
                         self.namespace)
-            self.index.drop(bad)
+            try:
+                self.index.drop(bad)
+            except OSError as exc:
+                log.warning("hicache-gds: %s", exc)
         for j, i in enumerate(hits):
             result[i] = bool(status[j] == _OK)
         nr = sum(result)
@@ -375,17 +391,20 @@ class PageStore:
                     continue
                 except TransferError as exc:
                     log.warning("hicache-gds: %s", exc)
+                    ok_rows = getattr(t, "ok_mask", lambda: None)()
+                    if ok_rows is not None:  # the engine knows which descriptors landed
+                        r0 = rows[a]
+                        for j in range(a, b):
+                            if ok_rows[rows[j] - r0:rows[j + 1] - r0].all():
+                                status[j] = _OK
+                                if op is Op.READ:
+                                    self._finish_read(pages, buf, expect, status, j, j + 1)
                     continue
                 finally:
                     t.release()
                 status[a:b] = _OK
                 if op is Op.READ:
-                    if buf is not None:
-                        self._scatter(pages, buf, a, b)
-                    if expect is not None:
-                        for j in range(a, b):
-                            if expect[j] and self._page_sum(pages, None, j) != expect[j]:
-                                status[j] = _BADSUM
+                    self._finish_read(pages, buf, expect, status, a, b)
             return status, sums
         finally:
             if buf is not None:
@@ -393,6 +412,15 @@ class PageStore:
                     pass  # the IO may still land in it: never lend it again
                 else:
                     self._staging.release(buf)
+
+    def _finish_read(self, pages: Pages, buf: HostBuffer | None, expect: np.ndarray | None,
+                     status: np.ndarray, a: int, b: int) -> None:
+        if buf is not None:
+            self._scatter(pages, buf, a, b)
+        if expect is not None:
+            for j in range(a, b):
+                if expect[j] and self._page_sum(pages, None, j) != expect[j]:
+                    status[j] = _BADSUM
 
     @staticmethod
     def _cut(mem_a: np.ndarray, mem_l: np.ndarray, file_off: np.ndarray, limit: int):

@@ -35,7 +35,7 @@ from .stats import DEFAULT_PERCENTILES
 __all__ = [
     "OptionError", "JobOptions", "PageGeometry", "ModelPreset", "MODEL_PRESETS", "RW_MODES",
     "MEM_KINDS", "LAYOUTS", "OUTPUT_FORMATS", "page_geometry", "expand_sweeps", "parse_argv",
-    "argv_to_mapping", "layer", "merge", "parse_size", "parse_time", "format_size", "fio_argv",
+    "argv_to_mapping", "canonical_name", "layer", "merge", "parse_size", "parse_time", "format_size", "fio_argv",
 ]
 
 RW_MODES = ("read", "write", "randread", "randwrite", "randrw")
@@ -237,7 +237,7 @@ def _parse_value(name: str, v: Any, kb_base: int) -> Any:
                                     kb_base=kb_base) for x in items)
         return tuple(_int(x, "batch", 1) for x in items)
     if name == "size":
-        return None if v in (None, "") else parse_size(v, option="size", kb_base=kb_base)
+        return None if v is None else parse_size(v, option="size", kb_base=kb_base)
     if name in ("runtime", "ramp_time"):
         return parse_time(v, option=name)
     if name in ("rwmixread", "iodepth", "numjobs", "page_tokens", "kb_base"):
@@ -347,7 +347,8 @@ class JobOptions:
         if self.model is not None:
             page = page_geometry(self.model, self.page_tokens, self.layout).page_bytes
             if self.bs != (page,):
-                raise OptionError(f"--bs: {self.bs} conflicts with --model={self.model}, whose "
+                bs = ",".join(map(str, self.bs))
+                raise OptionError(f"--bs: {bs} conflicts with --model={self.model}, whose "
                                   f"{self.page_tokens}-token page is {page} bytes; give one", "bs")
 
     # -- construction ------------------------------------------------------------------------
@@ -456,6 +457,14 @@ _FIO_KNOWN = frozenset((
     "zero_buffers", "scramble_buffers", "buffer_compress_percentage", "random_distribution",
     "verify_fatal", "do_verify", "verify_backlog", "status_interval", "gpu_dev_ids", "cuda_io",
     "thinktime", "rate", "rate_iops", "steadystate", "unlink", "bw_avg_time", "iops_avg_time"))
+
+
+def canonical_name(key: str) -> str:
+    """The field name an option key refers to (`--page-tokens` -> `page_tokens`, `ioengine` ->
+    `engine`); unknown keys come back normalised but otherwise unchanged."""
+    k = str(key).strip().lstrip("-").lower().replace("-", "_")
+    k = _ALIASES.get(k, k)
+    return {"rwmixwrite": "rwmixread", "buffered": "direct"}.get(k, k)
 
 
 def _canonical(mapping: Mapping[str, Any], *, strict: bool = True) -> dict[str, Any]:

@@ -52,6 +52,12 @@ class _FutureTransfer(Transfer):
             return True
         return False
 
+    def ok_mask(self):
+        """Per descriptor: did it complete without error (only once every descriptor finished)."""
+        if not all(f.done() for f in self._futures):
+            return None
+        return np.array([f.exception() is None for f in self._futures], dtype=bool)
+
     def wait(self, timeout: float | None = None) -> int:
         # docstring inherited
         if self.finished is None and self._error is None:

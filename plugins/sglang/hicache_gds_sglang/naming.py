@@ -1,0 +1,119 @@
+"""What SGLang's settings mean to hicache-gds: configuration, key suffixes, namespace identities.
+
+Three rules live here and nowhere else:
+
+* **Configuration.** ``--hicache-storage-backend-extra-config`` keys that are hicache-gds
+  `Config` keys win over the environment (``ENABLE_GDS``, ``GDS_PATH``, ``HICACHE_GDS_*``), which
+  wins over defaults. SGLang's own keys (`SGLANG_KEYS`) are ignored; any other key is an error at
+  construction, naming the key.
+* **Keys.** A page key is SGLang's 64-hex page hash plus HiCacheFile's suffix, exactly
+  (``hicache_storage.py`` ``HiCacheFile.__init__``): ``_{model}_{tp_rank}_{tp_size}`` for MHA,
+  ``_{model}`` for MLA (TP ranks share one copy), ``_{pp_size}_{pp_rank}`` with PP,
+  ``_cp{rank}_{size}`` with attention CP, the DCP tail with DCP; sidecar pools use
+  ``{hash}.{pool}`` and Mamba state always carries the TP rank. So a key names the same page in
+  both backends.
+* **Namespaces.** Every pool gets its own PageStore namespace whose identity holds what makes the
+  bytes meaningful: model, the rank suffix, the DP rank, the pool, its kind, dtype, page geometry
+  and the *byte order* of a page (`PoolGeometry.page_order`). Layouts with the same byte order
+  (``layer_first`` and ``page_first_direct``) share pages; others never see each other's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hicache_gds import Config, ConfigError, namespace_id
+from hicache_gds.memory import align_up
+
+__all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity", "store_dirs"]
+
+SCHEMA = "hicache-gds-sglang/1"
+
+# Keys SGLang itself reads, injects or passes through in the extra config; never ours.
+SGLANG_KEYS = (
+    "backend_name", "module_path", "class_name", "interface_v1",  # the `dynamic` loader
+    "file_storage_path",  # injected for every backend from --file-storage-path
+    "allocator",  # host allocator choice (get_allocator_type)
+    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys", "tp_lcm_size",  # popped by the controller
+)
+
+
+def load_config(extra_config: Mapping[str, Any] | None) -> Config:
+    """The hicache-gds `Config` for one backend: extra-config keys > environment > defaults."""
+    try:
+        cfg = Config.load(dict(extra_config or {}), ignore=SGLANG_KEYS)
+    except ConfigError as exc:
+        raise ConfigError(f"hicache-gds (--hicache-storage-backend-extra-config): {exc}. SGLang's own keys "
+                          f"({', '.join(SGLANG_KEYS)}) are ignored") from exc
+    if not cfg.gds_path:
+        raise ConfigError("hicache-gds: no storage directory; set GDS_PATH (comma-separated, one per NVMe "
+                          "drive) or put \"gds_path\" in --hicache-storage-backend-extra-config")
+    return cfg
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    """HiCacheFile's key suffixes for one rank (see the module docstring)."""
+
+    model: str
+    config_suffix: str
+    """Suffix of KV and rank-replicated sidecar keys (no TP rank under MLA)."""
+    tp_config_suffix: str
+    """Suffix of TP-sharded state (always has the TP rank)."""
+
+    @classmethod
+    def from_storage_config(cls, sc: Any) -> "KeyScheme":
+        model = "-".join(sc.model_name.split("/")) if sc.model_name else ""
+        shard = f"_{sc.pp_size}_{sc.pp_rank}" if sc.pp_size > 1 else ""
+        if sc.attn_cp_size > 1:
+            shard += f"_cp{sc.attn_cp_rank}_{sc.attn_cp_size}"
+        tp_suffix = f"_{model}_{sc.tp_rank}_{sc.tp_size}{shard}"
+        suffix = f"_{model}{shard}" if sc.is_mla_model else tp_suffix
+        if getattr(sc, "dcp_size", 1) > 1:
+            dcp = f"_tp{sc.tp_size}_dcp{sc.dcp_rank}_{sc.dcp_size}_page{sc.logical_page_size}"
+            suffix += dcp
+            tp_suffix += dcp
+        return cls(model, suffix, tp_suffix)
+
+    def suffix_for(self, pool: str) -> str:
+        """Mamba state is TP-sharded even when the model's MLA KV is replicated."""
+        return self.tp_config_suffix if pool == "mamba" else self.config_suffix
+
+    def key(self, key: str, pool: str = "kv") -> str:
+        """The stored key of page `key` of `pool`: HiCacheFile's file stem for the same page."""
+        base = key if pool == "kv" else f"{key}.{pool}"
+        return base + self.suffix_for(pool)
+
+    def keys(self, keys: list[str], pool: str = "kv") -> list[str]:
+        suffix = self.suffix_for(pool)
+        if pool == "kv":
+            return [k + suffix for k in keys]
+        return [f"{k}.{pool}{suffix}" for k in keys]
+
+
+def namespace_identity(scheme: KeyScheme, sc: Any, pool: str, geometry: Mapping[str, Any]) -> dict[str, str]:
+    """Identity of one pool's namespace on one rank (rank-replicated MLA pools: same on every TP rank).
+
+    The DP rank is in it because a namespace has one writer process: DP attention groups keep
+    their own copies.
+    """
+    ident = {"schema": SCHEMA, "model": scheme.model, "pool": pool, "suffix": scheme.suffix_for(pool),
+             "dp_rank": getattr(sc, "dp_rank", 0)}
+    ident.update(geometry)
+    return {str(k): str(v) for k, v in ident.items()}
+
+
+def store_dirs(cfg: Config, identity: Mapping[str, Any], page_bytes: int) -> tuple[str, list[str], int]:
+    """(namespace id, directories, slot bytes) that `PageStore(page_bytes, identity, config=cfg)` uses.
+
+    Mirrors `PageStore.__init__` without creating anything, for the read-only MLA reader; a test
+    checks the two agree. Remove with the reader once the core has a read-only mode.
+    """
+    roots = [os.path.realpath(p) for p in cfg.gds_path]
+    ident = {str(k): str(v) for k, v in identity.items()}
+    ident.update(page_bytes=str(page_bytes), tenant=cfg.namespace, ndirs=str(len(roots)))
+    ns = namespace_id(ident)
+    return ns, [os.path.join(r, ns) for r in roots], align_up(page_bytes)

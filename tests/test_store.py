@@ -1,0 +1,393 @@
+"""PageStore: round trips, restart, eviction, integrity, bad input, concurrency, full disk."""
+
+import os
+import stat
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+from hicache_gds import ConfigError, PageStore, Pages, RegionError, StoreFullError, StoreLockedError
+from hicache_gds.engines import EngineOptions, Op, create_engine
+from hicache_gds.engines.faulty import Faults, FaultyEngine
+from hicache_gds.memory import HostBuffer
+from hicache_gds.testing import random_bytes
+
+P = 256 << 10  # page bytes in most tests
+N = 32
+
+
+def open_store(d, engine="nixl-posix", capacity=N * 4 * P, **kw):
+    ident = kw.pop("identity", {"model": "test"})
+    cfg = {"gds_path": d, "capacity": capacity, **kw.pop("config", {})}
+    if isinstance(engine, str):
+        cfg["engine"] = engine
+    else:
+        kw["engine"] = engine
+    return PageStore(kw.pop("page_bytes", P), ident, config=cfg, **kw)
+
+
+def buffers(store, n=N, page=P, seed=0):
+    src, dst = HostBuffer(n * page), HostBuffer(n * page)
+    store.register_memory(src.addr, src.nbytes)
+    store.register_memory(dst.addr, dst.nbytes)
+    data = random_bytes(src, seed)
+    dst.numpy()[:] = 0xEE  # poison
+    return src, dst, data
+
+
+def keys(n=N, tag="k"):
+    return [f"{tag}{i:05d}" for i in range(n)]
+
+
+@pytest.mark.parametrize("engine", ["nixl-posix", "bounce"])
+def test_roundtrip_random_data(gds_dir, engine):
+    with open_store(gds_dir, engine) as s:
+        src, dst, data = buffers(s)
+        idx = np.random.default_rng(1).permutation(N)
+        assert s.put(keys(), Pages.contiguous(src.addr, P, idx)) == [True] * N
+        assert s.get(keys(), Pages.contiguous(dst.addr, P, idx)) == [True] * N
+        assert np.array_equal(dst.numpy(), data)
+        st_ = s.stats()
+        assert st_["engine"] == engine and st_["path"] and st_["pages_written"] == N and st_["hits"] == N
+        assert st_["write_batch_latency"]["n"] == 1
+
+
+def test_exists_prefix_misses_and_per_page_results(gds_dir):
+    with open_store(gds_dir) as s:
+        src, dst, data = buffers(s)
+        ks = keys()
+        assert s.put(ks[:10], Pages.contiguous(src.addr, P, range(10))) == [True] * 10
+        assert s.prefix(ks) == 10 and s.prefix(["zz"] + ks) == 0
+        assert s.exists(["k00003", "nope", "k00009"]) == [True, False, True]
+        got = s.get(["k00001", "nope", "k00002"], Pages.contiguous(dst.addr, P, [0, 1, 2]))
+        assert got == [True, False, True]
+        d = dst.numpy()
+        assert np.array_equal(d[:P], data[P:2 * P]) and np.array_equal(d[2 * P:3 * P], data[2 * P:3 * P])
+        assert (d[P:2 * P] == 0xEE).all()  # a miss leaves the destination alone
+
+
+def test_present_keys_are_not_rewritten_and_duplicates_in_a_batch(gds_dir):
+    with open_store(gds_dir) as s:
+        src, dst, data = buffers(s)
+        assert s.put(["a", "b", "a"], Pages.contiguous(src.addr, P, [0, 1, 2])) == [True, True, True]
+        assert s.put(["a"], Pages.contiguous(src.addr, P, [5])) == [True]
+        assert s.stats()["pages_written"] == 2
+        assert s.get(["a"], Pages.contiguous(dst.addr, P, [0])) == [True]
+        assert np.array_equal(dst.numpy()[:P], data[:P])  # the first copy stays
+
+
+def test_restart_keeps_pages(gds_dir):
+    with open_store(gds_dir) as s:
+        src, _, data = buffers(s)
+        assert all(s.put(keys(), Pages.contiguous(src.addr, P, range(N))))
+    with open_store(gds_dir) as s:
+        _, dst, _ = buffers(s, seed=9)
+        assert s.prefix(keys()) == N
+        assert all(s.get(keys(), Pages.contiguous(dst.addr, P, range(N))))
+        assert np.array_equal(dst.numpy(), data)
+        assert s.stats()["index_recovery_s"] < 3
+
+
+def test_lru_eviction_under_capacity(gds_dir):
+    with open_store(gds_dir, capacity=8 * P) as s:
+        src, dst, data = buffers(s)
+        ks = keys()
+        assert all(s.put(ks[:8], Pages.contiguous(src.addr, P, range(8))))
+        assert all(s.get(ks[:2], Pages.contiguous(dst.addr, P, range(2))))  # 0, 1 become recent
+        assert all(s.put(ks[8:12], Pages.contiguous(src.addr, P, range(8, 12))))
+        present = s.exists(ks[:12])
+        assert present[:2] == [True, True] and present[2:6] == [False] * 4 and all(present[6:12])
+        assert s.stats()["evictions"] == 4
+        assert all(s.get(ks[8:12], Pages.contiguous(dst.addr, P, range(8, 12))))
+        assert np.array_equal(dst.numpy()[8 * P:12 * P], data[8 * P:12 * P])
+
+
+def test_lru_order_survives_restart(gds_dir):
+    with open_store(gds_dir, capacity=4 * P) as s:
+        src, dst, _ = buffers(s)
+        ks = keys()
+        assert all(s.put(ks[:4], Pages.contiguous(src.addr, P, range(4))))
+        assert all(s.get(ks[:1], Pages.contiguous(dst.addr, P, [0])))
+    with open_store(gds_dir, capacity=4 * P) as s:
+        src, _, _ = buffers(s)
+        assert all(s.put(ks[4:5], Pages.contiguous(src.addr, P, [4])))
+        assert s.exists(ks[:5]) == [True, False, True, True, True]
+
+
+def test_corrupted_page_is_a_miss_and_dropped(gds_dir):
+    with open_store(gds_dir) as s:
+        src, dst, data = buffers(s)
+        assert all(s.put(keys(4), Pages.contiguous(src.addr, P, range(4))))
+        slab = s.slabs.paths[0]
+        slot = s.index.lookup_pin(["k00002"])[0].slot
+        s.index.unpin([slot])
+        with open(slab, "r+b") as f:  # flip one byte of page 2 behind the store's back
+            f.seek(slot * s.slot_bytes + 1234)
+            b = f.read(1)
+            f.seek(slot * s.slot_bytes + 1234)
+            f.write(bytes([b[0] ^ 0xFF]))
+        os.posix_fadvise(os.open(slab, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+        got = s.get(keys(4), Pages.contiguous(dst.addr, P, range(4)))
+        assert got == [True, True, False, True]
+        assert s.exists(["k00002"]) == [False]
+        assert s.stats()["checksum_mismatches"] == 1
+
+
+def test_segmented_and_misaligned_pages_are_staged(gds_dir):
+    # MLA layer_first-like pages: 8 segments of 4.5 KiB each, not 4 KiB aligned.
+    seg, S, n = 4608, 8, 16
+    page = seg * S
+    with open_store(gds_dir, page_bytes=page, capacity=64 * 40960) as s:
+        src, dst = HostBuffer(n * page * 2), HostBuffer(n * page * 2)
+        s.register_memory(src.addr, src.nbytes)
+        s.register_memory(dst.addr, dst.nbytes)
+        data = random_bytes(src, 5)
+        dst.numpy()[:] = 0x11
+        # segment j of page i lives at layer j's region (stride n*seg), like a layer-first pool
+        addrs = np.array([[i * seg + j * n * seg for j in range(S)] for i in range(n)], dtype=np.uint64)
+        lens = np.full_like(addrs, seg)
+        assert all(s.put(keys(n), Pages(addrs + np.uint64(src.addr), lens)))
+        assert all(s.get(keys(n), Pages(addrs + np.uint64(dst.addr), lens)))
+        assert np.array_equal(dst.numpy()[:n * page], data[:n * page])
+        assert s.stats()["staged_pages"] == 2 * n
+
+
+@pytest.mark.parametrize("bad_keys,err", [
+    ("abc", TypeError), ([1, 2], TypeError), ([b"x"], TypeError), ([""], ValueError),
+    (["a\x00b"], ValueError), (["x" * 5000], ValueError)])
+def test_bad_keys_get_clear_errors(gds_dir, bad_keys, err):
+    with open_store(gds_dir) as s:
+        src, _, _ = buffers(s, n=2)
+        with pytest.raises(err):
+            s.put(bad_keys, Pages.contiguous(src.addr, P, range(len(bad_keys) if isinstance(bad_keys, list) else 1)))
+        with pytest.raises(err):
+            s.exists(bad_keys)
+
+
+def test_path_like_keys_stay_inside_the_namespace(gds_dir):
+    with open_store(gds_dir) as s:
+        src, dst, data = buffers(s, n=2)
+        ks = ["../../etc/passwd", "/abs/../x"]
+        assert all(s.put(ks, Pages.contiguous(src.addr, P, range(2))))
+        assert all(s.get(ks, Pages.contiguous(dst.addr, P, range(2))))
+    files = [os.path.join(r, f) for r, _, fs in os.walk(gds_dir) for f in fs]
+    assert all(os.path.realpath(f).startswith(os.path.realpath(gds_dir)) for f in files)
+    assert not os.path.exists(os.path.join(os.path.dirname(gds_dir), "etc"))
+
+
+def test_bad_regions_get_clear_errors(gds_dir):
+    with open_store(gds_dir) as s:
+        src, dst, _ = buffers(s, n=4)  # keep dst alive: a freed mapping could be reused below
+        with pytest.raises(RegionError, match="page 0 has 4096 bytes"):
+            s.put(["a"], Pages.contiguous(src.addr, 4096, [0]))
+        with pytest.raises(RegionError, match="outside every registered"):
+            s.put(["a"], Pages.contiguous(src.addr, P, [10]))
+        with pytest.raises(ValueError, match="2 keys but 1 pages"):
+            s.put(["a", "b"], Pages.contiguous(src.addr, P, [0]))
+        other = HostBuffer(P)
+        with pytest.raises(RegionError):
+            s.get(["a"], Pages.contiguous(other.addr, P, [0]))
+
+
+def test_private_permissions(gds_dir):
+    with open_store(gds_dir) as s:
+        src, _, _ = buffers(s, n=2)
+        s.put(["a"], Pages.contiguous(src.addr, P, [0]))
+        for root, dirs, files in os.walk(gds_dir):
+            for d in dirs:
+                assert stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700, d
+            for f in files:
+                assert stat.S_IMODE(os.stat(os.path.join(root, f)).st_mode) == 0o600, f
+
+
+def test_tenants_and_identities_are_isolated(gds_dir):
+    with open_store(gds_dir, config={"namespace": "tenant-a"}) as a, \
+         open_store(gds_dir, config={"namespace": "tenant-b"}) as b:
+        src, dst, _ = buffers(a, n=2)
+        assert all(a.put(["shared-key"], Pages.contiguous(src.addr, P, [0])))
+        assert b.exists(["shared-key"]) == [False]
+        assert a.namespace != b.namespace
+    with open_store(gds_dir, identity={"model": "other"}) as c:
+        assert c.exists(["shared-key"]) == [False]
+
+
+def test_second_writer_of_a_namespace_is_refused(gds_dir):
+    with open_store(gds_dir):
+        with pytest.raises(StoreLockedError, match="is open by pid"):
+            open_store(gds_dir)
+    open_store(gds_dir).close()  # released on close
+
+
+def test_missing_bad_and_symlinked_gds_path(tmp_path):
+    with pytest.raises(ConfigError, match="GDS_PATH is not set"):
+        PageStore(P, config={"gds_path": ""})
+    with pytest.raises(ConfigError, match="does not exist"):
+        open_store(str(tmp_path / "missing"))
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        open_store(str(f))
+    d = tmp_path / "d"
+    d.mkdir()
+    with open_store(str(d)) as s:
+        ns = s.namespace
+    os.rename(d / ns, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", d / ns)
+    with pytest.raises(ConfigError, match="not a plain directory"):
+        open_store(str(d))
+
+
+def test_unwritable_gds_path(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() == 0:
+        # root ignores mode bits: use a read-only bind of a tmpfs instead
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True)
+        if r.returncode:
+            pytest.skip("cannot mount a read-only tmpfs here")
+        try:
+            with pytest.raises(ConfigError, match="not writable"):
+                open_store(str(d))
+        finally:
+            subprocess.run(["umount", str(d)])
+    else:
+        os.chmod(d, 0o500)
+        with pytest.raises(ConfigError, match="not writable"):
+            open_store(str(d))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    d = tmp_path / "small"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(d)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount tmpfs: {r.stderr.decode().strip()}")
+    yield str(d)
+    subprocess.run(["umount", str(d)])
+
+
+def test_full_disk_at_open_is_a_clear_error(small_tmpfs):
+    with pytest.raises(StoreFullError, match="no room"):
+        open_store(small_tmpfs, capacity=64 * P)
+
+
+def test_full_disk_while_writing_fails_pages_not_the_store(small_tmpfs):
+    with open_store(small_tmpfs, engine="bounce", capacity=64 * P, config={"preallocate": False}) as s:
+        src, dst, data = buffers(s, n=N)
+        ks = keys()
+        assert all(s.put(ks[:4], Pages.contiguous(src.addr, P, range(4))))
+        filler = os.path.join(small_tmpfs, "filler")
+        with open(filler, "wb") as f:  # fill the file system
+            try:
+                while True:
+                    f.write(b"\xff" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        res = s.put(ks[4:], Pages.contiguous(src.addr, P, range(4, N)))
+        assert not all(res)
+        assert s.exists(ks[4:]) == res  # failed pages are never visible
+        assert all(s.get(ks[:4], Pages.contiguous(dst.addr, P, range(4))))
+        assert np.array_equal(dst.numpy()[:4 * P], data[:4 * P])
+        os.unlink(filler)  # the fault clears: service resumes
+        assert all(s.put(ks[4:12], Pages.contiguous(src.addr, P, range(4, 12))))
+        assert all(s.get(ks[4:12], Pages.contiguous(dst.addr, P, range(4, 12))))
+        assert np.array_equal(dst.numpy()[4 * P:12 * P], data[4 * P:12 * P])
+
+
+def test_io_errors_and_hangs_fail_pages_then_service_resumes(gds_dir):
+    eng = FaultyEngine(create_engine("bounce", EngineOptions()), Faults(eio=1.0, only=Op.WRITE))
+    with open_store(gds_dir, engine=eng, config={"io_timeout": 1}) as s:
+        src, dst, data = buffers(s)
+        assert s.put(keys(4), Pages.contiguous(src.addr, P, range(4))) == [False] * 4
+        eng.faults = Faults(hang=1.0, only=Op.WRITE)
+        assert s.put(keys(4), Pages.contiguous(src.addr, P, range(4))) == [False] * 4
+        st_ = s.stats()
+        assert st_["timeouts"] == 4 and st_["lost_slots"] == 4
+        eng.heal()
+        assert s.put(keys(4), Pages.contiguous(src.addr, P, range(4))) == [True] * 4
+        eng.faults = Faults(eio=1.0, only=Op.READ)
+        assert s.get(keys(4), Pages.contiguous(dst.addr, P, range(4))) == [False] * 4
+        eng.heal()
+        assert s.get(keys(4), Pages.contiguous(dst.addr, P, range(4))) == [True] * 4
+        assert np.array_equal(dst.numpy()[:4 * P], data[:4 * P])
+
+
+def test_three_threads_like_sglang(gds_dir):
+    n = 96
+    with open_store(gds_dir, capacity=64 * P) as s:  # smaller than the key set: eviction races reads
+        src, _, data = buffers(s, n=n)
+        dsts = [HostBuffer(n * P) for _ in range(2)]
+        for d in dsts:
+            s.register_memory(d.addr, d.nbytes)
+        ks = keys(n)
+        errors, stop = [], threading.Event()
+
+        def writer():
+            try:
+                for r in range(6):
+                    for a in range(0, n, 16):
+                        s.put(ks[a:a + 16], Pages.contiguous(src.addr, P, range(a, a + 16)))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+            finally:
+                stop.set()
+
+        def reader(dst):
+            try:
+                while not stop.is_set():
+                    res = s.get(ks, Pages.contiguous(dst.addr, P, range(n)))
+                    for i, ok in enumerate(res):
+                        if ok and not np.array_equal(dst.numpy()[i * P:(i + 1) * P], data[i * P:(i + 1) * P]):
+                            errors.append(AssertionError(f"page {i} served wrong bytes"))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        def exister():
+            while not stop.is_set():
+                s.prefix(ks)
+                s.exists(ks)
+
+        ts = [threading.Thread(target=writer), threading.Thread(target=reader, args=(dsts[0],)),
+              threading.Thread(target=reader, args=(dsts[1],)), threading.Thread(target=exister)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert not any(t.is_alive() for t in ts), "deadlock"
+        assert not errors, errors[:3]
+        st_ = s.stats()
+        assert st_["pages"] + st_["free_slots"] + st_["lost_slots"] == st_["slots"]
+
+
+def test_delete_and_clear(gds_dir):
+    with open_store(gds_dir) as s:
+        src, _, _ = buffers(s, n=4)
+        s.put(keys(4), Pages.contiguous(src.addr, P, range(4)))
+        assert s.delete(["k00001", "nope"]) == [True, False]
+        assert s.exists(keys(4)) == [True, False, True, True]
+        assert s.clear() == 3 and s.exists(keys(4)) == [False] * 4
+        assert s.stats()["free_slots"] == s.stats()["slots"]
+
+
+def test_closed_store_refuses_calls(gds_dir):
+    s = open_store(gds_dir)
+    s.close()
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        s.exists(["a"])
+
+
+def test_damaged_index_is_reset_with_a_log_line(gds_dir, caplog):
+    with open_store(gds_dir) as s:
+        src, _, _ = buffers(s, n=2)
+        s.put(["a"], Pages.contiguous(src.addr, P, [0]))
+        db = s.index.db_path
+    with open(db, "r+b") as f:
+        f.write(os.urandom(4096))
+    with open_store(gds_dir) as s:
+        assert s.exists(["a"]) == [False]
+    assert any("damaged" in r.message for r in caplog.records)
