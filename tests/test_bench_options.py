@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from hicache_gds.bench.jobfile import JobFileError, parse_jobfile, parse_jobfile_text
 from hicache_gds.bench.options import (
-    JobOptions, OptionError, PageGeometry, expand_sweeps, fio_argv, format_size, merge,
-    page_geometry, parse_argv, parse_size, parse_time,
+    JobOptions, OptionError, PageGeometry, expand_sweeps, format_size, merge, page_geometry,
+    parse_argv, parse_size, parse_time,
 )
+from hicache_gds.bench.report import fio_argv
 from hicache_gds.errors import ConfigError
 
 FIO = shutil.which("fio")
@@ -271,6 +272,7 @@ def test_jobfile_overrides_sections_and_include(tmp_path):
     ("[a]\nrw=reed\n", "<string>:2: [a] --rw: 'reed' is not one of read, write"),
     ("[global]\nbs=4x\n[a]\nrw=read\n", "<string>:2: [a] --bs: '4x' is not a size"),
     ("[a\nrw=read\n", "<string>:1: malformed section header '[a'"),
+    ("[a]\nrw=read\n\nblocksz=4k\n", "<string>:4: [a] unknown option --blocksz (did you mean"),
     ("[global]\nbs=4k\n", "<string>: no job sections"),
     ("[a]\ninclude nope.inc\n", "<string>:2: cannot read include file 'nope.inc'"),
 ])

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hicache_gds.bench import report
 from hicache_gds.bench.options import parse_argv
 from hicache_gds.bench.report import (
-    FioOutputError, JobResult, fio_job_summary, num2str, parse_fio_json, render, to_fio_json,
+    FioOutputError, JobResult, fio_argv, fio_job_summary, num2str, parse_fio_json, render, to_fio_json,
     to_fio_normal,
 )
 from hicache_gds.bench.stats import _plat_idx  # fio's bucket index, private on purpose
@@ -311,3 +311,15 @@ def test_parse_fio_json_tolerates_noise_and_fails_clearly():
         parse_fio_json("fio: bad option\n")
     with pytest.raises(ValueError):
         parse_fio_json("")
+
+
+@needs_fio
+def test_fio_argv_runs_real_fio(tmp_path):
+    opts = parse_argv(["--name=ref", "--rw=randrw", "--rwmixread=70", "--bs=64k", "--size=1m",
+                       f"--filename={tmp_path / 'f'}", "--thread", "--randseed=7", "--direct=0",
+                       "--runtime=2s"])
+    out = subprocess.run([FIO, *fio_argv(opts)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    s = fio_job_summary(parse_fio_json(out.stdout)["jobs"][0])
+    assert s["jobname"] == "ref" and s["error"] == 0
+    assert s["read"]["io_bytes"] + s["write"]["io_bytes"] == 1 << 20

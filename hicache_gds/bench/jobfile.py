@@ -109,14 +109,15 @@ def read_sections(text: str, *, source: str = "<string>", base_dir: str | os.Pat
 
 
 def _add_option(sec: JobSection, p: str, line: str, lineno: int, source: str,
-                env: Mapping[str, str] | None) -> None:
+                env: Mapping[str, str] | None, at: int | None = None) -> None:
+    """Record `key[=value]`; `at` is the line errors should point to (an include's line)."""
     key, eq, value = expand_env(p, env).partition("=")
     key = key.strip()
     if not key:
         raise JobFileError(f"option line {line.strip()!r} has no name", source, lineno)
     sec.options.pop(key, None)             # re-insert: the last occurrence decides the order
     sec.options[key] = value.strip() if eq else None
-    sec.lines[canonical_name(key)] = lineno
+    sec.lines[canonical_name(key)] = at or lineno
 
 
 def _include(sec: JobSection, name: str, source: str, lineno: int,
@@ -142,7 +143,7 @@ def _include(sec: JobSection, name: str, source: str, lineno: int,
         if p == "include" or p.startswith(("include ", "include\t")):
             _include(sec, p[len("include"):].strip(), str(path), ln, path.parent, env, depth + 1)
         else:
-            _add_option(sec, p, raw, ln, str(path), env)
+            _add_option(sec, p, raw, ln, str(path), env, at=lineno)
 
 
 def parse_jobfile_text(text: str, *, source: str = "<string>",

@@ -35,7 +35,8 @@ from .stats import DEFAULT_PERCENTILES
 __all__ = [
     "OptionError", "JobOptions", "PageGeometry", "ModelPreset", "MODEL_PRESETS", "RW_MODES",
     "MEM_KINDS", "LAYOUTS", "OUTPUT_FORMATS", "page_geometry", "expand_sweeps", "parse_argv",
-    "argv_to_mapping", "canonical_name", "layer", "merge", "parse_size", "parse_time", "format_size", "fio_argv",
+    "argv_to_mapping", "canonical_name", "layer", "merge", "parse_size", "parse_time",
+    "format_size",
 ]
 
 RW_MODES = ("read", "write", "randread", "randwrite", "randrw")
@@ -48,12 +49,13 @@ class OptionError(ConfigError):
     """An option name or value is not accepted.
 
     The message names the option as typed on the command line (`--rw`) and the accepted values;
-    `option` holds the canonical name (None for errors not tied to one option).
+    `option` holds the canonical name (the normalised key for an unknown option; None for errors
+    not tied to one option).
     """
 
     def __init__(self, message: str, option: str | None = None) -> None:
         super().__init__(message)
-        self.option = option
+        self.option = option                # canonical option name, or None
 
 
 # --------------------------------------------------------------------------- models and pages
@@ -89,11 +91,9 @@ class PageGeometry:
     segments: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.page_bytes <= 0 or not self.segments or min(self.segments) <= 0:
-            raise OptionError(f"page geometry needs positive sizes, got {self.page_bytes} "
-                              f"bytes in segments {self.segments}")
-        if sum(self.segments) != self.page_bytes:
-            raise OptionError(f"page segments {self.segments} do not add up to {self.page_bytes} bytes")
+        if not self.segments or min(self.segments) <= 0 or sum(self.segments) != self.page_bytes:
+            raise OptionError(f"page segments {self.segments} must be positive and add up to "
+                              f"page_bytes={self.page_bytes}")
 
 
 def page_geometry(model: str, page_tokens: int, layout: str = "page_first") -> PageGeometry:
@@ -101,13 +101,12 @@ def page_geometry(model: str, page_tokens: int, layout: str = "page_first") -> P
     preset = MODEL_PRESETS.get(model)
     if preset is None:
         raise OptionError(f"--model: {model!r} is not one of {', '.join(MODEL_PRESETS)}", "model")
-    per_layer_tok = preset.kv_heads * preset.head_dim if preset.kind == "mha" else preset.kv_cache_dim
-    layer_seg = per_layer_tok * page_tokens * preset.itemsize        # one layer, K or V (or latent)
-    kv = 2 if preset.kind == "mha" else 1
-    if layout == "layer_first":
-        segments = (layer_seg,) * (kv * preset.layers)
-    else:
-        segments = (layer_seg * preset.layers,) * kv
+    mha = preset.kind == "mha"
+    per_token = preset.kv_heads * preset.head_dim if mha else preset.kv_cache_dim
+    layer_seg = per_token * page_tokens * preset.itemsize        # one layer's K, V or latent
+    kv = 2 if mha else 1
+    segments = ((layer_seg,) * (kv * preset.layers) if layout == "layer_first"
+                else (layer_seg * preset.layers,) * kv)
     return PageGeometry(sum(segments), segments)
 
 
@@ -117,11 +116,10 @@ _INT_RE = re.compile(r"^\s*(?:(0[xX][0-9a-fA-F]+)|(\d+))\s*([A-Za-z%]*)\s*$")
 _POW = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _TIME_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6,
                "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-_VERIFY_NAMES = ("md5", "crc64", "crc32c", "crc32c-intel", "crc32", "crc16", "crc7", "sha1",
-                 "sha256", "sha512", "sha3-224", "sha3-256", "sha3-384", "sha3-512", "xxhash",
-                 "xxh3", "meta", "pattern")
-_FIO_IOMEM = {"malloc": "pageable", "shm": "pageable", "shmhuge": "pageable", "mmap": "pageable",
-              "mmaphuge": "pageable", "mmapshared": "pageable", "cudamalloc": "vram"}
+_VERIFY_NAMES = tuple("""md5 crc64 crc32c crc32c-intel crc32 crc16 crc7 sha1 sha256 sha512
+    sha3-224 sha3-256 sha3-384 sha3-512 xxhash xxh3 meta pattern""".split())
+_FIO_IOMEM = {**dict.fromkeys(("malloc", "shm", "shmhuge", "mmap", "mmaphuge", "mmapshared"),
+                              "pageable"), "cudamalloc": "vram"}
 
 
 def _opt(name: str) -> str:
@@ -130,32 +128,19 @@ def _opt(name: str) -> str:
 
 def parse_size(text: Any, *, option: str = "size", kb_base: int = 1024) -> int:
     """A byte count with fio's suffix rules (see the module docstring); ints pass through."""
-    if isinstance(text, bool) or not isinstance(text, (int, str)):
-        raise OptionError(f"{_opt(option)}: {text!r} is not a size", option)
-    if isinstance(text, int):
-        if text < 0:
-            raise OptionError(f"{_opt(option)}: {text} is negative", option)
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
         return text
-    m = _INT_RE.match(text)
+    m = _INT_RE.match(text) if isinstance(text, str) else None
     suffix = m.group(3).lower() if m else ""
-    if m and m.group(1):
-        if suffix:
-            m = None                       # fio ignores suffixes on hex numbers; we refuse them
-        else:
-            return int(m.group(1), 16)
+    if m and m.group(1) and not suffix:
+        return int(m.group(1), 16)         # fio ignores a suffix on hex numbers; we refuse it
     if m and suffix == "%":
         raise OptionError(f"{_opt(option)}: percentages ({text!r}) are not supported; give bytes",
                           option)
-    mult = None
-    if m and suffix in ("", "b"):
-        mult = 1
-    elif m and suffix[:1] in _POW:
-        pow_, rest = _POW[suffix[0]], suffix[1:]
-        if rest in ("", "b", "i"):
-            mult = kb_base ** pow_
-        elif rest == "ib":
-            mult = (1000 if kb_base == 1024 else 1024) ** pow_
-    if mult is None:
+    pow_, rest = _POW.get(suffix[:1], 0), suffix[1:]
+    mult = (1 if suffix in ("", "b") else kb_base ** pow_ if pow_ and rest in ("", "b", "i")
+            else (1000 if kb_base == 1024 else 1024) ** pow_ if pow_ and rest == "ib" else None)
+    if not (m and m.group(2)) or mult is None:
         raise OptionError(f"{_opt(option)}: {text!r} is not a size (an integer with an optional "
                           f"k/m/g/t/p suffix, e.g. 4k, 2m, 1g)", option)
     return int(m.group(2)) * mult
@@ -163,13 +148,9 @@ def parse_size(text: Any, *, option: str = "size", kb_base: int = 1024) -> int:
 
 def parse_time(text: Any, *, option: str = "runtime") -> float:
     """A duration in seconds: an integer with an optional us/ms/s/m/h/d unit (seconds default)."""
-    if isinstance(text, bool):
-        raise OptionError(f"{_opt(option)}: {text!r} is not a duration", option)
-    if isinstance(text, (int, float)):
-        if text < 0:
-            raise OptionError(f"{_opt(option)}: {text} is negative", option)
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and text >= 0:
         return float(text)
-    m = _INT_RE.match(str(text))
+    m = _INT_RE.match(text) if isinstance(text, str) else None
     unit = m.group(3).lower() if m and m.group(2) else None
     if unit not in _TIME_UNITS:
         raise OptionError(f"{_opt(option)}: {text!r} is not a duration (an integer with an optional "
@@ -197,12 +178,9 @@ def _bool(v: Any, name: str) -> bool:
 
 
 def _int(v: Any, name: str, lo: int = 0, hi: int | None = None) -> int:
+    t = str(v).strip().lower()
     try:
-        if isinstance(v, int) and not isinstance(v, bool):
-            n = v
-        else:
-            t = str(v).strip()
-            n = int(t, 16) if t.lower().startswith("0x") else int(t, 10)
+        n = v if isinstance(v, int) and not isinstance(v, bool) else int(t, 16 if t[:2] == "0x" else 10)
     except ValueError:
         n = None
     if n is None or n < lo or (hi is not None and n > hi):
@@ -219,48 +197,45 @@ def _choice(v: Any, name: str, accepted: Sequence[str]) -> str:
 
 
 def _items(v: Any) -> list[Any]:
-    if isinstance(v, (list, tuple)):
-        return list(v)
     if isinstance(v, str):
         return [x for x in v.split(",") if x.strip()]
-    return [v]
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+_INTS = {"rwmixread": (0, 100), "iodepth": (1, None), "numjobs": (1, None),
+         "page_tokens": (1, None), "kb_base": (1, None)}
 
 
 def _parse_value(name: str, v: Any, kb_base: int) -> Any:
     """Turn one raw value (a string from argv/job file, or a Python value) into its field type."""
     if name in ("bs", "batch"):
-        items = _items(v)
+        items = [x.strip() if isinstance(x, str) else x for x in _items(v)]
         if not items:
             raise OptionError(f"{_opt(name)}: needs a value", name)
         if name == "bs":
-            return tuple(parse_size(x.strip() if isinstance(x, str) else x, option="bs",
-                                    kb_base=kb_base) for x in items)
+            return tuple(parse_size(x, option="bs", kb_base=kb_base) for x in items)
         return tuple(_int(x, "batch", 1) for x in items)
     if name == "size":
         return None if v is None else parse_size(v, option="size", kb_base=kb_base)
     if name in ("runtime", "ramp_time"):
         return parse_time(v, option=name)
-    if name in ("rwmixread", "iodepth", "numjobs", "page_tokens", "kb_base"):
-        return _int(v, name, 0 if name == "rwmixread" else 1, 100 if name == "rwmixread" else None)
+    if name in _INTS:
+        return _int(v, name, *_INTS[name])
     if name == "randseed":
         return None if v in (None, "") else _int(v, name, 0)
     if name in ("time_based", "direct", "drop_caches", "raw"):
         return _bool(v, name)
     if name == "fio":
         return None if isinstance(v, str) and v.strip().lower() == "auto" else _bool(v, name)
-    if name == "verify":
-        if v is None or v is True or str(v).strip().lower() in ("1", "true", "yes", "on"):
-            return "xxh3"
-        s = str(v).strip().lower()
-        if v is False or s in ("0", "false", "no", "off", "none", "null", ""):
+    if name == "verify":                   # fio's checksum names are accepted; we always use xxh3
+        s = "1" if v is None or v is True else "0" if v is False else str(v).strip().lower()
+        if s in ("0", "false", "no", "off", "none", "null", ""):
             return None
-        if s not in _VERIFY_NAMES:
-            raise OptionError(f"{_opt(name)}: {v!r} is not one of 0, 1, {', '.join(_VERIFY_NAMES)}",
-                              name)
-        return "xxh3"                      # fio's checksum names are accepted; we always use xxh3
+        if s in ("1", "true", "yes", "on") or s in _VERIFY_NAMES:
+            return "xxh3"
+        raise OptionError(f"{_opt(name)}: {v!r} is not one of 0, 1, {', '.join(_VERIFY_NAMES)}", name)
     if name == "output_format":
-        fmts = tuple(dict.fromkeys(_choice(x, name, OUTPUT_FORMATS) for x in _items(v)))
-        return fmts or ("normal",)
+        return tuple(dict.fromkeys(_choice(x, name, OUTPUT_FORMATS) for x in _items(v))) or ("normal",)
     if name == "percentile_list":
         try:
             ps = [float(x) for x in (v if isinstance(v, (list, tuple)) else str(v).split(":"))]
@@ -270,17 +245,16 @@ def _parse_value(name: str, v: Any, kb_base: int) -> Any:
             raise OptionError(f"{_opt(name)}: {v!r} is not 1 to 20 colon-separated percentiles in "
                               f"(0, 100], e.g. 50:99:99.9", name)
         return tuple(sorted(set(ps)))
+    s = None if v is None else str(v).strip()
     if name == "mem":
-        s = str(v).strip().lower() if v is not None else ""
-        return _FIO_IOMEM.get(s, s)
+        return _FIO_IOMEM.get((s or "").lower(), (s or "").lower())
     if name == "model":
-        s = "" if v is None else str(v).strip().lower()
-        return None if s in ("", "none") else s
+        return None if (s or "none").lower() == "none" else s.lower()
     if name in ("rw", "layout"):
-        return None if v is None else str(v).strip().lower()
+        return None if s is None else s.lower()
     if name in ("directory", "filename", "output", "plot"):
         return None if v in (None, "") else str(v)
-    return None if v is None else str(v).strip()
+    return s
 
 
 # --------------------------------------------------------------------------- JobOptions
@@ -333,8 +307,7 @@ class JobOptions:
         for name, lo, hi in (("rwmixread", 0, 100), ("iodepth", 1, None), ("numjobs", 1, None),
                              ("page_tokens", 1, None)):
             _int(getattr(self, name), name, lo, hi)
-        if self.kb_base not in (1000, 1024):
-            raise OptionError(f"--kb_base: {self.kb_base!r} is not one of 1000, 1024", "kb_base")
+        _choice(str(self.kb_base), "kb_base", ("1000", "1024"))
         if not self.name:
             raise OptionError("--name: a job needs a non-empty name", "name")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+:-]*", self.engine or ""):
@@ -344,14 +317,11 @@ class JobOptions:
             vals = getattr(self, f)
             if not vals or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in vals):
                 raise OptionError(f"{_opt(f)}: {vals!r} must be one or more positive integers", f)
-        if self.model is not None:
-            page = page_geometry(self.model, self.page_tokens, self.layout).page_bytes
-            if self.bs != (page,):
-                bs = ",".join(map(str, self.bs))
-                raise OptionError(f"--bs: {bs} conflicts with --model={self.model}, whose "
-                                  f"{self.page_tokens}-token page is {page} bytes; give one", "bs")
-
-    # -- construction ------------------------------------------------------------------------
+        page = self.model and page_geometry(self.model, self.page_tokens, self.layout).page_bytes
+        if page and self.bs != (page,):
+            bs = ",".join(map(str, self.bs))
+            raise OptionError(f"--bs: {bs} conflicts with --model={self.model}, whose "
+                              f"{self.page_tokens}-token page is {page} bytes; give one", "bs")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], *, strict: bool = True) -> "JobOptions":
@@ -362,36 +332,34 @@ class JobOptions:
         case they are kept in `fio_passthrough`; fio options we do not model are always kept there.
         """
         raw = _canonical(mapping, strict=strict)
-        passthrough = tuple(raw.pop("fio_passthrough", {}).items())
         kb_base = _int(raw.get("kb_base", 1024), "kb_base", 1)
-        values: dict[str, Any] = {"fio_passthrough": passthrough}
-        for name, v in raw.items():
-            values[name] = _parse_value(name, v, kb_base)
+        values = {k: _parse_value(k, v, kb_base) for k, v in raw.items() if k != "fio_passthrough"}
+        values["fio_passthrough"] = tuple(raw.get("fio_passthrough", {}).items())
         if values.get("model") and "bs" not in raw:
             values["bs"] = (page_geometry(values["model"], values.get("page_tokens", 16),
                                           values.get("layout", "page_first")).page_bytes,)
         return cls(**values)
 
-    # -- accessors ---------------------------------------------------------------------------
-
     @property
     def is_sweep(self) -> bool:
         return len(self.bs) > 1 or len(self.batch) > 1
 
+    def _single(self, name: str) -> int:
+        vals = getattr(self, name)
+        if len(vals) != 1:
+            raise OptionError(f"{_opt(name)}: {len(vals)} values form a sweep; call "
+                              f"expand_sweeps() first", name)
+        return vals[0]
+
     @property
     def block_size(self) -> int:
         """The single `bs` of this job (OptionError for a sweep: call `expand_sweeps` first)."""
-        if len(self.bs) != 1:
-            raise OptionError(f"--bs: {len(self.bs)} values form a sweep; expand_sweeps() first", "bs")
-        return self.bs[0]
+        return self._single("bs")
 
     @property
     def batch_size(self) -> int:
         """The single `batch` (pages per request) of this job."""
-        if len(self.batch) != 1:
-            raise OptionError(f"--batch: {len(self.batch)} values form a sweep; expand_sweeps() "
-                              f"first", "batch")
-        return self.batch[0]
+        return self._single("batch")
 
     @property
     def geometry(self) -> PageGeometry:
@@ -403,26 +371,19 @@ class JobOptions:
     def fio_options(self) -> dict[str, str]:
         """The options that differ from the defaults, as fio's `"job options"` strings."""
         out: dict[str, str] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v == f.default or f.name == "fio_passthrough":
+        for key, v in self.to_mapping().items():
+            if key == "fio_passthrough":
                 continue
-            if f.name == "bs" and self.model is not None:
-                continue
-            key = _DISPLAY.get(f.name, f.name)
-            if f.name in ("bs", "size") and v is not None:
+            if key in ("bs", "size"):
                 vals = v if isinstance(v, tuple) else (v,)
-                out[key] = ",".join(format_size(x) if self.kb_base == 1024 else str(x) for x in vals)
-            elif f.name == "percentile_list":
-                out[key] = ":".join(f"{p:g}" for p in v)
+                v = ",".join(format_size(x) if self.kb_base == 1024 else str(x) for x in vals)
+            elif key == "percentile_list":
+                v = ":".join(f"{p:g}" for p in v)
             elif isinstance(v, tuple):
-                out[key] = ",".join(str(x) for x in v)
-            elif isinstance(v, bool):
-                out[key] = "1" if v else "0"
-            elif isinstance(v, float):
-                out[key] = f"{v:g}"
-            else:
-                out[key] = str(v)
+                v = ",".join(map(str, v))
+            elif isinstance(v, (bool, float)):
+                v = str(int(v)) if isinstance(v, bool) else f"{v:g}"
+            out[_DISPLAY.get(key, key)] = str(v)
         out.update((k, "" if v is None else v) for k, v in self.fio_passthrough)
         return out
 
@@ -445,26 +406,22 @@ _FIELDS = frozenset(f.name for f in dataclasses.fields(JobOptions)) - {"fio_pass
 _ALIASES = {"blocksize": "bs", "readwrite": "rw", "ioengine": "engine", "iomem": "mem",
             "mem_layout": "layout", "pages_per_request": "batch"}
 # fio options we accept in job files but do not model: kept for the reference fio run.
-_FIO_KNOWN = frozenset((
-    "thread", "group_reporting", "nrfiles", "filesize", "io_size", "offset", "norandommap",
-    "randrepeat", "refill_buffers", "invalidate", "fsync_on_close", "end_fsync", "stonewall",
-    "wait_for_previous", "new_group", "description", "iodepth_batch", "iodepth_batch_submit",
-    "iodepth_batch_complete_min", "iodepth_batch_complete_max", "startdelay", "loops",
-    "gtod_reduce", "disable_lat", "disable_clat", "disable_slat", "clat_percentiles",
-    "lat_percentiles", "slat_percentiles", "write_bw_log", "write_lat_log", "write_iops_log",
-    "log_avg_msec", "cpus_allowed", "numa_cpu_nodes", "unified_rw_reporting",
-    "significant_figures", "allow_file_create", "create_on_open", "fallocate", "overwrite",
-    "zero_buffers", "scramble_buffers", "buffer_compress_percentage", "random_distribution",
-    "verify_fatal", "do_verify", "verify_backlog", "status_interval", "gpu_dev_ids", "cuda_io",
-    "thinktime", "rate", "rate_iops", "steadystate", "unlink", "bw_avg_time", "iops_avg_time"))
+_FIO_KNOWN = frozenset("""thread group_reporting nrfiles filesize io_size offset norandommap
+    randrepeat invalidate fsync_on_close end_fsync stonewall new_group description iodepth_batch
+    iodepth_batch_submit iodepth_batch_complete_min iodepth_batch_complete_max startdelay loops
+    clat_percentiles lat_percentiles write_bw_log write_lat_log write_iops_log log_avg_msec
+    cpus_allowed random_distribution gpu_dev_ids cuda_io unlink refill_buffers""".split())
+
+
+def _norm(key: Any) -> str:
+    k = str(key).strip().lstrip("-").lower().replace("-", "_")
+    return _ALIASES.get(k, k)
 
 
 def canonical_name(key: str) -> str:
     """The field name an option key refers to (`--page-tokens` -> `page_tokens`, `ioengine` ->
     `engine`); unknown keys come back normalised but otherwise unchanged."""
-    k = str(key).strip().lstrip("-").lower().replace("-", "_")
-    k = _ALIASES.get(k, k)
-    return {"rwmixwrite": "rwmixread", "buffered": "direct"}.get(k, k)
+    return {"rwmixwrite": "rwmixread", "buffered": "direct"}.get(_norm(key), _norm(key))
 
 
 def _canonical(mapping: Mapping[str, Any], *, strict: bool = True) -> dict[str, Any]:
@@ -472,26 +429,21 @@ def _canonical(mapping: Mapping[str, Any], *, strict: bool = True) -> dict[str, 
     out: dict[str, Any] = {}
     extra: dict[str, Any] = dict(mapping.get("fio_passthrough") or {})
     for key, v in mapping.items():
-        if key == "fio_passthrough":
-            continue
-        k = str(key).strip().lstrip("-").lower().replace("-", "_")
-        k = _ALIASES.get(k, k)
+        k = _norm(key)
         if k == "rwmixwrite":
             k, v = "rwmixread", 100 - _int(v, "rwmixwrite", 0, 100)
         elif k == "buffered":
             k, v = "direct", not _bool(v, "buffered")
         if k in _FIELDS:
-            out.pop(k, None)               # re-insert so that insertion order is "last given"
+            out.pop(k, None)               # re-insert: insertion order is "last given"
             out[k] = v
         elif k in _FIO_KNOWN or not strict:
             extra[k] = None if v is None else str(v)
-        else:
+        elif k != "fio_passthrough":
             near = difflib.get_close_matches(k, sorted(_FIELDS | set(_ALIASES)), n=1)
             hint = f" (did you mean --{_DISPLAY.get(near[0], near[0])}?)" if near else ""
-            raise OptionError(f"unknown option --{key.lstrip('-')}{hint}", None)
-    if extra:
-        out["fio_passthrough"] = extra
-    return out
+            raise OptionError(f"unknown option --{str(key).lstrip('-')}{hint}", k)
+    return {**out, **({"fio_passthrough": extra} if extra else {})}
 
 
 def layer(base: Mapping[str, Any], override: Mapping[str, Any], *, strict: bool = True) -> dict[str, Any]:
@@ -506,10 +458,7 @@ def layer(base: Mapping[str, Any], override: Mapping[str, Any], *, strict: bool 
     if "model" in o and "bs" not in o:
         b.pop("bs", None)
     extra = {**b.pop("fio_passthrough", {}), **o.pop("fio_passthrough", {})}
-    out = {**b, **o}
-    if extra:
-        out["fio_passthrough"] = extra
-    return out
+    return {**b, **o, **({"fio_passthrough": extra} if extra else {})}
 
 
 def merge(opts: JobOptions, overrides: Mapping[str, Any]) -> JobOptions:
@@ -522,25 +471,18 @@ _BOOL_FIELDS = frozenset(("time_based", "direct", "drop_caches", "raw", "fio", "
 
 def argv_to_mapping(argv: Sequence[str]) -> dict[str, str | None]:
     """`--key=value`, `--key value` and bare `--flag` tokens to a raw mapping (later wins).
-
-    Positional arguments (job files) are refused here; the CLI separates them first.
-    """
+    Positional arguments (job files) are refused; the CLI separates them first."""
     out: dict[str, str | None] = {}
     tokens = list(argv)
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
+    while tokens:
+        tok = tokens.pop(0)
         if not tok.startswith("--") or tok == "--":
             raise OptionError(f"unexpected argument {tok!r}: options look like --key=value", None)
         key, eq, val = tok[2:].partition("=")
-        norm = _ALIASES.get(key.lower().replace("-", "_"), key.lower().replace("-", "_"))
-        if not eq and norm not in _BOOL_FIELDS and i + 1 < len(tokens) \
-                and not tokens[i + 1].startswith("--"):
-            val, eq = tokens[i + 1], "="
-            i += 1
+        if not eq and _norm(key) not in _BOOL_FIELDS and tokens and not tokens[0].startswith("--"):
+            val, eq = tokens.pop(0), "="
         out.pop(key, None)
         out[key] = val if eq else None
-        i += 1
     return out
 
 
@@ -550,36 +492,9 @@ def parse_argv(argv: Sequence[str], *, strict: bool = True) -> JobOptions:
 
 
 def expand_sweeps(opts: JobOptions) -> list[JobOptions]:
-    """One job per point of `bs` x `batch` (bs-major), each named `<name>-bs<bs>-batch<n>`.
-
-    A job that is not a sweep comes back unchanged as the only element.
-    """
+    """One job per point of `bs` x `batch` (bs-major), each named `<name>-bs<bs>-batch<n>`;
+    a job that is not a sweep comes back unchanged as the only element."""
     if not opts.is_sweep:
         return [opts]
-    jobs = []
-    for bs, batch in itertools.product(opts.bs, opts.batch):
-        name = f"{opts.name}-bs{format_size(bs)}-batch{batch}"
-        jobs.append(dataclasses.replace(opts, name=name, bs=(bs,), batch=(batch,)))
-    return jobs
-
-
-def fio_argv(opts: JobOptions, *, ioengine: str = "psync", output_format: str = "json") -> list[str]:
-    """Arguments for real fio running the same raw IO pattern as one (non-sweep) job."""
-    args = [f"--name={opts.name}", f"--rw={opts.rw}", f"--bs={opts.block_size}",
-            f"--ioengine={ioengine}", f"--iodepth={opts.iodepth}", f"--numjobs={opts.numjobs}",
-            f"--direct={int(opts.direct)}", f"--output-format={output_format}"]
-    if opts.rw == "randrw":
-        args.append(f"--rwmixread={opts.rwmixread}")
-    if opts.size is not None:
-        args.append(f"--size={opts.size}")
-    for key in ("runtime", "ramp_time"):
-        secs = getattr(opts, key)
-        if secs:
-            args.append(f"--{key}={max(1, round(secs * 1000))}ms")
-    if opts.time_based:
-        args.append("--time_based")
-    for key in ("directory", "filename", "randseed"):
-        if getattr(opts, key) is not None:
-            args.append(f"--{key}={getattr(opts, key)}")
-    args += [f"--{k}" if v is None else f"--{k}={v}" for k, v in opts.fio_passthrough]
-    return args
+    return [dataclasses.replace(opts, name=f"{opts.name}-bs{format_size(bs)}-batch{n}", bs=(bs,),
+                                batch=(n,)) for bs, n in itertools.product(opts.bs, opts.batch)]

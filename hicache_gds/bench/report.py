@@ -30,7 +30,7 @@ from .options import JobOptions, OptionError
 from .stats import LatencyRecorder, RateRecorder, latency_distribution
 
 __all__ = ["DirStats", "JobResult", "FioOutputError", "to_fio_json", "to_fio_normal", "render",
-           "parse_fio_json", "fio_job_summary", "num2str", "bench_version"]
+           "parse_fio_json", "fio_job_summary", "fio_argv", "num2str", "bench_version"]
 
 _DEPTH_KEYS = ("1", "2", "4", "8", "16", "32", ">=64")
 _SUBMIT_KEYS = ("0", "4", "8", "16", "32", "64", ">=64")
@@ -450,7 +450,21 @@ def render(results: Sequence[JobResult], output_format: Iterable[str] = ("normal
     return "".join(parts)
 
 
-# --------------------------------------------------------------------------- reading fio
+# --------------------------------------------------------------------------- running real fio
+
+def fio_argv(opts: JobOptions, *, ioengine: str = "psync", output_format: str = "json") -> list[str]:
+    """Arguments for real fio running the raw IO pattern of one (non-sweep) job, as a reference."""
+    args = [f"--name={opts.name}", f"--rw={opts.rw}", f"--bs={opts.block_size}",
+            f"--ioengine={ioengine}", f"--iodepth={opts.iodepth}", f"--numjobs={opts.numjobs}",
+            f"--direct={int(opts.direct)}", f"--output-format={output_format}"]
+    args += [f"--rwmixread={opts.rwmixread}"] if opts.rw == "randrw" else []
+    args += [f"--{k}={max(1, round(getattr(opts, k) * 1000))}ms"
+             for k in ("runtime", "ramp_time") if getattr(opts, k)]
+    args += ["--time_based"] if opts.time_based else []
+    args += [f"--{k}={getattr(opts, k)}" for k in ("size", "directory", "filename", "randseed")
+             if getattr(opts, k) is not None]
+    return args + [f"--{k}" if v is None else f"--{k}={v}" for k, v in opts.fio_passthrough]
+
 
 def parse_fio_json(text: str) -> dict:
     """fio's JSON document from its output, skipping anything before or after it.

@@ -80,7 +80,7 @@ def probe_gds(directory: str, engine: str = "nixl-gds", timeout: float = 60.0) -
     if not libcufile_loadable():
         return GDSProbe(False, engine, compat, "libcufile.so.0 is not installed")
     try:
-        out = subprocess.run([sys.executable, "-m", __name__, directory, engine], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "hicache_gds.engines.gds_probe", directory, engine], capture_output=True,
                              text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return GDSProbe(False, engine, compat, f"the cuFile probe did not finish in {timeout:.0f} s")

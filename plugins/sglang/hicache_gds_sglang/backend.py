@@ -1,0 +1,391 @@
+"""`HiCacheGDS`: SGLang's HiCache L3 storage backend on hicache-gds page stores.
+
+Construction (both work)::
+
+    HiCacheGDS(storage_config, {})              # --hicache-storage-backend dynamic (SGLang's loader)
+    HiCacheGDS(storage_config, mem_pool_host)   # --hicache-storage-backend gds (this plugin's hook)
+
+Then SGLang calls `register_mem_pool_host` (the KV anchor pool), `register_mem_host_pool_v2` for
+every pool of the group (KV included) and `on_host_pools_registered` -- all on the scheduler
+thread. Each pool is bound to its own `PageStore` namespace (`naming`), its ``kv_buffer``
+registered once; a pool or layout we cannot serve raises `ConfigError` there, which fails the
+attach with the reason.
+
+Data path (called from three SGLang threads at once): `batch_exists`, `batch_get_v1`,
+`batch_set_v1` (zero-copy between host-pool slots and NVMe), the copy path `get` / `set` /
+`batch_get` / `batch_set` / `exists` (same bytes, same namespace), and the v2 calls for sidecar
+pools with HiCacheFile's hit semantics. None of them raises: a failure is logged and reads as a
+miss (False / 0 / None).
+
+MLA: one rank writes (``is_storage_writer``); the others skip writes (True, as SGLang expects)
+and read the writer's namespace through `SharedReader` (``shared_reader``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Dict, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, PoolHitPolicy,
+                                                  PoolName, PoolTransfer, PoolTransferResult)
+
+from hicache_gds import ConfigError, PageStore
+from hicache_gds.memory import align_up
+
+from .naming import KeyScheme, load_config, namespace_identity
+from .pools import PoolBinding, describe_pool
+from .shared_reader import SharedReader
+
+__all__ = ["HiCacheGDS"]
+
+log = logging.getLogger("hicache_gds_sglang")
+
+
+def _pool_name(name: Any) -> str:
+    return str(getattr(name, "value", name))
+
+
+class _Metrics:
+    """Per-operation pages and GB/s for `get_stats` (drained by SGLang each tick; bounded)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.lists = {k: deque(maxlen=4096) for k in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth",
+                                                      "backup_bandwidth")}
+
+    def record(self, write: bool, pages: int, nbytes: int, seconds: float) -> None:
+        if pages <= 0:
+            return
+        kind = "backup" if write else "prefetch"
+        with self._lock:
+            self.lists[f"{kind}_pgs"].append(pages)
+            self.lists[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
+
+    def drain(self) -> dict[str, list]:
+        with self._lock:
+            out = {k: list(v) for k, v in self.lists.items()}
+            for v in self.lists.values():
+                v.clear()
+        return out
+
+
+class HiCacheGDS(HiCacheStorage):
+    """SGLang HiCache storage backend on hicache-gds (see the module docstring for the contract)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, mem_pool_host: Any = None, *args: Any,
+                 **kwargs: Any) -> None:
+        if isinstance(mem_pool_host, dict):  # the `dynamic` loader passes its kwargs dict here
+            mem_pool_host = None
+        sc = storage_config
+        self.storage_config = sc
+        self.config = load_config(sc.extra_config)
+        if getattr(sc, "dcp_size", 1) > 1:
+            raise ConfigError("hicache-gds does not serve decode context parallelism (dcp_size > 1) yet; "
+                              "use --hicache-storage-backend file")
+        if getattr(sc, "should_split_heads", False):
+            raise ConfigError("hicache-gds does not serve heterogeneous-TP split heads (page_head with "
+                              "tp_lcm_size); use --hicache-storage-backend mooncake")
+        self.scheme = KeyScheme.from_storage_config(sc)
+        self.is_mla = bool(sc.is_mla_model)
+        self.is_writer = bool(sc.is_storage_writer)
+        self.mem_pool_host = None
+        self.registered_pools: dict = {}
+        self._bindings: Dict[str, PoolBinding] = {}
+        self._ctl = threading.RLock()
+        self._metrics = _Metrics()
+        self._last_log: dict[str, float] = {}
+        self._closed = False
+        if mem_pool_host is not None:
+            self.register_mem_pool_host(mem_pool_host)
+
+    # -- attach (scheduler thread) ----------------------------------------------------------------
+    def _store_config(self, name: str, page_bytes: int):
+        """Sidecars without an explicit capacity get as many slots as KV, within capacity_fraction of free space."""
+        kv = self._bindings.get("kv")
+        if name == "kv" or self.config.capacity or kv is None or not isinstance(kv.store, PageStore):
+            return self.config
+        root = self.config.gds_path[0]
+        st = os.statvfs(root)
+        free = int(st.f_bavail * st.f_frsize * self.config.capacity_fraction)
+        want = int(kv.store.stats()["slots"]) * align_up(page_bytes)
+        return self.config.replace(capacity=max(align_up(page_bytes), min(want, free)))
+
+    def _bind(self, name: str, pool: Any) -> PoolBinding:
+        geo = describe_pool(pool, name)
+        ident = namespace_identity(self.scheme, self.storage_config, name, geo.identity)
+        if self.is_mla and not self.is_writer and name != "mamba":
+            store: Any = SharedReader(self.config, ident, geo.page_bytes)
+        else:
+            store = PageStore(geo.page_bytes, ident, config=self._store_config(name, geo.page_bytes))
+        try:
+            binding = PoolBinding(name, pool, geo, store, self.scheme)
+        except BaseException:
+            store.close()
+            raise
+        binding.read_only = isinstance(store, SharedReader)
+        log.info("hicache-gds: pool %s (%s, %s, %d bytes/page, %s) -> namespace %s%s", name, type(pool).__name__,
+                 geo.layout, geo.page_bytes, "zero-copy" if geo.zero_copy else "copy path", store.stats()["namespace"],
+                 " (read-only: the MLA storage writer is another rank)" if binding.read_only else "")
+        return binding
+
+    def _set_binding(self, name: str, pool: Any) -> None:
+        with self._ctl:
+            if self._closed:
+                raise ValueError("HiCacheGDS is closed")
+            old = self._bindings.get(name)
+            if old is not None and old.pool is pool:
+                return
+            new = self._bind(name, pool)
+            self._bindings[name] = new
+            if old is not None:
+                old.close()
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Bind the KV anchor pool: its own namespace, its kv_buffer registered once."""
+        self.mem_pool_host = mem_pool_host
+        self._set_binding("kv", mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Bind a pool of the host pool group; "kv" is the anchor, bound by `register_mem_pool_host`."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
+        if name == "kv":
+            if "kv" not in self._bindings:
+                self.register_mem_pool_host(host_pool)
+            return
+        self._set_binding(name, host_pool)
+
+    def on_host_pools_registered(self) -> None:
+        if "kv" not in self._bindings:
+            raise ConfigError("hicache-gds: no KV host pool was registered")
+        log.info("hicache-gds backend ready: pools %s, %s rank, keys ..%s", ", ".join(sorted(self._bindings)),
+                 "MLA writer" if self.is_mla and self.is_writer else "MLA reader" if self.is_mla else "MHA",
+                 self.scheme.config_suffix)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _fail(self, op: str, exc: BaseException | str) -> None:
+        """Log a data-path failure (at most one full line per operation every 10 s)."""
+        now = time.monotonic()
+        if now - self._last_log.get(op, -1e9) >= 10.0:
+            self._last_log[op] = now
+            if isinstance(exc, BaseException):
+                log.warning("hicache-gds: %s failed: %s: %s", op, type(exc).__name__, exc, exc_info=exc)
+            else:
+                log.warning("hicache-gds: %s failed: %s", op, exc)
+
+    def _route(self, key: str) -> tuple[PoolBinding | None, str]:
+        """Copy-path keys: ``{hash}.{pool}`` goes to that sidecar's namespace, anything else to KV."""
+        base, _, pool = key.rpartition(".")
+        if base and pool in self._bindings and pool != "kv":
+            return self._bindings[pool], base
+        return self._bindings.get("kv"), key
+
+    def _io(self, op: str, binding: PoolBinding | None, keys: List[str], host_indices: Any, write: bool) -> List[bool]:
+        n = len(keys)
+        try:
+            if binding is None:
+                self._fail(op, "no host pool is registered for it")
+                return [False] * n
+            if write and binding.read_only:
+                return [True] * n  # MLA: the storage writer rank stores this page
+            if not binding.check_indices(keys, host_indices):
+                self._fail(op, f"{n} keys but {0 if host_indices is None else host_indices.numel()} host indices "
+                               f"(page size {binding.geo.page_size})")
+                return [False] * n
+            t0 = time.perf_counter()
+            res = binding.put(keys, host_indices) if write else binding.get(keys, host_indices)
+            if binding.name == "kv":
+                self._metrics.record(write, sum(res), sum(res) * binding.geo.page_bytes, time.perf_counter() - t0)
+            return res
+        except Exception as exc:  # noqa: BLE001 -- never raise into SGLang's storage threads
+            self._fail(op, exc)
+            return [False] * n
+
+    # -- zero-copy contract ----------------------------------------------------------------------
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        """Number of consecutive keys present from the first."""
+        try:
+            kv = self._bindings.get("kv")
+            return kv.prefix(keys) if kv is not None and keys else 0
+        except Exception as exc:  # noqa: BLE001
+            self._fail("batch_exists", exc)
+            return 0
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        """Read pages into the host pool's slots; per-page result (SGLang uses the leading run)."""
+        return self._io("batch_get_v1", self._bindings.get("kv"), keys, host_indices, write=False)
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        """Write pages from the host pool's slots; present pages are not rewritten (True)."""
+        return self._io("batch_set_v1", self._bindings.get("kv"), keys, host_indices, write=True)
+
+    # -- copy path (SGLang's generic page functions) ----------------------------------------------
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        out = self.batch_get([key], [target_location])
+        return out[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+        """Read flat pages into `target_locations` (allocated when None); None per miss."""
+        n = len(keys)
+        targets = list(target_locations) if target_locations is not None else [None] * n
+        ok = [False] * n
+        try:
+            groups: dict[int, tuple[PoolBinding, list[int], list[str]]] = {}
+            for i, k in enumerate(keys):
+                b, base = self._route(k)
+                if b is None:
+                    continue
+                if targets[i] is None:
+                    targets[i] = torch.empty(b.geo.page_bytes // b.geo.flat_dtype.itemsize, dtype=b.geo.flat_dtype)
+                groups.setdefault(id(b), (b, [], []))[1].append(i)
+                groups[id(b)][2].append(base)
+            for b, idx, base_keys in groups.values():
+                t0 = time.perf_counter()
+                res = b.get_tensors(base_keys, [targets[i] for i in idx])
+                if b.name == "kv":
+                    self._metrics.record(False, sum(res), sum(res) * b.geo.page_bytes, time.perf_counter() - t0)
+                for i, r in zip(idx, res):
+                    ok[i] = r
+        except Exception as exc:  # noqa: BLE001
+            self._fail("batch_get", exc)
+        return [t if good else None for t, good in zip(targets, ok)]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        """Write flat pages (``get_data_page(i, flat=True)``); True when every page is stored."""
+        try:
+            values = list(values or [])
+            if len(values) != len(keys):
+                self._fail("batch_set", f"{len(keys)} keys but {len(values)} values")
+                return False
+            groups: dict[int, tuple[PoolBinding, list[int], list[str]]] = {}
+            for i, k in enumerate(keys):
+                b, base = self._route(k)
+                if b is None:
+                    self._fail("batch_set", "no host pool is registered")
+                    return False
+                groups.setdefault(id(b), (b, [], []))[1].append(i)
+                groups[id(b)][2].append(base)
+            good = True
+            for b, idx, base_keys in groups.values():
+                if b.read_only:
+                    continue
+                t0 = time.perf_counter()
+                res = b.put_tensors(base_keys, [values[i] for i in idx])
+                if b.name == "kv":
+                    self._metrics.record(True, sum(res), sum(res) * b.geo.page_bytes, time.perf_counter() - t0)
+                good = good and all(res)
+            return good
+        except Exception as exc:  # noqa: BLE001
+            self._fail("batch_set", exc)
+            return False
+
+    def exists(self, key: str) -> bool:
+        try:
+            b, base = self._route(key)
+            return bool(b is not None and b.exists([base])[0])
+        except Exception as exc:  # noqa: BLE001
+            self._fail("exists", exc)
+            return False
+
+    # -- hybrid pools (v2) -----------------------------------------------------------------------
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Any = None) -> PoolTransferResult:
+        """HiCacheFile's fold: KV longest prefix, then each pool's hit policy; `restorable_prefix_pages`."""
+        try:
+            kv = self._bindings.get("kv")
+            kv_pages = kv.prefix(keys) if kv is not None and keys else 0
+            hit_count: dict = {PoolName.KV: kv_pages} if kv_pages else {}
+            restorable = list(range(1, kv_pages + 1))
+            for t in pool_transfers or []:
+                if not restorable:
+                    break
+                b = self._bindings.get(_pool_name(t.name))
+                has = b.exists(keys[:kv_pages]) if b is not None else [False] * kv_pages
+                if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                    boundary = next((i for i, h in enumerate(has) if not h), kv_pages)
+                    pool_ok = set(range(1, boundary + 1))
+                elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                    trailing = max(1, len(t.keys) if t.keys else 1)
+                    pool_ok, run = set(), 0
+                    for p in range(1, kv_pages + 1):
+                        run = run + 1 if has[p - 1] else 0
+                        if run >= min(trailing, p):
+                            pool_ok.add(p)
+                    boundary = max(pool_ok, default=0)
+                else:
+                    self._fail("batch_exists_v2", f"hit policy {t.hit_policy} of pool {t.name} is not supported")
+                    return PoolTransferResult(0, {}, [])
+                if boundary:
+                    hit_count[t.name] = boundary
+                restorable = [p for p in restorable if p in pool_ok]
+            return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("batch_exists_v2", exc)
+            return PoolTransferResult(0, {}, [])
+
+    def _batch_v2(self, op: str, transfers: List[PoolTransfer], write: bool) -> dict:
+        out = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+            out[t.name] = self._io(f"{op}[{_pool_name(t.name)}]", self._bindings.get(_pool_name(t.name)), keys,
+                                   t.host_indices, write)
+        return out
+
+    def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Any = None) -> dict:
+        """Per pool: read pages into `registered_pools[name]` at ``host_indices[i*page_size]``."""
+        return self._batch_v2("batch_get_v2", transfers, write=False)
+
+    def batch_set_v2(self, transfers: List[PoolTransfer], extra_info: Any = None) -> dict:
+        """Per pool: write pages from its host pool."""
+        return self._batch_v2("batch_set_v2", transfers, write=True)
+
+    # -- control ---------------------------------------------------------------------------------
+    def clear(self) -> bool:
+        """Drop every page of this rank's namespaces (MLA readers: nothing; the writer clears)."""
+        try:
+            n = sum(b.store.clear() for b in list(self._bindings.values()))
+            log.info("hicache-gds: cleared %d pages", n)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self._fail("clear", exc)
+            return False
+
+    def stats(self) -> dict[str, dict]:
+        """hicache-gds's own counters per pool (`PageStore.stats()`)."""
+        return {name: b.store.stats() for name, b in list(self._bindings.items())}
+
+    def get_stats(self):
+        """SGLang's `StorageMetrics` for the operations since the previous call."""
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception as exc:  # noqa: BLE001
+            self._fail("get_stats", exc)
+            return None
+        m = StorageMetrics()
+        for k, v in self._metrics.drain().items():
+            getattr(m, k).extend(v)
+        return m
+
+    def close(self) -> None:
+        """Close every namespace (flush indexes, release the namespace locks). Idempotent."""
+        with self._ctl:
+            if self._closed:
+                return
+            self._closed = True
+            bindings, self._bindings = list(self._bindings.values()), {}
+        for b in bindings:
+            try:
+                b.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("hicache-gds: closing pool %s: %s", b.name, exc)

@@ -1,0 +1,101 @@
+"""The ``sglang.srt.plugins`` entry point: makes ``--hicache-storage-backend gds`` work.
+
+SGLang hard-codes backend names in three places; `register()` hooks each through SGLang's
+`HookRegistry` (applied by ``sglang.srt.plugins.load_plugins()``, which every SGLang process
+calls early):
+
+1. ``ServerArgs.add_cli_args`` (AFTER): add ``gds`` to the argparse choices of
+   ``--hicache-storage-backend``;
+2. ``StorageBackendFactory._do_create_backend`` (AROUND): build ``HiCacheGDS(storage_config,
+   mem_pool_host)`` for ``gds``; every other name goes to SGLang unchanged;
+3. ``HiCacheController.attach_storage_backend`` (AFTER): select the zero-copy page functions
+   (``batch_get_v1`` / ``batch_set_v1``) for ``gds``, as SGLang does for its own zero-copy names.
+
+These are SGLang internals. When one is missing (another SGLang version), nothing is hooked and
+one log line gives the ``dynamic`` command line, which needs no hook.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pkgutil
+from typing import Any
+
+__all__ = ["register", "BACKEND_NAME", "DYNAMIC_EXTRA_CONFIG", "dynamic_command"]
+
+log = logging.getLogger("hicache_gds_sglang.plugin")
+
+BACKEND_NAME = "gds"
+DYNAMIC_EXTRA_CONFIG = {"backend_name": "gds", "module_path": "hicache_gds_sglang", "class_name": "HiCacheGDS",
+                        "interface_v1": 1}
+_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+_FACTORY = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._do_create_backend"
+_ATTACH = "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend"
+_registered = False
+
+
+def dynamic_command() -> str:
+    """The flags that select this backend without the plugin's hooks."""
+    return ("--hicache-storage-backend dynamic --hicache-storage-backend-extra-config "
+            f"'{json.dumps(DYNAMIC_EXTRA_CONFIG, separators=(',', ':'))}'")
+
+
+def _add_choice(result: Any, *args: Any, **kwargs: Any) -> None:
+    parser = args[0] if args else kwargs.get("parser")
+    for action in getattr(parser, "_actions", []):
+        if action.dest == "hicache_storage_backend":
+            if action.choices is not None and BACKEND_NAME not in action.choices:
+                if isinstance(action.choices, list):
+                    action.choices.append(BACKEND_NAME)
+                else:
+                    action.choices = [*action.choices, BACKEND_NAME]
+            return None
+    log.warning("hicache-gds: no --hicache-storage-backend option found; select the backend with %s",
+                dynamic_command())
+    return None
+
+
+def _create(original: Any, cls: Any, backend_name: str | None = None, storage_config: Any = None,
+            mem_pool_host: Any = None, **kwargs: Any) -> Any:
+    if backend_name == BACKEND_NAME and BACKEND_NAME not in getattr(cls, "_registry", {}):
+        from .backend import HiCacheGDS
+        log.info("Creating storage backend 'gds' (hicache_gds_sglang.HiCacheGDS)")
+        return HiCacheGDS(storage_config, mem_pool_host)
+    return original(cls, backend_name, storage_config, mem_pool_host, **kwargs)
+
+
+def _select_zero_copy(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
+    if getattr(controller, "storage_backend_type", None) == BACKEND_NAME and getattr(controller, "enable_storage",
+                                                                                     False):
+        controller.page_get_func = controller._page_get_zero_copy
+        controller.page_set_func = controller._page_set_zero_copy
+    return None
+
+
+def register() -> None:
+    """Entry point (``sglang.srt.plugins``): hook SGLang so that ``gds`` names this backend.
+
+    Fails soft: if SGLang's internals differ, logs the ``dynamic`` command line and hooks nothing.
+    """
+    global _registered
+    if _registered:
+        return
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        for target in (_ARGS, _FACTORY, _ATTACH):
+            obj_path, attr = target.rsplit(".", 1)
+            if not hasattr(pkgutil.resolve_name(obj_path), attr):
+                raise AttributeError(f"{target} does not exist")
+        ctl = pkgutil.resolve_name(_ATTACH.rsplit(".", 1)[0])
+        for attr in ("_page_get_zero_copy", "_page_set_zero_copy"):
+            if not hasattr(ctl, attr):
+                raise AttributeError(f"HiCacheController.{attr} does not exist")
+    except Exception as exc:  # noqa: BLE001 -- a plugin must never break SGLang's start
+        log.warning("hicache-gds: SGLang's internals differ from 0.5.23 (%s); `--hicache-storage-backend gds` "
+                    "is not available. Select the backend with: %s", exc, dynamic_command())
+        return
+    HookRegistry.register(_ARGS, _add_choice, HookType.AFTER)
+    HookRegistry.register(_FACTORY, _create, HookType.AROUND)
+    HookRegistry.register(_ATTACH, _select_zero_copy, HookType.AFTER)
+    _registered = True

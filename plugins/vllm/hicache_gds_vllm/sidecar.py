@@ -1,0 +1,153 @@
+"""Files the scheduler and the workers share under `GDS_PATH[0]/vllm-<engine id>/`.
+
+vLLM gives the two sides one channel (job ids and counts); everything else they must agree on
+goes through this directory, which only this adapter writes:
+
+* `capacity.json` — chunks per (rank, group) namespace. Written once by whichever process gets
+  there first (link() makes it first-writer-wins), so the manager's capacity and every worker's
+  slot count are the same number without the processes talking.
+* `stores-r<rank>.json` — the namespace directories a worker opened, so a restarted manager can
+  find the pages that survived (warm start).
+* `failed-<engine_id>-r<rank>.log` — keys whose store failed on that rank, appended *before* the
+  worker reports the job finished. The manager reads them in `complete_store`, before it makes a
+  chunk loadable; vLLM itself accepts only success for a job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+from typing import Iterable, Mapping
+
+from hicache_gds.slabs import prepare_root, private_dir
+
+__all__ = ["SideDir", "FailureLog", "read_store_keys"]
+
+log = logging.getLogger("hicache_gds_vllm")
+
+
+class SideDir:
+    """The adapter's directory for one engine identity (`spec_id`)."""
+
+    def __init__(self, gds_path: str, spec_id: str) -> None:
+        self.path = private_dir(prepare_root(gds_path), f"vllm-{spec_id}")
+
+    def _atomic_json(self, name: str, obj: object, *, exclusive: bool = False) -> bool:
+        final = os.path.join(self.path, name)
+        tmp = f"{final}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            if exclusive:
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    return False
+            else:
+                os.replace(tmp, final)
+                tmp = ""
+            return True
+        finally:
+            if tmp:
+                os.unlink(tmp)
+
+    def _read_json(self, name: str) -> object | None:
+        try:
+            with open(os.path.join(self.path, name)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("hicache-gds-vllm: ignoring unreadable %s in %s: %s", name, self.path, exc)
+            return None
+
+    def agreed_capacity(self, proposed: int, explicit: bool) -> int:
+        """Chunks per namespace. An explicit setting wins (and is recorded); otherwise the first
+        process's proposal, computed from free space, stays for the life of the directory."""
+        if explicit:
+            self._atomic_json("capacity.json", {"chunks": proposed})
+            return proposed
+        self._atomic_json("capacity.json", {"chunks": proposed}, exclusive=True)
+        got = self._read_json("capacity.json")
+        if isinstance(got, dict) and isinstance(got.get("chunks"), int) and got["chunks"] > 0:
+            return int(got["chunks"])
+        return proposed
+
+    def write_stores(self, rank: int, dirs: Mapping[int, str]) -> None:
+        self._atomic_json(f"stores-r{rank}.json", {str(g): d for g, d in dirs.items()})
+
+    def read_stores(self, rank: int) -> dict[int, str]:
+        got = self._read_json(f"stores-r{rank}.json")
+        return {int(g): str(d) for g, d in got.items()} if isinstance(got, dict) else {}
+
+    def failure_log(self, engine_id: str, rank: int) -> str:
+        safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in engine_id)[:80]
+        return os.path.join(self.path, f"failed-{safe}-r{rank}.log")
+
+
+class FailureLog:
+    """Append-only list of hex keys. The writer appends whole lines with one write(); the reader
+    keeps its offset and returns only complete new lines."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def append(self, keys: Iterable[str]) -> None:
+        data = "".join(f"{k}\n" for k in keys).encode()
+        if not data:
+            return
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def poll(self) -> list[str]:
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            return []
+        if size < self._offset:  # recreated: start over
+            self._offset, self._partial = 0, b""
+        if size == self._offset:
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(size - self._offset)
+        self._offset += len(data)
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        return [ln.decode() for ln in lines if ln]
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def read_store_keys(namespace_dir: str) -> list[str]:
+    """Keys a worker's namespace holds, least recently used first, read without writing.
+
+    This reads the core's SQLite index directly (table `pages`, column `atime`): the core has no
+    read-only listing API yet. Any failure returns [] (the manager then starts cold).
+    """
+    path = os.path.join(namespace_dir, "index.sqlite3")
+    if not os.path.exists(path):
+        return []
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            return [k for (k,) in db.execute("SELECT key FROM pages ORDER BY atime")]
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        log.warning("hicache-gds-vllm: cannot read %s for a warm start (%s); its pages are ignored", path, exc)
+        return []

@@ -1,0 +1,159 @@
+"""`HiCacheGDSOffloadingSpec`: vLLM's OffloadingConnector storing KV chunks in hicache-gds.
+
+Select it with
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "HiCacheGDSOffloadingSpec",
+            "spec_module_path": "hicache_gds_vllm", "blocks_per_chunk": 4,
+            "gds_path": "/mnt/nvme0/kv,/mnt/nvme1/kv", "capacity": "512G"}}'
+
+Settings: every `kv_connector_extra_config` key that is a hicache-gds `Config` key (`gds_path`,
+`enable_gds`, `capacity`, `engine`, ...; `GDS_PATH` / `ENABLE_GDS` / `HICACHE_GDS_*` spellings are
+accepted too) overrides the environment; vLLM's own keys are ignored; anything else is an error.
+
+vLLM builds the spec in the scheduler process and in every worker process. Both compute the same
+engine identity (model, dtype, KV layout, block geometry, parallelism, data-parallel index) and
+the same chunk capacity, so the scheduler's bookkeeping and the workers' stores describe one
+cache. `get_manager` runs in the scheduler, `get_worker` in each worker; see `manager.py` for how
+the two share the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Mapping
+
+from vllm.v1.kv_offload.base import (CanonicalKVCaches, LoadStoreSpec, OffloadingManager, OffloadingSpec,
+                                     OffloadingWorker, OffloadKey)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from hicache_gds import Config, ConfigError, namespace_id
+from hicache_gds.memory import align_up
+
+from .sidecar import SideDir
+
+__all__ = ["HiCacheGDSOffloadingSpec", "HiCacheLoadSpec", "HiCacheStoreSpec", "VLLM_KEYS", "hicache_config",
+           "engine_identity", "store_key"]
+
+# Keys of kv_connector_extra_config that vLLM's offloading code (or another spec) reads.
+VLLM_KEYS = (
+    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "offload_prompt_only",
+    "self_describing_kv_events", "canonical_layout", "sync_load_budget_bytes", "cpu_bytes_to_use",
+    "eviction_policy", "cache_policy_module_path", "store_threshold", "max_tracker_size", "secondary_tiers",
+    "tier_poll_interval_s", "backpressure", "kv_load_tiers",
+)
+_ENV_SPELLINGS = {"ENABLE_GDS": "enable_gds", "GDS_PATH": "gds_path"}
+ADAPTER_FORMAT = "vllm-offloading/1"  # bump when the page layout below changes
+
+
+def store_key(key: OffloadKey) -> str:
+    """The store key of a vLLM offload key (block hash + group index, as hex)."""
+    return bytes(key).hex()
+
+
+class HiCacheLoadSpec(LoadStoreSpec):
+    """What a worker reads: the keys, in vLLM's group-then-chunk order. Pickled every step."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+
+    def __repr__(self) -> str:
+        return f"HiCacheLoadSpec({len(self.keys)} keys)"
+
+
+class HiCacheStoreSpec(LoadStoreSpec):
+    """What a worker writes (`keys`), and what it must delete first (`drops`, or everything when
+    `clear`): the manager's evictions and failed chunks ride on the next store job."""
+
+    __slots__ = ("keys", "drops", "clear")
+
+    def __init__(self, keys: list[str], drops: list[str] | None = None, clear: bool = False) -> None:
+        self.keys = keys
+        self.drops = drops or []
+        self.clear = clear
+
+    def __repr__(self) -> str:
+        return f"HiCacheStoreSpec({len(self.keys)} keys, {len(self.drops)} drops, clear={self.clear})"
+
+
+def hicache_config(extra: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
+    """hicache-gds settings from `kv_connector_extra_config` (keys win over the environment)."""
+    overrides: dict[str, Any] = {}
+    for k, v in extra.items():
+        name = _ENV_SPELLINGS.get(k, k)
+        if name.upper().startswith("HICACHE_GDS_"):
+            name = name[len("HICACHE_GDS_"):]
+        overrides[name.lower() if name not in VLLM_KEYS else name] = v
+    return Config.load(overrides, env=env, ignore=VLLM_KEYS)
+
+
+def engine_identity(config: OffloadingConfig) -> dict[str, Any]:
+    """Everything that makes a stored chunk's bytes meaningful, except the rank (added per worker).
+
+    vLLM's keys carry only a prefix hash and a group index, so two engines whose model, dtype,
+    layout, block geometry or parallelism differ must never share a namespace.
+    """
+    par = config.parallel
+    groups = [
+        {"id": g.group_id, "tokens_per_block": g.tokens_per_block, "window": g.sliding_window_size_in_chunks,
+         "layers": hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16], "nlayers": len(g.layer_names)}
+        for g in config.groups
+    ]
+    return {
+        "format": ADAPTER_FORMAT, "model": config.model.name, "dtype": config.model.dtype,
+        "kv_cache_layout": config.kv_cache_layout or "", "canonical_layout": config.canonical_layout,
+        "tokens_per_hash": config.cache.tokens_per_hash, "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block, "groups": groups,
+        "world_size": par.world_size, "tp": par.tp_size, "pp": par.pp_size, "pcp": par.pcp_size,
+        "dcp": par.dcp_size, "dp_index": par.data_parallel_index,
+    }
+
+
+def _proposed_capacity(cfg: Config, config: OffloadingConfig) -> int:
+    """Chunks per (rank, group) namespace.
+
+    `capacity` is read as bytes per rank (all groups); 0 means `capacity_fraction` of the free
+    space under `GDS_PATH`, shared by `world_size` ranks. A chunk is counted at vLLM's padded
+    per-block size, an upper bound of the un-padded page each worker stores.
+    """
+    chunk = align_up(max(1, config.worker_kv_bytes_per_block) * config.cache.blocks_per_chunk)
+    ngroups = max(1, len(config.groups))
+    if cfg.capacity:
+        per_rank = cfg.capacity
+    else:
+        free = min(os.statvfs(d).f_bavail * os.statvfs(d).f_frsize for d in cfg.gds_path)
+        per_rank = int(free * len(cfg.gds_path) * cfg.capacity_fraction) // max(1, config.parallel.world_size)
+    chunks = per_rank // (chunk * ngroups)
+    if chunks < 1:
+        raise ConfigError(f"capacity: {per_rank} bytes per rank hold no chunk of {chunk * ngroups} bytes; "
+                          f"raise HICACHE_GDS_CAPACITY or lower blocks_per_chunk")
+    return chunks
+
+
+class HiCacheGDSOffloadingSpec(OffloadingSpec):
+    """OffloadingSpec whose chunks live in hicache-gds page stores (NVMe through NIXL, or bounce)."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.hicache = hicache_config(self.extra_config)
+        if not self.hicache.gds_path:
+            raise ConfigError("GDS_PATH is not set: give gds_path in kv_connector_extra_config or the GDS_PATH "
+                              "environment variable (one directory per NVMe drive, comma-separated)")
+        self.identity = engine_identity(config)
+        self.spec_id = namespace_id(self.identity)
+        self.sidecar = SideDir(self.hicache.gds_path[0], self.spec_id)
+        self.capacity_chunks = self.sidecar.agreed_capacity(
+            _proposed_capacity(self.hicache, config), explicit=bool(self.hicache.capacity))
+        # Group position (order of config.groups / kv_caches.group_data_refs) by vLLM group id.
+        self.group_pos = {g.group_id: i for i, g in enumerate(config.groups)}
+
+    def get_manager(self) -> OffloadingManager:
+        from .manager import HiCacheGDSManager
+        return HiCacheGDSManager(self)
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        from .worker import HiCacheGDSWorker
+        return HiCacheGDSWorker(self, kv_caches)

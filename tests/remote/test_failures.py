@@ -1,0 +1,161 @@
+"""Failures: a page server killed mid-stream, a hung server's TTL, Redis restarted, servers rejoining.
+
+Each test has its own redis-server and servers (TTL 2 s), so killing them disturbs no other test.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+
+from conftest import PAGE
+from remote_helpers import Bufs, tier
+
+
+def wait_for(cond, timeout: float, every: float = 0.1) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    return cond()
+
+
+def sids_of(t, keys):  # noqa: ANN001
+    return [e.split("|")[0] if e else None for e in t.dir.lookup(t.namespace, keys)]
+
+
+def test_server_killed_mid_stream_gives_misses_not_errors(own_redis, spawn):
+    prefix = "k" + uuid.uuid4().hex[:6]
+    servers = [spawn(own_redis.url, f"m{i}", prefix, size="24M", ttl=2.0) for i in range(2)]
+    t = tier(own_redis.url, prefix, PAGE, "kill")
+    b = Bufs(t, 16, PAGE)
+    errors, rounds, misses = [], [0], [0]
+    stop = threading.Event()
+
+    def stream() -> None:
+        bb = Bufs(t, 16, PAGE)
+        r = 0
+        while not stop.is_set():
+            try:
+                keys = [f"s{r}-{i}" for i in range(16)]
+                t.put(keys, bb.fill(keys))
+                ok = t.get(keys, bb.poisoned(16))
+                bb.check(keys, ok)
+                misses[0] += ok.count(False)
+                t.delete(keys)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+            r += 1
+            rounds[0] = r
+
+    keys = [f"k{i}" for i in range(16)]
+    try:
+        assert t.put(keys, b.fill(keys)) == [True] * 16
+        owner = sids_of(t, keys)
+        assert set(owner) == {"m0", "m1"}
+        th = threading.Thread(target=stream)
+        th.start()
+        assert wait_for(lambda: rounds[0] >= 3, 30)
+        servers[0].kill(signal.SIGKILL)
+        n0 = rounds[0]
+        assert wait_for(lambda: rounds[0] >= n0 + 5, 60)
+        ok = t.get(keys, b.poisoned(16))  # before the TTL lapses: the dead server's pages fail the READ
+        assert ok == [o == "m1" for o in owner]
+        b.check(keys, ok)
+        assert wait_for(lambda: t.exists(keys) == [o == "m1" for o in owner], 10)  # TTL lapsed: misses
+        stop.set()
+        th.join(60)
+        assert not th.is_alive() and not errors, errors[:3]
+        assert t.stats()["peer_errors"] >= 1
+        # the server comes back under the same name: it rejoins, and pages land on it again
+        servers[0].start()
+        more = [f"r{i}" for i in range(16)]
+        assert wait_for(lambda: t.put(more, b.fill(more)) == [True] * 16 and "m0" in sids_of(t, more), 20)
+        ok = t.get(more, b.poisoned(16))
+        assert ok == [True] * 16
+        b.check(more, ok)
+    finally:
+        stop.set()
+        t.close()
+
+
+def test_hung_server_expires_then_rejoins_with_a_new_epoch(own_redis, spawn):
+    prefix = "h" + uuid.uuid4().hex[:6]
+    srv = spawn(own_redis.url, "hung", prefix, size="8M", ttl=1.5)
+    t = tier(own_redis.url, prefix, PAGE, "hang")
+    try:
+        b = Bufs(t, 8, PAGE)
+        keys = [f"h{i}" for i in range(8)]
+        assert t.put(keys, b.fill(keys)) == [True] * 8
+        epoch = t.dir.r.hget(f"{prefix}:srv:hung", "epoch")
+        srv.kill(signal.SIGSTOP)
+        assert wait_for(lambda: t.exists(keys) == [False] * 8, 6), "a silent server's pages must become misses"
+        assert t.get(keys, b.poisoned(8)) == [False] * 8
+        assert t.put(keys[:2], b.fill(keys[:2])) == [False, False]  # no live server: refused, no error
+        srv.kill(signal.SIGCONT)
+        assert wait_for(lambda: t.dir.r.hget(f"{prefix}:srv:hung", "epoch") not in (None, epoch), 10)
+        assert t.exists(keys) == [False] * 8  # the old incarnation's pages stay gone
+        assert wait_for(lambda: t.put(keys, b.fill(keys)) == [True] * 8, 10)
+        ok = t.get(keys, b.poisoned(8))
+        assert ok == [True] * 8
+        b.check(keys, ok)
+    finally:
+        t.close()
+
+
+def test_redis_restart(own_redis, spawn):
+    prefix = "r" + uuid.uuid4().hex[:6]
+    spawn(own_redis.url, "rs", prefix, size="8M", ttl=2.0)
+    t = tier(own_redis.url, prefix, PAGE, "restart")
+    try:
+        b = Bufs(t, 8, PAGE)
+        keys = [f"r{i}" for i in range(8)]
+        assert t.put(keys, b.fill(keys)) == [True] * 8
+        own_redis.stop()
+        t0 = time.monotonic()
+        assert t.get(keys, b.poisoned(8)) == [False] * 8
+        assert t.exists(keys) == [False] * 8
+        assert t.put(keys, b.fill(keys)) == [False] * 8
+        assert t.prefix(keys) == 0 and t.delete(keys) == [False] * 8
+        assert time.monotonic() - t0 < 10, "a dead Redis must not make calls hang"
+        own_redis.start()  # empty: no persistence
+        assert wait_for(lambda: t.put(keys, b.fill(keys)) == [True] * 8, 20), "the server did not re-register"
+        ok = t.get(keys, b.poisoned(8))
+        assert ok == [True] * 8
+        b.check(keys, ok)
+        assert t.stats()["redis_errors"] >= 1
+    finally:
+        t.close()
+
+
+def test_lapsed_reservation_is_reclaimed(own_redis, spawn):
+    """A writer that reserved slots and died: its slots come back when the lease runs out."""
+    prefix = "l" + uuid.uuid4().hex[:6]
+    spawn(own_redis.url, "lease", prefix, size=str(8 * PAGE), ttl=5.0, low_water=0.0)
+    t = tier(own_redis.url, prefix, PAGE, "lease")
+    try:
+        info = t.dir.servers()[0]
+        res = t.dir.reserve(t.namespace, {"lease": (info.epoch, [f"x{i}" for i in range(8)])}, lease=0.5)
+        assert all(not isinstance(r, int) for r in res["lease"])
+        assert t.dir.server_state("lease")["pending"] == 8
+        time.sleep(0.7)
+        b = Bufs(t, 8, PAGE)
+        keys = [f"y{i}" for i in range(8)]
+        assert t.put(keys, b.fill(keys)) == [True] * 8
+        assert t.exists([f"x{i}" for i in range(8)]) == [False] * 8
+    finally:
+        t.close()
+
+
+def test_no_server_at_all_is_a_miss(own_redis):
+    t = tier(own_redis.url, "empty" + uuid.uuid4().hex[:6], PAGE, "none")
+    try:
+        b = Bufs(t, 2, PAGE)
+        assert t.put(["a", "b"], b.fill(["a", "b"])) == [False, False]
+        assert t.get(["a", "b"], b.poisoned(2)) == [False, False]
+        assert t.stats()["no_server"] >= 1
+    finally:
+        t.close()

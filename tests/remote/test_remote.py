@@ -1,0 +1,252 @@
+"""RemoteTier against a real redis-server and three page-server processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import PAGE, child_env
+from remote_helpers import POISON, Bufs, page_data, tier
+
+from hicache_gds.layout import Pages
+from hicache_gds.memory import HostBuffer
+from hicache_gds.remote import Directory, RemoteTier
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def rt(cluster):
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex)
+    yield t
+    t.clear()
+    t.close()
+
+
+def keys_of(n: int, tag: str = "") -> list[str]:
+    return [f"{tag or uuid.uuid4().hex[:6]}-{i}" for i in range(n)]
+
+
+def test_round_trip_byte_exact(rt):
+    keys = keys_of(40)
+    b = Bufs(rt, 40, PAGE)
+    assert rt.put(keys, b.fill(keys)) == [True] * 40
+    ok = rt.get(keys, b.poisoned(40))
+    assert ok == [True] * 40
+    b.check(keys, ok)
+    # a second round reads the same bytes (no reuse of live slots)
+    ok = rt.get(keys[::-1], b.poisoned(40))
+    b.check(keys[::-1], ok)
+    sids = {Directory(rt.opts.url, rt.opts.prefix).lookup(rt.namespace, [k])[0].split("|")[0] for k in keys}
+    assert len(sids) >= 2, "rendezvous hashing should spread 40 keys over 3 servers"
+
+
+def test_multi_segment_pages(rt):
+    """Pages of 4 scattered segments (like layer-first KV pools) round-trip segment by segment."""
+    n, segs = 8, 4
+    seg = PAGE // segs
+    src, dst = HostBuffer(2 * n * PAGE, pinned=False), HostBuffer(2 * n * PAGE, pinned=False)
+    rt.register_memory(src.addr, src.nbytes)
+    rt.register_memory(dst.addr, dst.nbytes)
+    src.numpy()[:] = np.random.default_rng(1).integers(0, 256, src.nbytes, dtype=np.uint8)
+    # segment s of page p lives at (s * n + p) * 2 * seg: interleaved, with gaps
+    off = np.array([[(s * n + p) * 2 * seg for s in range(segs)] for p in range(n)], dtype=np.uint64)
+    lens = np.full_like(off, seg)
+    keys = keys_of(n)
+    assert rt.put(keys, Pages(np.uint64(src.addr) + off, lens)) == [True] * n
+    dst.numpy()[:] = POISON
+    rev = off[::-1].copy()
+    assert rt.get(keys, Pages(np.uint64(dst.addr) + rev, lens)) == [True] * n
+    for p in range(n):
+        for s in range(segs):
+            a, b2 = int(off[p, s]), int(rev[p, s])
+            assert np.array_equal(dst.numpy()[b2:b2 + seg], src.numpy()[a:a + seg])
+
+
+def test_exists_prefix_delete_clear(rt):
+    keys = keys_of(10)
+    b = Bufs(rt, 10, PAGE)
+    assert rt.exists(keys) == [False] * 10
+    assert rt.put(keys[:6], b.fill(keys[:6])) == [True] * 6
+    assert rt.exists(keys) == [True] * 6 + [False] * 4
+    assert rt.prefix(keys) == 6
+    assert rt.delete(keys[2:4] + ["absent"]) == [True, True, False]
+    assert rt.prefix(keys) == 2
+    assert rt.get(keys[:6], b.poisoned(6)) == [True, True, False, False, True, True]
+    assert (b.got(2) == POISON).all()
+    assert rt.clear() == 4
+    assert rt.exists(keys) == [False] * 10
+
+
+def test_present_pages_are_not_rewritten_and_duplicates_collapse(rt):
+    keys = keys_of(6)
+    b = Bufs(rt, 8, PAGE)
+    pages = b.fill(keys + keys[:2])
+    assert rt.put(keys + keys[:2], pages) == [True] * 8
+    assert rt.stats()["pages_written"] == 6
+    assert rt.put(keys, pages.select(range(6))) == [True] * 6
+    s = rt.stats()
+    assert s["pages_written"] == 6 and s["put_skipped_present"] == 6
+
+
+def test_namespaces_are_separate(cluster, rt):
+    other = tier(cluster["url"], cluster["prefix"], PAGE, "other-" + uuid.uuid4().hex)
+    try:
+        keys = keys_of(3)
+        b = Bufs(rt, 3, PAGE)
+        rt.put(keys, b.fill(keys))
+        assert other.exists(keys) == [False] * 3
+    finally:
+        other.close()
+
+
+def test_stats_name_engine_and_path(rt):
+    s = rt.stats()
+    assert s["engine"] == "nixl-ucx"
+    assert "UCX one-sided READ/WRITE" in s["path"] and "loopback" in s["path"]
+    assert {x["sid"] for x in s["servers"]} >= {"s0", "s1", "s2"}
+
+
+def test_wrong_page_size_is_an_error(rt):
+    b = Bufs(rt, 2, PAGE)
+    with pytest.raises(ValueError):
+        rt.put(["a", "b"], Pages.contiguous(b.src.addr, PAGE // 2, [0, 1]))
+
+
+def _client(args: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "remote_client.py"), json.dumps(args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), text=True)
+
+
+def _result(p: subprocess.Popen) -> dict:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_same_key_race_leaves_one_copy(cluster):
+    """Two processes put the same keys (different bytes) at the same moment: one copy per key survives."""
+    ident, keys = uuid.uuid4().hex, keys_of(48)
+    base = {"url": cluster["url"], "prefix": cluster["prefix"], "page": PAGE, "ident": ident, "keys": keys}
+    start = time.time() + 4.0
+    procs = [_client({**base, "op": "put", "salt": s, "start": start, "batch": 8}) for s in ("A", "B")]
+    res = [_result(p) for p in procs]
+    assert all(all(r["ok"]) for r in res)
+    got = _result(_client({**base, "op": "get", "salts": ["A", "B"]}))
+    assert got["ok"] == [True] * 48
+    assert "CORRUPT" not in got["which"]
+    # exactly one directory entry per key, and no slot leaked: owned slots == published entries
+    t = tier(cluster["url"], cluster["prefix"], PAGE, ident)
+    try:
+        d = t.dir
+        assert d.count(t.namespace) == 48
+        entries = d.lookup(t.namespace, keys)
+        own = {}
+        for s in cluster["servers"]:
+            own.update({(s.name, int(k)): v.decode() for k, v in d.r.hgetall(f"{d.prefix}:own:{s.name}").items()})
+        for k, e in zip(keys, entries):
+            sid, _, slot, gen, *_ = e.split("|")
+            assert own[(sid, int(slot))] == f"{gen}\t{t.namespace}\t{k}"
+        mine = [v for v in own.values() if v.split("\t")[1] == t.namespace]
+        assert len(mine) == 48, "a losing writer's slot was not given back"
+        pend = sum(d.server_state(s.name)["pending"] for s in cluster["servers"])
+        assert pend == 0
+        assert sum(r["stats"]["lost_races"] for r in res) + sum(r["stats"]["put_skipped_present"] for r in res) >= 48
+    finally:
+        t.clear()
+        t.close()
+
+
+def test_concurrent_clients_in_two_processes(cluster):
+    ident = uuid.uuid4().hex
+    ka, kb = keys_of(32, "a" + ident[:4]), keys_of(32, "b" + ident[:4])
+    base = {"url": cluster["url"], "prefix": cluster["prefix"], "page": PAGE, "ident": ident}
+    start = time.time() + 4.0
+    res = [_result(p) for p in [_client({**base, "keys": ka, "op": "put", "start": start}),
+                                _client({**base, "keys": kb, "op": "put", "start": start})]]
+    assert all(all(r["ok"]) for r in res)
+    start = time.time() + 4.0
+    got = [_result(p) for p in [_client({**base, "keys": kb, "op": "get", "start": start}),
+                                _client({**base, "keys": ka, "op": "get", "start": start})]]
+    for g in got:
+        assert g["ok"] == [True] * 32 and set(g["which"]) == {""}
+
+
+def test_eviction_is_lru_and_keeps_directory_consistent(own_redis, spawn):
+    """A 16-slot server keeps 4 free; 40 puts evict the least recently used, entries and slots agree."""
+    prefix = "ev" + uuid.uuid4().hex[:6]
+    spawn(own_redis.url, "small", prefix, size=str(16 * PAGE), ttl=5.0, low_water=0.25)
+    t = tier(own_redis.url, prefix, PAGE, "ev")
+    try:
+        b = Bufs(t, 8, PAGE)
+        hot = keys_of(2, "hot")
+        assert t.put(hot, b.fill(hot)) == [True] * 2
+        cold = []
+        for r in range(5):
+            ks = keys_of(8, f"c{r}")
+            cold += ks
+            assert t.put(ks, b.fill(ks)) == [True] * 8
+            assert t.get(hot, b.poisoned(2)) == [True, True]  # keeps the hot pages recently used
+            time.sleep(0.05)
+        time.sleep(1.5)  # a heartbeat evicts down to the low-water mark
+        d, ns = t.dir, t.namespace
+        state = d.server_state("small")
+        assert state["evictions"] >= 26
+        assert state["free"] + state["used"] + state["pending"] == 16
+        assert state["used"] == d.count(ns) == state["owned"]
+        assert t.exists(hot) == [True, True]
+        assert t.exists(cold[:8]) == [False] * 8
+        present = [k for k, f in zip(cold, t.exists(cold)) if f]
+        ok = t.get(present[:8], b.poisoned(len(present[:8])))
+        assert all(ok)
+        b.check(present[:8], ok)
+    finally:
+        t.close()
+
+
+def test_unreachable_redis_means_misses_not_errors(caplog):
+    dead = f"redis://127.0.0.1:{__import__('conftest').free_port()}/0"
+    t0 = time.monotonic()
+    t = tier(dead, "none", PAGE, "x")
+    try:
+        b = Bufs(t, 4, PAGE)
+        keys = keys_of(4)
+        assert t.put(keys, b.fill(keys)) == [False] * 4
+        assert t.get(keys, b.poisoned(4)) == [False] * 4
+        assert t.exists(keys) == [False] * 4 and t.prefix(keys) == 0
+        assert t.delete(keys) == [False] * 4 and t.clear() == 0
+        assert t.stats()["redis_errors"] >= 1
+    finally:
+        t.close()
+    assert time.monotonic() - t0 < 20
+    assert any("redis" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.gpu
+def test_vram_round_trip(cluster):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex)
+    try:
+        if "VRAM" not in t.stats()["mem_kinds"]:
+            pytest.skip("this UCX build has no CUDA support")
+        n = 8
+        src = torch.randint(0, 256, (n, PAGE), dtype=torch.uint8, device="cuda")
+        dst = torch.full((n, PAGE), POISON, dtype=torch.uint8, device="cuda")
+        t.register_tensor(src)
+        t.register_tensor(dst)
+        keys = keys_of(n)
+        assert t.put(keys, Pages.from_tensors(list(src))) == [True] * n
+        assert t.get(keys, Pages.from_tensors(list(dst))) == [True] * n
+        torch.cuda.synchronize()
+        assert torch.equal(src, dst)
+    finally:
+        t.close()
