@@ -152,6 +152,16 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
     "max_request_bytes": (ENV_PREFIX + "MAX_REQUEST_BYTES", _size, 0, "split requests above this size (0: engine's limit)"),
     "namespace": (ENV_PREFIX + "NAMESPACE", _text, "", "tenant tag mixed into the namespace; tenants never share pages"),
     "cufile_json": (ENV_PREFIX + "CUFILE_JSON", _text, "", "cufile.json to use when CUFILE_ENV_PATH_JSON is unset"),
+    "remote_url": (ENV_PREFIX + "REMOTE_URL", _text, "",
+                   "Redis URL of the remote tier's directory, e.g. redis://127.0.0.1:6379/0 (empty: no remote tier)"),
+    "remote_prefix": (ENV_PREFIX + "REMOTE_PREFIX", _text, "hicache",
+                      "Redis key prefix of the remote tier; deployments sharing a Redis use distinct ones"),
+    "remote_timeout": (ENV_PREFIX + "REMOTE_TIMEOUT", _positive_float, 2.0,
+                       "seconds one Redis call may take; slower counts as a miss"),
+    "tier_mode": (ENV_PREFIX + "TIER_MODE", _choice("local", "remote", "both"), "both",
+                  "TieredStore: NVMe only, remote only, or both"),
+    "tier_write": (ENV_PREFIX + "TIER_WRITE", _choice("through", "back"), "through",
+                   "TieredStore: remote copy during put, or later from NVMe"),
 }
 
 
@@ -174,6 +184,11 @@ class Config:
     max_request_bytes: int = 0
     namespace: str = ""
     cufile_json: str = ""
+    remote_url: str = ""
+    remote_prefix: str = "hicache"
+    remote_timeout: float = 2.0
+    tier_mode: str = "both"
+    tier_write: str = "through"
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod

@@ -17,6 +17,8 @@ __all__ = [
     "StoreFullError",
     "StoreLockedError",
     "RegionError",
+    "DirectoryUnavailable",
+    "PeerDisconnected",
 ]
 
 
@@ -58,3 +60,11 @@ class StoreLockedError(HiCacheGDSError, OSError):
 
 class RegionError(HiCacheGDSError, ValueError):
     """A memory region is outside every registered buffer, misaligned, or of the wrong size."""
+
+
+class DirectoryUnavailable(HiCacheGDSError, ConnectionError):
+    """Redis cannot be reached, or did not answer in time; the remote tier treats it as misses."""
+
+
+class PeerDisconnected(TransferError):
+    """The remote agent went away (process died or connection lost); its pages are misses."""

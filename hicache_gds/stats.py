@@ -57,7 +57,7 @@ class StoreStats:
     def add(self, **counts: int) -> None:
         with self._lock:
             for k, v in counts.items():
-                self.c[k] += v
+                self.c[k] = self.c.get(k, 0) + v
 
     def batch(self, write: bool, ns: int) -> None:
         with self._lock:

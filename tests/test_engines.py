@@ -49,3 +49,29 @@ def test_gds_on_a_machine_without_gpu_is_unavailable_not_a_hang():
     for name in ("nixl-gds", "nixl-gds-mt"):
         with pytest.raises(EngineUnavailable, match="GPU"):
             create_engine(name, EngineOptions())
+
+
+def test_shipped_cufile_json_raises_the_compat_bounce_pool(monkeypatch):
+    import os
+    from hicache_gds.engines.nixl_file import cufile_bounce_pool
+    monkeypatch.delenv("CUFILE_ENV_PATH_JSON", raising=False)
+    here = os.path.join(os.path.dirname(__file__), "..", "configs", "cufile.json")
+    pool = dict((s >> 10, c) for s, c in cufile_bounce_pool(here))
+    assert pool == {4: 256, 1024: 256, 16384: 64}
+    assert dict((s >> 10, c) for s, c in cufile_bounce_pool("")) in ({4: 128, 1024: 64, 16384: 64},) or \
+        os.path.exists("/etc/cufile.json")
+
+
+def test_bounce_budget_counts_descriptors_per_slab_class():
+    import numpy as np
+    from hicache_gds.engines.nixl_file import _DescBudget
+    b = _DescBudget([(4096, 2), (1 << 20, 3), (16 << 20, 1)])
+    need = b.need(np.array([4096, 65536, 1 << 20, 2 << 20], dtype=np.uint64))
+    assert need == [1, 2, 1]
+    assert b.acquire(need, 0.1) and not b.acquire([0, 2, 0], 0.05)
+    b.release(need)
+    assert b.acquire([0, 3, 0], 0.1)
+    calls = []
+    assert not b.acquire([0, 1, 0], 0.05, progress=lambda: calls.append(1))
+    assert calls  # waiting polls the requests in flight, whose completion frees buffers
+    assert b.acquire([0, 1, 0], 1.0, progress=lambda: b.release([0, 1, 0]))

@@ -253,11 +253,14 @@ def _job_json(r: JobResult, group: _Group, json_plus: bool) -> dict:
 
 def to_fio_json(results: Sequence[JobResult],
                 global_options: JobOptions | Mapping[str, Any] | None = None, *,
-                json_plus: bool = False, now: float | None = None) -> dict:
+                json_plus: bool = False, now: float | None = None,
+                extra: Mapping[str, Any] | None = None) -> dict:
     """fio's `--output-format=json` document (json+ adds latency `bins`) for `results`.
 
     `global_options` becomes `"global options"` (a `JobOptions` contributes its non-default
-    options). Returns a dict of plain JSON types; `json.dumps` it.
+    options); `extra` is added to the top-level `"hicache_gds"` object (run-wide facts: the
+    directory used, how caches were dropped, engines skipped). Returns a dict of plain JSON
+    types; `json.dumps` it.
     """
     now = time.time() if now is None else now
     if isinstance(global_options, JobOptions):
@@ -274,7 +277,8 @@ def to_fio_json(results: Sequence[JobResult],
         "disk_util": [],
         "hicache_gds": {"version": bench_version(),
                         "percentiles": "exact (fio's rank rule on raw samples, not histogram buckets)",
-                        "bins": "fio histogram buckets" if json_plus else None},
+                        "bins": "fio histogram buckets" if json_plus else None,
+                        **_jsonable(dict(extra or {}))},
     }
 
 
@@ -392,7 +396,23 @@ def _ours_line(r: JobResult) -> str:
         pass
     ratio = ours.get("ratio_to_raw")
     parts.append(f"vs raw={ratio:.2f}x" if isinstance(ratio, (int, float)) else "vs raw=n/a")
-    return "  hicache_gds  : " + ", ".join(parts) + "\n"
+    fio = ours.get("ratio_to_fio")
+    parts += [f"vs fio={fio:.2f}x"] if isinstance(fio, (int, float)) else []
+    line = "  hicache_gds  : " + ", ".join(parts) + "\n"
+    shown = [_baseline(name, b) for name, b in (ours.get("baseline") or {}).items() if isinstance(b, Mapping)]
+    line += "  baseline     : " + "; ".join(shown) + "\n" if shown else ""
+    return line + (f"  engine       : {ours['engine_reason']}\n" if ours.get("engine_reason") else "")
+
+
+def _baseline(name: str, b: Mapping[str, Any]) -> str:
+    """`raw O_DIRECT qd=128: write=850MiB/s` from a baseline block (raw or fio)."""
+    bws = [f"{d}={num2str(int(b[d]['bw_bytes']), pow2=True, unit='B/s')}" for d in ("read", "write")
+           if isinstance(b.get(d), Mapping) and b[d].get("bw_bytes")]
+    if b.get("error") and not bws:
+        return f"{name}: {b['error']}"
+    how = (f"raw O_DIRECT qd={b.get('queue_depth', '?')}" if name == "raw"
+           else f"{name} {b.get('ioengine', '')} qd={b.get('iodepth', '?')}")
+    return f"{how}: {', '.join(bws) or 'no IO'}"
 
 
 def to_fio_normal(results: Sequence[JobResult], *, now: float | None = None) -> str:
@@ -437,13 +457,13 @@ def to_fio_normal(results: Sequence[JobResult], *, now: float | None = None) -> 
 
 def render(results: Sequence[JobResult], output_format: Iterable[str] = ("normal",),
            global_options: JobOptions | Mapping[str, Any] | None = None, *,
-           now: float | None = None) -> str:
+           now: float | None = None, extra: Mapping[str, Any] | None = None) -> str:
     """All requested formats in fio's order: one JSON document first, then the normal summary
     (fio 3.33 with `--output-format=json,normal` prints them so)."""
     fmts = set(output_format)
     parts = []
     if fmts & {"json", "json+"}:
-        doc = to_fio_json(results, global_options, json_plus="json+" in fmts, now=now)
+        doc = to_fio_json(results, global_options, json_plus="json+" in fmts, now=now, extra=extra)
         parts.append(json.dumps(doc, indent=2) + "\n")
     if "normal" in fmts:
         parts.append(to_fio_normal(results, now=now))

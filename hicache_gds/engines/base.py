@@ -20,7 +20,7 @@ import enum
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np

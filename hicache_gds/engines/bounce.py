@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any
 
 import numpy as np
 

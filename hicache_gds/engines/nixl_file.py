@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import threading
+import time
+import weakref
 from typing import Any, ClassVar
 
 import numpy as np
@@ -56,53 +59,77 @@ def cufile_bounce_pool(cufile_json: str = "") -> list[tuple[int, int]]:
 
 
 class _DescBudget:
-    """Process-wide cap on descriptors in flight (cuFile's compat bounce pool is per process).
+    """Process-wide cap on descriptors in flight per cuFile bounce-slab class.
 
-    A request holding more descriptors than free bounce buffers waits forever inside cuFile, and
-    two requests that each hold part of the pool can deadlock the same way; so requests take
-    their descriptor count from this budget before they are posted.
+    cuFile's compat-mode bounce pool is per process. A request holding more descriptors of a
+    class than that class has buffers waits forever inside cuFile, and two requests that each
+    hold part of a class can deadlock the same way; so requests take their descriptor counts from
+    this budget before they are posted, and give them back when they finish.
     """
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.free = total
+    def __init__(self, pool: list[tuple[int, int]]) -> None:
+        self.sizes = np.array([s for s, _ in pool], dtype=np.uint64)
+        self.free = [c for _, c in pool]
         self.cv = threading.Condition()
 
-    def acquire(self, n: int, timeout: float) -> bool:
-        with self.cv:
-            return self.cv.wait_for(lambda: self.free >= n, timeout=timeout) and self._take(n)
+    def need(self, lens: np.ndarray) -> list[int]:
+        cls = np.minimum(np.searchsorted(self.sizes, lens, side="left"), len(self.sizes) - 1)
+        return np.bincount(cls, minlength=len(self.sizes)).tolist()
 
-    def _take(self, n: int) -> bool:
-        self.free -= n
-        return True
+    def acquire(self, need: list[int], timeout: float, progress=None) -> bool:
+        """Take `need`; while short, call `progress()` (which polls requests in flight, whose
+        completion is what gives buffers back) until `timeout` seconds pass."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.cv:
+                if all(f >= n for f, n in zip(self.free, need)):
+                    self.free = [f - n for f, n in zip(self.free, need)]
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                if progress is None:
+                    self.cv.wait(timeout=left)
+                    continue
+            progress()
+            time.sleep(5e-5)
 
-    def release(self, n: int) -> None:
+    def release(self, need: list[int]) -> None:
         with self.cv:
-            self.free += n
+            self.free = [f + n for f, n in zip(self.free, need)]
             self.cv.notify_all()
 
 
 class _NixlTransfer(Transfer):
     def __init__(self, engine: "_NixlFileEngine", handle: Any, op: Op, nbytes: int, what: str,
-                 budget: _DescBudget | None, ndescs: int) -> None:
+                 budget: _DescBudget | None, need: list[int]) -> None:
         super().__init__(engine.name, op, nbytes, what)
         self._engine = engine
         self._handle = handle
         self._budget = budget
-        self._ndescs = ndescs
-        self._posted = False
+        self._need = need
         self._lock = threading.Lock()
+        self._post()
+
+    def _post(self) -> None:
+        # Posted at submit, not at the first wait: a batch's requests must all be in flight.
+        try:
+            state = self._engine.agent.transfer(self._handle)
+        except Exception as exc:  # noqa: BLE001
+            self._finish()
+            self._error = self._fail(exc)
+            return
+        if state == "DONE":
+            self._finish()
+            self.finished = time.perf_counter_ns()
 
     def _poll(self) -> bool:
         with self._lock:
             if self._handle is None:
                 return True
-            agent = self._engine.agent
             try:
-                state = agent.transfer(self._handle) if not self._posted else agent.check_xfer_state(self._handle)
-                self._posted = True
+                state = self._engine.agent.check_xfer_state(self._handle)
             except Exception:
-                self._posted = True
                 self._finish()
                 raise
             if state == "ERR":
@@ -121,7 +148,7 @@ class _NixlTransfer(Transfer):
                 pass
             self._handle = None
         if self._budget is not None:
-            self._budget.release(self._ndescs)
+            self._budget.release(self._need)
             self._budget = None
 
     # release() stays the inherited no-op: a finished or failed request was released in
@@ -147,6 +174,7 @@ class _NixlFileEngine(TransferEngine):
         self._regs: dict[int, Any] = {}
         self._files: dict[int, tuple[str, Any]] = {}
         self._budget = self._make_budget()
+        self._inflight: weakref.WeakSet[_NixlTransfer] = weakref.WeakSet()
         self._caps = self._make_caps()
         self._lock = threading.Lock()
 
@@ -182,10 +210,17 @@ class _NixlFileEngine(TransferEngine):
             self.agent.deregister_memory(reg)
 
     def open_file(self, path: str) -> int:
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.options.direct_io else 0)
-        fd = os.open(path, flags)
+        # cuFile refuses handles whose open flags include O_NOFOLLOW (err 5019), so the symlink
+        # check is an lstat before and an inode comparison after (Python adds O_CLOEXEC itself).
+        before = os.lstat(path)
+        if not stat.S_ISREG(before.st_mode):
+            raise TransferError(f"{self.name}: {path} is not a regular file")
+        fd = os.open(path, os.O_RDWR | (os.O_DIRECT if self.options.direct_io else 0))
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+                raise TransferError(f"{self.name}: {path} changed while it was opened")
+            size = st.st_size
             reg = self.agent.register_memory([(0, size, fd, path)], "FILE")
         except Exception as exc:
             os.close(fd)
@@ -219,16 +254,28 @@ class _NixlFileEngine(TransferEngine):
         fds = np.unique(file[:, 0])
         names = ", ".join(self._files.get(int(fd), ("fd %d" % fd,))[0] for fd in fds[:3])
         what = f"{n} regions / {nbytes} bytes of {kind.value} with {names}"
-        if self._budget is not None and not self._budget.acquire(n, timeout=60.0):
+        need = self._budget.need(mem[:, 1]) if self._budget is not None else []
+        if self._budget is not None and not self._budget.acquire(need, 60.0, self._progress):
             raise TransferError(f"{self.name}: cuFile's bounce pool stayed busy for 60 s ({what})")
         try:
             handle = self.agent.initialize_xfer(op.value, self.agent.get_xfer_descs(local, kind.value),
                                                 self.agent.get_xfer_descs(remote, "FILE"), self.agent.name)
         except Exception as exc:  # noqa: BLE001
             if self._budget is not None:
-                self._budget.release(n)
+                self._budget.release(need)
             raise TransferError(f"{self.name}: preparing {op.value} of {what} failed: {type(exc).__name__}") from exc
-        return _NixlTransfer(self, handle, op, nbytes, what, self._budget, n)
+        t = _NixlTransfer(self, handle, op, nbytes, what, self._budget, need)
+        if self._budget is not None:
+            self._inflight.add(t)
+        return t
+
+    def _progress(self) -> None:
+        """Poll every request in flight: NIXL advances them, and hands bounce buffers back, only when polled."""
+        for t in list(self._inflight):
+            try:
+                t.done()
+            except Exception:  # noqa: BLE001 -- its owner sees the error on its own wait
+                pass
 
     def close(self) -> None:
         for fd in list(self._files):
@@ -289,9 +336,7 @@ class NixlGdsEngine(_NixlFileEngine):
     def _make_budget(self) -> _DescBudget | None:
         if not self.compat:
             return None
-        # Descriptors up to the largest slab draw on the pool; the smallest count of the slabs
-        # above 4 KiB bounds what may be in flight at once.
-        return _DescBudget(min(c for s, c in self._pool() if s > 4096))
+        return _DescBudget(self._pool())
 
     def _make_caps(self) -> Capabilities:
         pool = self._pool()

@@ -8,7 +8,8 @@ Redis schema and scripts: `scripts.py`.
 """
 
 from .directory import Directory, DirectoryUnavailable, ServerInfo
-from .tier import REMOTE_KEYS, RemoteOptions, RemoteTier
+from .options import REMOTE_KEYS, RemoteOptions
+from .tier import RemoteTier
 from .tiered import TieredStore
 from .ucx import NixlUcxEngine, PeerDisconnected
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from ..errors import HiCacheGDSError
+from ..errors import DirectoryUnavailable
 from . import scripts
 
 __all__ = ["Directory", "DirectoryUnavailable", "ServerInfo", "Reservation", "SID_RE"]
@@ -24,10 +24,6 @@ log = logging.getLogger("hicache_gds.remote")
 SID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 PRESENT, FULL = -2, -1
 PUBLISHED, LOST_RACE, LOST = 1, 2, 0
-
-
-class DirectoryUnavailable(HiCacheGDSError, ConnectionError):
-    """Redis cannot be reached, or did not answer in time; the remote tier treats it as misses."""
 
 
 @dataclass(frozen=True)

@@ -22,22 +22,25 @@ periodic refresh of the server list.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
-from dataclasses import dataclass, fields
-from typing import Any, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import xxhash
 
-from ..config import ENV_PREFIX, Config
-from ..engines.base import MemKind, Op, Transfer, split_batches
+from ..config import Config
+from ..engines.base import MemKind, Op, split_batches
 from ..errors import RegionError, TransferError, TransferTimeout
 from ..layout import Pages, namespace_id
-from ..memory import view
 from ..stats import StoreStats
 from .directory import FULL, LOST, PRESENT, Directory, DirectoryUnavailable, Reservation, ServerInfo, parse_entry
+from .options import REMOTE_KEYS, RemoteOptions, page_csum
 from .ucx import NixlUcxEngine, PeerDisconnected
 
 __all__ = ["RemoteTier", "RemoteOptions", "REMOTE_KEYS"]
@@ -45,55 +48,6 @@ __all__ = ["RemoteTier", "RemoteOptions", "REMOTE_KEYS"]
 log = logging.getLogger("hicache_gds.remote")
 MAX_KEY_BYTES = 1024
 _EXTRA = ("redis_errors", "peer_errors", "stale_reads", "lost_races", "no_server")
-
-
-@dataclass(frozen=True)
-class RemoteOptions:
-    """Remote-tier settings. Config keys: `remote_url`, `remote_prefix`, `remote_timeout`."""
-
-    url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "hicache"
-    redis_timeout: float = 2.0
-    """Seconds one Redis call may take."""
-    io_timeout: float = 10.0
-    """Seconds one batch's transfers may take (from `io_timeout`)."""
-    lease: float = 0.0
-    """Seconds a reserved slot stays reserved for a writer that never publishes (0: 2*io_timeout + 10)."""
-    refresh: float = 1.0
-    """Seconds between refreshes of the live server list."""
-    verify: bool = True
-    """Check host pages' xxh3 checksums after reading (from `verify`)."""
-    net_devices: str = "lo"
-    """UCX_NET_DEVICES for this process when unset in the environment (loopback only)."""
-
-    @classmethod
-    def from_config(cls, cfg: Config, overrides: Mapping[str, Any] | None = None,
-                    env: Mapping[str, str] | None = None) -> "RemoteOptions":
-        """Dict key > `Config` field (once the core declares it) > `HICACHE_GDS_<KEY>` > default."""
-        env = os.environ if env is None else env
-        overrides = overrides or {}
-        out: dict[str, Any] = {"io_timeout": cfg.io_timeout, "verify": cfg.verify}
-        for key, attr in REMOTE_KEYS.items():
-            if key in overrides:
-                val = overrides[key]
-            elif hasattr(cfg, key):
-                val = getattr(cfg, key)
-            else:
-                val = env.get(ENV_PREFIX + key.upper(), "")
-            default = getattr(cls, attr)
-            out[attr] = default if val in ("", None) else type(default)(val)
-        return cls(**out)
-
-
-REMOTE_KEYS = {"remote_url": "url", "remote_prefix": "prefix", "remote_timeout": "redis_timeout"}
-assert set(REMOTE_KEYS.values()) <= {f.name for f in fields(RemoteOptions)}
-
-
-def _csum(segments: Iterable[tuple[int, int]]) -> int:
-    h = xxhash.xxh3_64()
-    for addr, n in segments:
-        h.update(view(addr, n))
-    return h.intdigest() or 1  # 0 means "not recorded" (device pages)
 
 
 @dataclass
@@ -135,18 +89,19 @@ class RemoteTier:
         self.lease = self.opts.lease or 2 * self.opts.io_timeout + 10
         os.environ.setdefault("UCX_NET_DEVICES", self.opts.net_devices)
         self.engine = NixlUcxEngine()
+        self._pool = ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="hicache-gds-ucx")
         self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout)
         self._peers: dict[str, _Peer] = {}
         self._agents: dict[str, int] = {}  # agent name -> peer id
         self._lock = threading.RLock()
-        self._refreshed = 0.0
+        self._refreshed = -1e9
         self._warned: dict[str, float] = {}
         self._stats = StoreStats()
         for k in _EXTRA:
             self._stats.c.setdefault(k, 0)
         self._closed = False
         try:
-            self._refresh(force=True)
+            self._refresh()
         except DirectoryUnavailable as exc:
             self._warn("redis", f"hicache-gds remote: {exc}; pages are misses until it answers")
         log.info("hicache-gds remote tier %s: redis %s prefix %s, %d server(s)", self.namespace, self.opts.url,
@@ -166,8 +121,8 @@ class RemoteTier:
     def _refresh(self, force: bool = False) -> None:
         """Reload the live server list (at most every `opts.refresh` s unless forced)."""
         now = time.monotonic()
-        if not force and now - self._refreshed < self.opts.refresh:
-            return
+        if now - self._refreshed < (0.1 if force else self.opts.refresh):
+            return  # forced refreshes too are spaced, so a dead server costs one read per 0.1 s at most
         self._refreshed = now
         infos = self.dir.servers()
         with self._lock:
@@ -176,16 +131,17 @@ class RemoteTier:
                 seen.add(info.sid)
                 old = self._peers.get(info.sid)
                 pid = self._agents.get(info.agent, 0)
-                if not pid and (old is None or now >= old.down_until):
+                restarted = old is not None and old.info.agent != info.agent
+                if not pid and (old is None or restarted or now >= old.down_until):
                     try:
                         pid = self.engine.add_peer(info.metadata)
                         self._agents[info.agent] = pid
                     except TransferError as exc:
                         self._warn(f"peer:{info.sid}", f"hicache-gds remote: server {info.sid}: {exc}")
                         pid = 0
-                if old is not None and old.peer_id and old.info.agent != info.agent:
+                if restarted:
                     self._drop_agent(old.info.agent)  # the server restarted: a new agent
-                self._peers[info.sid] = _Peer(info, pid, old.down_until if old else 0.0)
+                self._peers[info.sid] = _Peer(info, pid, old.down_until if old and not restarted else 0.0)
             for sid in [s for s in self._peers if s not in seen]:
                 self._drop_agent(self._peers.pop(sid).info.agent)
 
@@ -212,8 +168,12 @@ class RemoteTier:
 
     @staticmethod
     def _pick(key: str, live: list[_Peer]) -> _Peer:
-        """Rendezvous hashing: every client maps a key to the same server of the same live set."""
-        return max(live, key=lambda p: xxhash.xxh64_intdigest(f"{p.info.sid}\x00{key}".encode()))
+        """Weighted rendezvous hashing: every client maps a key to the same server of the same live
+        set, servers get keys in proportion to their slots, and a server leaving moves only its keys."""
+        def score(p: _Peer) -> float:
+            u = (xxhash.xxh64_intdigest(f"{p.info.sid}\x00{key}".encode()) + 1) / (2.0 ** 64 + 2)
+            return -p.info.nslots / math.log(u)
+        return max(live, key=score)
 
     # -- validation ------------------------------------------------------------------------------
     def _check(self, keys: Sequence[str], pages: Pages | None = None) -> list[str]:
@@ -289,7 +249,7 @@ class RemoteTier:
         writes: dict[str, list[tuple[int, Reservation]]] = {}
         for sid, idx in groups.items():
             if not res.get(sid):
-                self._refreshed = 0.0  # the server re-registered: reload before the next batch
+                self._refreshed = -1e9  # the server re-registered: reload before the next batch
                 continue
             for i, r in zip(idx, res[sid]):
                 if r == PRESENT:
@@ -297,7 +257,10 @@ class RemoteTier:
                     present += 1
                 elif r != FULL:
                     writes.setdefault(sid, []).append((i, r))
-        done = self._move(Op.WRITE, pages, {s: (peers[s], [(i, r.slot) for i, r in w]) for s, w in writes.items()})
+        sums: dict[int, int] = {}
+        todo = [i for w in writes.values() for i, _ in w]
+        done = self._move(Op.WRITE, pages, {s: (peers[s], [(i, r.slot) for i, r in w]) for s, w in writes.items()},
+                          during=lambda: sums.update(zip(todo, self._sums(pages, todo, parallel=False))))
         ok: dict[str, tuple[str, list[tuple[Reservation, int, int]]]] = {}
         failed: dict[str, tuple[str, list[Reservation]]] = {}
         for sid, w in writes.items():
@@ -305,8 +268,7 @@ class RemoteTier:
             for j, (i, r) in enumerate(w):
                 st = done[sid][j]
                 if st == "ok":
-                    csum = 0 if pages.kind is MemKind.VRAM else _csum(zip(pages.addrs[i].tolist(), pages.lens[i].tolist()))
-                    ok.setdefault(sid, (epoch, []))[1].append((r, self.page_bytes, csum))
+                    ok.setdefault(sid, (epoch, []))[1].append((r, self.page_bytes, sums.get(i, 0)))
                 elif st == "fail":  # a timed-out write may still land: its slot waits for the lease
                     failed.setdefault(sid, (epoch, []))[1].append(r)
         try:
@@ -362,12 +324,13 @@ class RemoteTier:
         except DirectoryUnavailable as exc:
             self._redis_failed(exc)
             valid = [False] * len(read)
+        check = [i for (i, _, c), v in zip(read, valid) if v and c] if self.opts.verify else []
+        actual = dict(zip(check, self._sums(pages, check)))
         bad, stale = [], 0
         for (i, _, csum), v in zip(read, valid):
             if not v:
                 stale += 1
-            elif (self.opts.verify and csum and pages.kind is MemKind.DRAM
-                  and _csum(zip(pages.addrs[i].tolist(), pages.lens[i].tolist())) != csum):
+            elif i in actual and actual[i] != csum:
                 bad.append(keys[i])
             else:
                 result[i] = True
@@ -392,17 +355,34 @@ class RemoteTier:
             return None
         return p
 
-    def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[_Peer, list[tuple[int, int]]]]) -> dict[str, list[str]]:
-        """Move pages[i] <-> slot on each server; per server and item "ok", "fail" or "timeout"."""
+    def _sums(self, pages: Pages, idx: list[int], parallel: bool = True) -> list[int]:
+        """xxh3 of host pages `idx` (0 for device pages: not hashed on the host)."""
+        if pages.kind is not MemKind.DRAM or not idx:
+            return [0] * len(idx)
+
+        def chunk(part: list[int]) -> list[int]:
+            return [page_csum(zip(pages.addrs[i].tolist(), pages.lens[i].tolist())) for i in part]
+
+        if not parallel or self.opts.threads < 2 or len(idx) < 8:
+            return chunk(idx)
+        step = -(-len(idx) // self.opts.threads)  # xxhash releases the GIL: chunks hash in parallel
+        return [c for part in self._pool.map(chunk, [idx[j:j + step] for j in range(0, len(idx), step)]) for c in part]
+
+    def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[_Peer, list[tuple[int, int]]]],
+              during: Callable[[], Any] | None = None) -> dict[str, list[str]]:
+        """Move pages[i] <-> slot on each server; per server and item "ok", "fail" or "timeout".
+
+        Requests run on the transfer threads; `during` runs in the caller meanwhile. Nothing here
+        waits past `io_timeout` (a request still running then is a timeout, and is left to finish).
+        """
         out = {sid: ["fail"] * len(items) for sid, (_, items) in plan.items()}
         caps = self.engine.capabilities
         deadline = time.monotonic() + self.opts.io_timeout
-        posted: list[tuple[str, int, int, Transfer]] = []
+        posted: list[tuple[str, int, int, Future]] = []
         for sid, (peer, items) in plan.items():
             if not items:
                 continue
-            idx = [i for i, _ in items]
-            sel = pages.select(idx)
+            sel = pages.select([i for i, _ in items])
             n, segs = sel.addrs.shape
             slots = np.asarray([s for _, s in items], dtype=np.uint64)
             base = np.uint64(peer.info.base) + slots * np.uint64(peer.info.slot_bytes)
@@ -410,24 +390,25 @@ class RemoteTier:
             mem = np.stack([sel.addrs.ravel(), sel.lens.ravel()], axis=1)
             rem = np.stack([np.full(n * segs, peer.peer_id, dtype=np.uint64), (base.reshape(n, 1) + seg_off).ravel()],
                            axis=1)
-            for a, b in split_batches(np.full(n, segs), np.full(n, self.page_bytes), caps):
+            for a, b in split_batches(np.full(n, segs), np.full(n, self.page_bytes), caps, self.opts.request_bytes):
                 try:
-                    posted.append((sid, a, b, self.engine.submit(op, sel.kind, mem[a * segs:b * segs],
-                                                                 rem[a * segs:b * segs])))
+                    t = self.engine.submit(op, sel.kind, mem[a * segs:b * segs], rem[a * segs:b * segs])
                 except (TransferError, ValueError) as exc:
                     self._peer_failed(sid, exc)
-        for sid, a, b, t in posted:
+                    continue
+                posted.append((sid, a, b, self._pool.submit(t.wait, self.opts.io_timeout)))
+        if during is not None:
+            during()
+        for sid, a, b, fut in posted:
             try:
-                t.wait(max(0.0, deadline - time.monotonic()))
+                fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
                 out[sid][a:b] = ["ok"] * (b - a)
-            except TransferTimeout as exc:
+            except (TransferTimeout, FutureTimeout) as exc:
                 self._stats.add(timeouts=1)
                 out[sid][a:b] = ["timeout"] * (b - a)
-                self._warn(f"peer:{sid}", f"hicache-gds remote: {exc}")
+                self._warn(f"peer:{sid}", f"hicache-gds remote: server {sid}: {exc or 'transfer timed out'}")
             except TransferError as exc:
                 self._peer_failed(sid, exc)
-            finally:
-                t.release()
         return out
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
@@ -465,6 +446,7 @@ class RemoteTier:
         if self._closed:
             return
         self._closed = True
+        self._pool.shutdown(wait=False)
         try:
             self.engine.close()
         finally:

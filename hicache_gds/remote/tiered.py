@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Mapping, Sequence
 
 from ..config import Config
@@ -33,7 +33,8 @@ from ..engines.base import MemKind
 from ..layout import Pages
 from ..memory import HostBuffer
 from ..store import PageStore
-from .tier import REMOTE_KEYS, RemoteOptions, RemoteTier
+from .options import REMOTE_KEYS, RemoteOptions
+from .tier import RemoteTier
 
 __all__ = ["TieredStore", "TIER_KEYS"]
 
@@ -107,6 +108,10 @@ class TieredStore:
             self._wb_thread = threading.Thread(target=self._writeback_loop, name="hicache-gds-writeback", daemon=True)
             self._wb_thread.start()
 
+    def _remote_budget(self) -> float:
+        o = self.remote.opts  # type: ignore[union-attr]
+        return o.io_timeout + 8 * o.redis_timeout + 5.0
+
     def _count(self, **kw: int) -> None:
         with self._clock:
             for k, v in kw.items():
@@ -144,7 +149,11 @@ class TieredStore:
         if self.write == "through":
             fut = self._helper.submit(self.remote.put, keys, pages)  # type: ignore[union-attr]
             loc = self.local.put(keys, pages)
-            rem = fut.result()
+            try:
+                rem = fut.result(timeout=self._remote_budget())
+            except FutureTimeout:  # the remote tier bounds its own waits; this is a last guard
+                log.warning("hicache-gds tiered: remote put of %d page(s) overran its budget", len(keys))
+                rem = [False] * len(keys)
             return [a or b for a, b in zip(loc, rem)]
         loc = self.local.put(keys, pages)
         refused = [i for i, ok in enumerate(loc) if not ok]

@@ -22,15 +22,11 @@ import numpy as np
 
 from .._nixl import new_agent, nixl_api
 from ..engines.base import Capabilities, EngineOptions, MemKind, Op, Transfer, TransferEngine
-from ..errors import EngineUnavailable, TransferError
+from ..errors import EngineUnavailable, PeerDisconnected, TransferError
 
 __all__ = ["NixlUcxEngine", "PeerDisconnected", "ucx_path"]
 
 _GiB = 1 << 30
-
-
-class PeerDisconnected(TransferError):
-    """The remote agent went away (process died or connection lost); its pages are misses."""
 
 
 def ucx_path() -> str:

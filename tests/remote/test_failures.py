@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 
-from conftest import PAGE
+from remote_procs import PAGE
 from remote_helpers import Bufs, tier
 
 

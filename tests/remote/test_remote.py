@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PAGE, child_env
-from remote_helpers import POISON, Bufs, page_data, tier
+from remote_procs import PAGE, child_env
+from remote_helpers import POISON, Bufs, tier
 
 from hicache_gds.layout import Pages
 from hicache_gds.memory import HostBuffer
-from hicache_gds.remote import Directory, RemoteTier
+from hicache_gds.remote import Directory
 
 HERE = Path(__file__).resolve().parent
 
@@ -212,7 +213,7 @@ def test_eviction_is_lru_and_keeps_directory_consistent(own_redis, spawn):
 
 
 def test_unreachable_redis_means_misses_not_errors(caplog):
-    dead = f"redis://127.0.0.1:{__import__('conftest').free_port()}/0"
+    dead = f"redis://127.0.0.1:{__import__('remote_procs').free_port()}/0"
     t0 = time.monotonic()
     t = tier(dead, "none", PAGE, "x")
     try:
@@ -250,3 +251,37 @@ def test_vram_round_trip(cluster):
         assert torch.equal(src, dst)
     finally:
         t.close()
+
+
+def _listening(pid: int) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of TCP sockets `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if path.exists():
+            for line in path.read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                    out.append(f[1].split(":")[0])
+    return out
+
+
+def test_page_servers_listen_on_loopback_only(cluster):
+    for s in cluster["servers"]:
+        addrs = _listening(s.proc.pid)
+        assert addrs, "the UCX worker should listen for wire-up"
+        assert all(a in ("0100007F", "00000000000000000000000001000000") for a in addrs), addrs
+
+
+def test_serve_rejects_a_pool_without_slots(capsys):
+    from hicache_gds.remote.server import main
+    assert main(["--size", "1M", "--page-bytes", "2M", "--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert "holds no slot" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from conftest import PAGE, free_port
+from remote_procs import PAGE, free_port
 from remote_helpers import Bufs
 
 from hicache_gds.remote import TieredStore

@@ -10,6 +10,7 @@ kind        layout              flat page                  meta segments per pag
 MHA         layer_first         (2, L, P, H, D)            K_l0 V_l0 K_l1 V_l1 ... (2L)  layer_major
 MHA         page_first          (2, P, L, H, D)            K V (2)                      token_major
 MHA         page_first_direct   (2, 1, L, P, H, D)         K V (2)                      layer_major
+MHA         page_head           (2, 1, H, P, L, D)         K V (2)                      head_major
 MLA         layer_first         (L, P, 1, D)               l0 l1 ... (L)                layer_major
 MLA         page_first          (P, L, 1, D)               one                          token_major
 MLA         page_first_direct   (1, L, P, 1, D)            one                          layer_major
@@ -17,14 +18,21 @@ MLA         page_first_direct   (1, L, P, 1, D)            one                  
 
 MHA layer_first is the one reorder (all K segments, then all V). The namespace identity carries
 the page order, not the layout name, so ``layer_first`` and ``page_first_direct`` hosts share
-pages. Any other pool with SGLang's flat-page API (``get_data_page`` /
-``get_dummy_flat_data_page`` / ``set_from_flat_data_page``) is served through that API and a
-staging copy; a pool with neither is refused with a message naming it.
+pages.
+
+A pool gets the zero-copy path only when this is *proven* at attach, from addresses alone: the
+elements of ``get_data_page(i, flat=False)`` (a view of ``kv_buffer``), in flatten order, must
+be exactly the bytes of the reordered meta segments, for the first pages; and its page methods
+must all come from one class (a subclass overriding one of them is not trusted). Any other pool
+with SGLang's flat-page API (``get_data_page`` / ``get_dummy_flat_data_page`` /
+``set_from_flat_data_page``) is served through that API and a staging copy; a pool with neither
+is refused with a message naming it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -37,9 +45,11 @@ from hicache_gds.memory import HostBuffer, align_up, view
 
 __all__ = ["PoolGeometry", "describe_pool", "PoolBinding"]
 
+log = logging.getLogger("hicache_gds_sglang")
+
 _FLAT_API = ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page")
-_KNOWN = {"MHATokenToKVPoolHost": "mha", "MLATokenToKVPoolHost": "mla"}
-_ZERO_COPY_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+_PAGE_ORDER = {"layer_first": "layer_major", "page_first": "token_major", "page_first_direct": "layer_major",
+               "page_head": "head_major"}
 _STAGE_BYTES = 64 << 20  # copy-path chunk: bounds staging memory per call
 
 
@@ -65,14 +75,41 @@ def _definer(cls: type, attr: str) -> type | None:
     return next((c for c in cls.__mro__ if attr in c.__dict__), None)
 
 
-def _zero_copy_kind(pool: Any) -> str | None:
-    """'mha' / 'mla' when the pool's page methods are SGLang's MHA / MLA host pool's own."""
-    meta = _definer(type(pool), "get_page_buffer_meta")
-    if meta is None or meta.__name__ not in _KNOWN:
-        return None
-    if any(_definer(type(pool), m) is not meta for m in _FLAT_API):
-        return None  # a subclass changed the flat page: its bytes may not match the segments
-    return _KNOWN[meta.__name__]
+def _kind(pool: Any) -> str | None:
+    """'mha' / 'mla' from the pool's geometry attributes, when its page methods come from one class."""
+    cls = type(pool)
+    owners = {_definer(cls, m) for m in ("get_page_buffer_meta", *_FLAT_API)}
+    if len(owners) != 1 or None in owners:
+        return None  # a subclass changed some page methods: their bytes may not agree any more
+    if hasattr(pool, "kv_cache_dim"):
+        return "mla"
+    if hasattr(pool, "head_num") and hasattr(pool, "head_dim"):
+        return "mha"
+    return None
+
+
+def _element_addresses(t: torch.Tensor) -> np.ndarray:
+    """Byte address of every element of `t`, in the order `t.flatten()` visits them."""
+    addr = np.full((1,) * t.dim(), t.data_ptr(), dtype=np.int64)
+    for k, (n, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[k] = n
+        addr = addr + (np.arange(n, dtype=np.int64) * (stride * t.element_size())).reshape(shape)
+    return addr.ravel()
+
+
+def _same_bytes(pool: Any, page: int, perm: tuple[int, ...] | None) -> bool:
+    """Proof, from addresses alone (no data read or written), that the flat page of `page` is
+    its meta segments in `perm` order: what makes the copy and zero-copy paths byte-identical."""
+    view_ = pool.get_data_page(page * pool.page_size, flat=False)
+    if not isinstance(view_, torch.Tensor):
+        return False
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page * pool.page_size, (page + 1) * pool.page_size))
+    order = perm if perm is not None else range(len(ptrs))
+    it = view_.element_size()
+    want = np.concatenate([np.arange(int(ptrs[i]), int(ptrs[i]) + int(sizes[i]), it, dtype=np.int64) for i in order])
+    got = _element_addresses(view_)
+    return got.shape == want.shape and bool(np.array_equal(got, want))
 
 
 def describe_pool(pool: Any, name: str) -> PoolGeometry:
@@ -84,10 +121,16 @@ def describe_pool(pool: Any, name: str) -> PoolGeometry:
     if missing:
         raise ConfigError(f"hicache-gds cannot serve host pool {name!r} ({cls}, layout {layout or '?'}): it has "
                           f"no {', '.join(missing)}; use --hicache-storage-backend file for this model")
-    kind = _zero_copy_kind(pool)
+    kind = _kind(pool)
     kv = getattr(pool, "kv_buffer", None)
-    if kind and layout in _ZERO_COPY_LAYOUTS and isinstance(kv, torch.Tensor) and not kv.is_cuda:
-        return _zero_copy_geometry(pool, kind, layout, page_size)
+    if kind and layout in _PAGE_ORDER and isinstance(kv, torch.Tensor) and not kv.is_cuda \
+            and not (kind == "mla" and layout == "page_head"):
+        geo = _zero_copy_geometry(pool, kind, layout, page_size)
+        pages = max(1, min(2, int(getattr(pool, "page_num", 2))))
+        if all(_same_bytes(pool, p, geo.perm) for p in range(pages)):
+            return geo
+        log.warning("hicache-gds: %s (%s, %s): get_page_buffer_meta and get_data_page disagree on the page's "
+                    "bytes; serving pool %r through the copy path", type(pool).__name__, kind, layout, name)
     if name == "kv" and not isinstance(kv, torch.Tensor):
         raise ConfigError(f"hicache-gds cannot serve the KV host pool {cls}: it has no materialized kv_buffer "
                           f"(logical pools such as DeepSeek-V4's are not supported yet)")
@@ -122,8 +165,7 @@ def _zero_copy_geometry(pool: Any, kind: str, layout: str, page_size: int) -> Po
                           f"{len(ptrs)} segments of {sorted(set(int(s) for s in sizes))} bytes and a flat page of "
                           f"{got} bytes; expected {segs} x {seg_bytes} = {page_bytes}. Refusing rather than "
                           f"storing pages in an unknown byte order")
-    order = "token_major" if layout == "page_first" else "layer_major"
-    ident = {"kind": kind, "page_order": order, "dtype": str(pool.dtype), "layer_num": L, "page_size": page_size,
+    ident = {"kind": kind, "page_order": _PAGE_ORDER[layout], "dtype": str(pool.dtype), "layer_num": L, "page_size": page_size,
              **geo}
     return PoolGeometry(kind, layout, page_size, page_bytes, segs, perm, dummy.dtype, ident)
 

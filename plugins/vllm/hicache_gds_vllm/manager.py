@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Collection, Iterable
 
 from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingEvent, OffloadingManager, OffloadKey,
-                                     PrepareStoreOutput, ReqContext, RequestOffloadingContext,
+                                     PrepareStoreOutput, ReqContext, RequestOffloadingContext, ScheduleEndContext,
                                      get_offload_group_idx)
 
 from .sidecar import FailureLog, read_store_keys
@@ -61,7 +61,8 @@ class _Entry:
 class HiCacheGDSManager(OffloadingManager):
     """Per-chunk state machine MISS -> PENDING -> READY -> (evicted) MISS, with LRU per group.
 
-    Thread-safety: vLLM holds `lock` around every call; the warm-start thread takes it to merge.
+    Thread-safety: vLLM holds `lock` around every call. The warm-start thread touches no shared
+    state: it hands its result over in one assignment, and the next manager call merges it.
     """
 
     def __init__(self, spec: HiCacheGDSOffloadingSpec, *, warm_start: bool = True) -> None:
@@ -79,6 +80,8 @@ class HiCacheGDSManager(OffloadingManager):
         self.evictions = 0
         self.failed_chunks = 0
         self._warm: threading.Thread | None = None
+        self._warm_result: tuple[dict[int, list[str]], set[str], bool] | None = None
+        self._warm_cancelled = False
         if warm_start:
             self._warm = threading.Thread(target=self._warm_start, name="hicache-gds-vllm-warm", daemon=True)
             self._warm.start()
@@ -93,6 +96,7 @@ class HiCacheGDSManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # docstring inherited
+        self._apply_warm()
         e = self._entries.get(key)
         if e is None:
             return LookupResult.RETRY if self._warm is not None else LookupResult.MISS
@@ -125,6 +129,7 @@ class HiCacheGDSManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         # docstring inherited
+        self._apply_warm()
         offered = list(keys)
         new = [k for k in dict.fromkeys(offered) if k not in self._entries]
         protect = set(offered)
@@ -184,12 +189,19 @@ class HiCacheGDSManager(OffloadingManager):
         out, self._events = self._events, []
         return out
 
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # docstring inherited
+        self._apply_warm()
+
     def has_pending_work(self) -> bool:
         # docstring inherited
+        self._apply_warm()
         return self._warm is not None
 
     def reset_cache(self) -> None:
         # docstring inherited
+        self._apply_warm()
+        self._warm_cancelled = self._warm is not None  # a rebuild still running is obsolete now
         ready = [k for k, e in self._entries.items() if e.state is ChunkState.READY]
         if ready:
             self._event(ready, removed=True)
@@ -202,9 +214,15 @@ class HiCacheGDSManager(OffloadingManager):
 
     def shutdown(self) -> None:
         # docstring inherited
+        self.wait_warm_start()
+
+    def wait_warm_start(self, timeout: float = 30.0) -> None:
+        """Block until the warm start (if any) has been merged. Call without holding `lock`."""
         t = self._warm
         if t is not None:
-            t.join(timeout=30)
+            t.join(timeout=timeout)
+            with self._lock:
+                self._apply_warm()
 
     # -- helpers -------------------------------------------------------------------------------
     def _evict(self, group: int, need: int, protect: set[OffloadKey], evicted: list[OffloadKey]) -> int:
@@ -236,6 +254,7 @@ class HiCacheGDSManager(OffloadingManager):
 
     def stats(self) -> dict[str, int]:
         """Chunk counts for logs and tests (call with `lock` held)."""
+        self._apply_warm()
         ready = sum(e.state is ChunkState.READY for e in self._entries.values())
         return {"ready": ready, "pending": len(self._entries) - ready, "capacity_per_group": self.capacity,
                 "pinned": sum(e.pins > 0 for e in self._entries.values()), "evictions": self.evictions,
@@ -258,22 +277,36 @@ class HiCacheGDSManager(OffloadingManager):
                 stale.update(k for keys in per_rank for k in keys if k not in keep)
         except Exception:  # noqa: BLE001 -- a warm start is an optimisation; never fail the engine
             log.exception("hicache-gds-vllm: warm start failed; starting cold")
-            ready, stale = {}, set()
-            with self._lock:
-                self._clear = True
-        with self._lock:
-            n = 0
-            for gid, keys in ready.items():
-                for sk in reversed(keys):  # oldest ends up first
-                    k = OffloadKey(bytes.fromhex(sk))
-                    if k in self._entries or self._used.get(gid, 0) >= self.capacity:
-                        continue
-                    self._entries[k] = _Entry(ChunkState.READY, gid)
-                    self._entries.move_to_end(k, last=False)
-                    self._used[gid] = self._used.get(gid, 0) + 1
-                    n += 1
-            # A stale key stored again since start is live now: never drop it.
-            self._drops.extend(sk for sk in sorted(stale) if OffloadKey(bytes.fromhex(sk)) not in self._entries)
-            self._warm = None
+            self._warm_result = ({}, set(), True)
+            return
+        # Handed over by one assignment; the scheduler thread merges it inside its own lock region,
+        # so this thread never competes for the lock with a busy step loop.
+        self._warm_result = (ready, stale, False)
+
+    def _apply_warm(self) -> None:
+        if self._warm_result is None:
+            return
+        ready, stale, failed = self._warm_result
+        self._warm_result = None
+        self._warm = None
+        if self._warm_cancelled:
+            return
+        if failed:
+            self._clear = True
+            return
+        n = 0
+        for gid, keys in ready.items():
+            for sk in reversed(keys):  # oldest ends up first
+                k = OffloadKey(bytes.fromhex(sk))
+                if k in self._entries or self._used.get(gid, 0) >= self.capacity:
+                    continue
+                self._entries[k] = _Entry(ChunkState.READY, gid)
+                self._entries.move_to_end(k, last=False)
+                self._used[gid] = self._used.get(gid, 0) + 1
+                n += 1
+        # A stale key stored again since start is live now: never drop it.
+        self._drops.extend(sk for sk in sorted(stale) if OffloadKey(bytes.fromhex(sk)) not in self._entries)
+        if n:
+            self._event([k for k, e in self._entries.items() if e.state is ChunkState.READY][:n], removed=False)
         if n or stale:
             log.info("hicache-gds-vllm: warm start found %d loadable chunks and %d stale pages", n, len(stale))

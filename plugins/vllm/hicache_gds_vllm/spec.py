@@ -143,7 +143,10 @@ class HiCacheGDSOffloadingSpec(OffloadingSpec):
             raise ConfigError("GDS_PATH is not set: give gds_path in kv_connector_extra_config or the GDS_PATH "
                               "environment variable (one directory per NVMe drive, comma-separated)")
         self.identity = engine_identity(config)
-        self.spec_id = namespace_id(self.identity)
+        # The adapter's own directory: per engine identity, tenant and directory set, so a manifest
+        # or capacity record can never describe another configuration's stores.
+        self.spec_id = namespace_id({**self.identity, "tenant": self.hicache.namespace,
+                                     "gds_path": ",".join(self.hicache.gds_path)})
         self.sidecar = SideDir(self.hicache.gds_path[0], self.spec_id)
         self.capacity_chunks = self.sidecar.agreed_capacity(
             _proposed_capacity(self.hicache, config), explicit=bool(self.hicache.capacity))

@@ -93,7 +93,8 @@ class HiCacheGDSWorker(OffloadingWorker):
         self.geos: list[GroupGeometry] = []
         for refs in kv_caches.group_data_refs:
             ts = [tensors[r.tensor_idx] for r in refs]
-            self.geos.append(GroupGeometry.build([t.data_ptr() for t in ts], [t.stride(0) * t.element_size() for t in ts],
+            self.geos.append(GroupGeometry.build([t.data_ptr() for t in ts],
+                                                 [t.stride(0) * t.element_size() for t in ts],
                                                  [r.page_size_bytes for r in refs], self.bpc))
         scratch = sum(scratch_bytes_needed(g) for g in self.geos)
         self._scratch = {name: _Scratch(scratch, self.kind, self.device) for name in ("main", "expedited")}
@@ -152,6 +153,12 @@ class HiCacheGDSWorker(OffloadingWorker):
             jobs = [self._pending[j] for j in job_ids if j in self._pending]
         for job in jobs:
             job.done.wait()
+
+    def drain(self) -> None:
+        """Block until every submitted job has finished (tests, benchmarks, shutdown)."""
+        with self._mu:
+            ids = set(self._pending)
+        self.wait(ids)
 
     def shutdown(self) -> None:
         # docstring inherited

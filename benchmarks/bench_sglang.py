@@ -1,0 +1,203 @@
+"""HiCacheGDS against SGLang's own L3 backends and fio: same host pool, same directory, same bytes, same run.
+
+    sudo .venv-sgl/bin/python benchmarks/bench_sglang.py --dir /mnt/nvme/bench [--rounds 3] [--pages 512]
+
+The pages are Llama-3-8B's: 32 layers x 8 KV heads x 128 x bf16 x 16 tokens = 2 MiB, in a
+``page_first`` host pool (tests/sglang_pools.py's CPU mimic of SGLang's MHA pool), moved in
+batches of 128 pages (SGLang's STORAGE_BATCH_SIZE). Each backend is driven as SGLang's controller
+drives it:
+
+* ``HiCacheGDS`` -- ``batch_set_v1`` / ``batch_get_v1`` (zero-copy, selected by ``interface_v1``);
+* ``HiCacheFile`` -- its copy path: ``batch_set(keys, [get_data_page(i)])``, and
+  ``batch_get(keys, [get_dummy_flat_data_page()])`` then ``set_from_flat_data_page`` per page;
+* ``HiCacheNixl`` -- ``batch_set_v1`` / ``batch_get_v1`` with the NIXL POSIX plugin, O_DIRECT;
+* fio -- libaio, O_DIRECT, one 2 MiB page per IO, iodepth 16, the same total bytes.
+
+Every round writes fresh keys with each backend, drops the page cache (``echo 3 >
+/proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` on the files), reads them back
+into poisoned slots and checks every byte. Rounds rotate the backend order so drift hits all
+columns alike. Prints a markdown table: best GB/s, spread (min-max) and our ratio to each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests")]
+
+PAGE_TOKENS, LAYERS, HEADS, HEAD_DIM = 16, 32, 8, 128
+
+
+def storage_config(extra):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name="bench/llama-3-8b-like", extra_config=extra)
+
+
+def drop_caches(root: str) -> str:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for d, _, files in os.walk(root):
+            for name in files:
+                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return "fadvise"
+
+
+class Driver:
+    """One backend, driven as SGLang's controller drives it."""
+
+    def __init__(self, name, backend, pool, zero_copy):
+        self.name, self.b, self.pool, self.zero_copy = name, backend, pool, zero_copy
+
+    def _idx(self, pages):
+        return torch.cat([torch.arange(p * PAGE_TOKENS, (p + 1) * PAGE_TOKENS) for p in pages])
+
+    def set(self, keys, pages):
+        if self.zero_copy:
+            return all(self.b.batch_set_v1(keys, self._idx(pages)))
+        return self.b.batch_set(keys, [self.pool.get_data_page(p * PAGE_TOKENS) for p in pages])
+
+    def get(self, keys, pages):
+        if self.zero_copy:
+            return all(self.b.batch_get_v1(keys, self._idx(pages)))
+        data = self.b.batch_get(keys, [self.pool.get_dummy_flat_data_page() for _ in keys])
+        for d, p in zip(data, pages):
+            if d is None:
+                return False
+            self.pool.set_from_flat_data_page(p * PAGE_TOKENS, d)
+        return True
+
+
+def make_backends(root, pool, npages, rounds, which):
+    out = []
+    if "gds" in which:
+        from hicache_gds_sglang import HiCacheGDS
+        d = os.path.join(root, "gds")
+        os.makedirs(d, exist_ok=True)
+        b = HiCacheGDS(storage_config({"gds_path": d, "capacity": (rounds + 1) * npages * (2 << 20)}), pool)
+        out.append(Driver("HiCacheGDS", b, pool, True))
+    if "file" in which:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+        b = HiCacheFile(storage_config({"file_storage_path": os.path.join(root, "file")}))
+        b.register_mem_pool_host(pool)
+        out.append(Driver("HiCacheFile", b, pool, False))
+    if "nixl" in which:
+        import nixl_cu13
+        import nixl_cu13._api
+        sys.modules.setdefault("nixl", nixl_cu13)
+        sys.modules.setdefault("nixl._api", nixl_cu13._api)
+        os.environ["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] = os.path.join(root, "nixl")
+        os.environ.setdefault("SGLANG_HICACHE_NIXL_BACKEND_PLUGIN", "POSIX")
+        from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
+        b = HiCacheNixl(storage_config({"l3_cleaner_enabled": False}))
+        b.register_mem_pool_host(pool)
+        out.append(Driver(f"HiCacheNixl ({os.environ['SGLANG_HICACHE_NIXL_BACKEND_PLUGIN']})", b, pool, True))
+    return out
+
+
+def fio(root, rw, nbytes, tag):
+    argv = ["fio", f"--name={tag}", f"--directory={root}", f"--filename=fio-{tag}.dat", f"--size={nbytes}",
+            "--bs=2M", f"--rw={rw}", "--ioengine=libaio", "--direct=1", "--iodepth=16", "--output-format=json"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/work/bench-sglang", help="on the disk to measure (not tmpfs)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pages", type=int, default=512, help="pages per backend per round (batches of 128)")
+    ap.add_argument("--backends", default="gds,file,nixl,fio")
+    ap.add_argument("--json", help="write the raw numbers here")
+    args = ap.parse_args()
+    which = set(args.backends.split(","))
+    import sglang_pools
+    root = os.path.abspath(args.dir)
+    if os.path.exists(root):
+        shutil.rmtree(root)
+    os.makedirs(root)
+    n = args.pages
+    pool = sglang_pools.make_host_pool(kind="mha", layout="page_first", page_num=2 * n, page_size=PAGE_TOKENS,
+                                       layer_num=LAYERS, head_num=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16)
+    sglang_pools.fill_random(pool, seed=0)
+    kv = pool.kv_buffer.view(torch.uint8)
+    page_bytes = 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    drivers = make_backends(root, pool, n, args.rounds, which)
+    results = {d.name: {"set": [], "get": []} for d in drivers}
+    if "fio" in which:
+        results["fio (libaio, O_DIRECT, QD16)"] = {"set": [], "get": []}
+    how = ""
+    for r in range(args.rounds):
+        order = drivers[r % len(drivers):] + drivers[:r % len(drivers)] if drivers else []
+        for d in order:
+            keys = [f"{r:02x}{d.name[:8]}{i:x}".encode().hex()[:64].rjust(64, "0") for i in range(n)]
+            t0 = time.perf_counter()
+            ok = all(d.set(keys[i:i + 128], src[i:i + 128]) for i in range(0, n, 128))
+            t_set = time.perf_counter() - t0
+            how = drop_caches(root)
+            kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS].fill_(0xA5)
+            t0 = time.perf_counter()
+            ok = ok and all(d.get(keys[i:i + 128], dst[i:i + 128]) for i in range(0, n, 128))
+            t_get = time.perf_counter() - t0
+            same = torch.equal(kv[:, :n * PAGE_TOKENS], kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS])
+            if not (ok and same):
+                raise SystemExit(f"{d.name}: round {r} failed (calls ok={ok}, bytes equal={same})")
+            results[d.name]["set"].append(n * page_bytes / t_set / 1e9)
+            results[d.name]["get"].append(n * page_bytes / t_get / 1e9)
+            print(f"round {r} {d.name}: set {results[d.name]['set'][-1]:.2f} GB/s, get {results[d.name]['get'][-1]:.2f}"
+                  f" GB/s (cold: {how}), bytes checked", flush=True)
+        if "fio" in which:
+            name = "fio (libaio, O_DIRECT, QD16)"
+            results[name]["set"].append(fio(root, "write", n * page_bytes, f"r{r}"))
+            drop_caches(root)
+            results[name]["get"].append(fio(root, "read", n * page_bytes, f"r{r}"))
+            os.unlink(os.path.join(root, f"fio-r{r}.dat"))
+            print(f"round {r} fio: set {results[name]['set'][-1]:.2f} GB/s, get {results[name]['get'][-1]:.2f} GB/s",
+                  flush=True)
+    for d in drivers:
+        if hasattr(d.b, "close"):
+            d.b.close()
+    report(results, n, page_bytes, args.rounds, how)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"pages": n, "page_bytes": page_bytes, "rounds": args.rounds, "cold": how,
+                       "results": results}, f, indent=1)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def report(results, n, page_bytes, rounds, how):
+    ours = results.get("HiCacheGDS")
+    print(f"\n{n} pages x {page_bytes >> 20} MiB per backend per round, batches of 128, {rounds} rounds, "
+          f"reads cold ({how}); GB/s = 1e9 B/s\n")
+    print("| backend | set best | set spread | get best | get spread | HiCacheGDS / this, set | get |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        cells = [f"{max(r[op]):.2f}" if r[op] else "-" for op in ("set", "get")]
+        spread = [f"{min(r[op]):.2f}-{max(r[op]):.2f}" if r[op] else "-" for op in ("set", "get")]
+        ratio = [f"{max(ours[op]) / max(r[op]):.2f}x" if ours and r[op] and name != "HiCacheGDS" else ""
+                 for op in ("set", "get")]
+        print(f"| {name} | {cells[0]} | {spread[0]} | {cells[1]} | {spread[1]} | {ratio[0]} | {ratio[1]} |")
+
+
+if __name__ == "__main__":
+    main()

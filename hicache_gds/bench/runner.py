@@ -1,0 +1,513 @@
+"""Run benchmark jobs against `PageStore`s: what `hicache-gds-bench` measures.
+
+One IO is one `PageStore.put` (write) or `get` (read) of `batch` pages of the job's page geometry
+(`--model`/`--layout`, or one `bs`-byte segment). `iodepth` threads per job keep that many batches
+in flight (the store is thread-safe); `numjobs` jobs run side by side on one store, each with its
+own keys, and are reported together (like fio's `group_reporting`). Per IO: slat = building the
+keys and page descriptors, clat = the store call, lat = both.
+
+Keys: job c, pass "generation" g, page i is `c{c}.g{g}.{i}`. Writes always write a fresh
+generation (the store never rewrites a present key); reads read the generation a previous job of
+the same shape left behind (`write` then `read` shares the store), or one written first, untimed.
+Sequential modes take keys in order into consecutive buffer pages; random modes take keys in a
+random order and random pages of the buffer. Buffers hold `iodepth * numjobs * batch` pages laid
+out as one plane per segment (segment s of page p at `plane[s] + p * seg[s]`, the way SGLang's
+host pools keep K and V apart), source pages filled with random bytes. The expected xxh3 of
+every written key is kept, so `--verify` re-reads the keys and compares: a page the store cannot
+return (its checksum turns corruption into a miss) or whose bytes differ is a verify error (fio's
+`err=84`, EILSEQ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import glob
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from ..config import Config
+from ..engines import engine_class
+from ..engines.base import MemKind
+from ..engines.gds_probe import gpu_present
+from ..errors import ConfigError, EngineUnavailable
+from ..layout import Pages
+from ..memory import HostBuffer, align_up, view
+from ..store import PageStore
+from .options import JobOptions, OptionError, PageGeometry
+from .raw import (Bars, Measured, Outcome, Plan, RawFile, drop_caches, fill_random, has_reads, run_fio,
+                  run_phase, run_raw)
+from .report import JobResult
+
+__all__ = ["Session", "DEFAULT_SIZE", "resolve_engines", "scratch_root", "direction_summary"]
+
+DEFAULT_SIZE = 1 << 30
+"""Bytes per job when the job gives no `size`."""
+_COUNTERS = ("pages_written", "pages_read", "hits", "misses", "put_failed", "get_failed",
+             "checksum_mismatches", "timeouts", "staged_pages")
+
+
+def resolve_engines(spec: str) -> tuple[list[str], bool]:
+    """Engine names of `--engine` (`all`, `a,b` or one name) and whether it named several."""
+    from ..engines import engine_names
+    if spec == "all":
+        return engine_names(), True
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    return names, len(names) > 1
+
+
+def scratch_root() -> str:
+    """A directory on a real disk for a temporary GDS_PATH: $TMPDIR, the current directory or
+    /var/tmp, the first whose file system is not in memory and accepts O_DIRECT."""
+    from ..doctor import fs_info, o_direct_ok
+    tried = []
+    for cand in (os.environ.get("TMPDIR", ""), os.getcwd(), "/var/tmp"):
+        if not cand or not os.path.isdir(cand) or not os.access(cand, os.W_OK):
+            continue
+        fs = fs_info(cand)
+        ok, why = o_direct_ok(cand)
+        if fs["fstype"] not in ("tmpfs", "ramfs") and ok:
+            return os.path.realpath(cand)
+        tried.append(f"{cand} ({fs['fstype']}{'' if ok else ', ' + why})")
+    raise OptionError("no directory on a real disk for the benchmark; tried " + "; ".join(tried)
+                      + ". Give --directory or set GDS_PATH", "directory")
+
+
+def direction_summary(m: Measured) -> dict[str, Any]:
+    """Headline numbers per active direction of a measured phase (like `fio_job_summary`)."""
+    out: dict[str, Any] = {"usr_cpu": m.usr_cpu, "sys_cpu": m.sys_cpu}
+    for ddir, d in (("read", m.read), ("write", m.write)):
+        if d.total_ios:
+            s = d.clat.summary((50.0, 99.0))
+            out[ddir] = {"bw_bytes": d.bw_bytes, "iops": d.iops, "io_bytes": d.io_bytes,
+                         "runtime_ms": d.runtime_ns // 1_000_000, "clat_mean_ns": s.mean,
+                         "clat_p50_ns": s.percentiles.get(50.0), "clat_p99_ns": s.percentiles.get(99.0)}
+    return out
+
+
+def _total_bw(summary: dict) -> float:
+    return float(sum((summary.get(d) or {}).get("bw_bytes") or 0 for d in ("read", "write")))
+
+
+@dataclass
+class _Entry:
+    """An open store of the session and which generation of keys it holds in full."""
+
+    store: PageStore
+    capacity_pages: int
+    dataset: int | None = None
+    next_gen: int = 0
+    expected: dict[int, np.ndarray] = field(default_factory=dict)   # gen -> xxh3 per key
+
+
+class _Buffers:
+    """Source (random bytes) and destination pages of one job run, registered with the store."""
+
+    def __init__(self, store: PageStore, mem: str, geometry: PageGeometry, nbuf: int, seed: int) -> None:
+        self.nbuf, self.geometry = nbuf, geometry
+        self.seg = np.asarray(geometry.segments, dtype=np.uint64)
+        planes = self.seg * np.uint64(nbuf)
+        self.plane_off = np.cumsum(planes) - planes
+        self.nbytes = nbuf * geometry.page_bytes
+        self.kind = MemKind.VRAM if mem == "vram" else MemKind.DRAM
+        self._store, self._keep = store, []
+        if self.kind is MemKind.VRAM:
+            import torch
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            src = torch.randint(0, 256, (self.nbytes,), dtype=torch.uint8, device="cuda", generator=g)
+            dst = torch.full((self.nbytes,), 0xEE, dtype=torch.uint8, device="cuda")
+            self._keep = [src, dst]
+            self.base = {"src": src.data_ptr(), "dst": dst.data_ptr()}
+        else:
+            src, dst = (HostBuffer(self.nbytes, pinned=mem == "pinned") for _ in range(2))
+            fill_random(src.addr, src.nbytes, seed)
+            view(dst.addr, dst.nbytes)[:] = b"\xee" * dst.nbytes   # touch every page before timing
+            self._keep = [src, dst]
+            self.base = {"src": src.addr, "dst": dst.addr}
+        for addr in self.base.values():
+            store.register_memory(addr, self.nbytes, self.kind)
+        self._src_hash: np.ndarray | None = None
+
+    def pages(self, which: str, idx: np.ndarray) -> Pages:
+        """Pages `idx` of the source or destination buffer."""
+        idx = np.asarray(idx, dtype=np.uint64).reshape(-1, 1)
+        addrs = np.uint64(self.base[which]) + self.plane_off.reshape(1, -1) + idx * self.seg.reshape(1, -1)
+        return Pages(addrs, np.broadcast_to(self.seg, addrs.shape).copy(), self.kind)
+
+    def page_hash(self, which: str, p: int) -> int:
+        h = xxhash.xxh3_64()
+        pages = self.pages(which, np.array([p]))
+        for addr, n in zip(pages.addrs[0].tolist(), pages.lens[0].tolist()):
+            if self.kind is MemKind.VRAM:
+                t = self._keep[0 if which == "src" else 1]
+                off = addr - self.base[which]
+                h.update(t[off:off + n].cpu().numpy().tobytes())
+            else:
+                h.update(view(addr, n))
+        return h.intdigest()
+
+    def src_hashes(self) -> np.ndarray:
+        if self._src_hash is None:
+            self._src_hash = np.array([self.page_hash("src", p) for p in range(self.nbuf)], dtype=np.uint64)
+        return self._src_hash
+
+    def close(self) -> None:
+        for addr in self.base.values():
+            self._store.engine.deregister_memory(addr)
+        for b in self._keep:
+            if isinstance(b, HostBuffer):
+                b.close()
+        self._keep = []
+
+
+class _Workload:
+    """Which keys and buffer pages IO number j moves (see the module docstring)."""
+
+    def __init__(self, opts: JobOptions, store: PageStore, bufs: _Buffers, npages: int,
+                 gen_write: int, gen_read: int | None, seed: int) -> None:
+        self.opts, self.store, self.bufs, self.npages = opts, store, bufs, npages
+        self.batch, self.njobs = opts.batch_size, opts.numjobs
+        self.nb = math.ceil(npages / self.batch)
+        self.nios = self.nb * self.njobs
+        self.gen_write, self.gen_read = gen_write, gen_read
+        self.page_bytes = bufs.geometry.page_bytes
+        self.random = opts.rw.startswith("rand")
+        rng = np.random.default_rng(seed)
+        self.order = rng.permutation(npages) if self.random else np.arange(npages)
+        total = npages * self.njobs
+        self.src_page = (rng.integers(0, bufs.nbuf, total) if self.random
+                         else np.arange(total) % bufs.nbuf)
+        self.is_read = (rng.random(self.nios) * 100 < opts.rwmixread if opts.rw == "randrw"
+                        else np.full(self.nios, "read" in opts.rw))
+        nthreads = opts.iodepth * self.njobs
+        self.rngs = [np.random.default_rng([seed, t]) for t in range(nthreads)]
+
+    def where(self, j: int) -> tuple[int, int, np.ndarray]:
+        """(job, pass, page indices) of IO number j."""
+        k, c = divmod(j, self.njobs)
+        loop, b = divmod(k, self.nb)
+        return c, loop, self.order[b * self.batch:(b + 1) * self.batch]
+
+    @staticmethod
+    def keys(c: int, gen: int, idx: np.ndarray) -> list[str]:
+        return [f"c{c}.g{gen}.{i}" for i in idx.tolist()]
+
+    def expected(self) -> np.ndarray:
+        """xxh3 of every key this workload writes, by global page index."""
+        return self.bufs.src_hashes()[self.src_page]
+
+    def io(self, j: int, t: int) -> Outcome:
+        t0 = time.perf_counter_ns()
+        c, loop, idx = self.where(j)
+        n = len(idx)
+        if self.is_read[j % self.nios]:
+            keys = self.keys(c, self.gen_read, idx)
+            # Thread t owns pages t, t+T, t+2T, ...: concurrent reads never share a destination
+            # page (the store hashes a page after reading it). Random: its pages in random order,
+            # scattered over the whole buffer; sequential: a contiguous region of its own.
+            nthreads = len(self.rngs)
+            dst = (self.rngs[t].permutation(self.batch)[:n] * nthreads + t if self.random
+                   else t * self.batch + np.arange(n))
+            pages = self.bufs.pages("dst", dst)
+            t1 = time.perf_counter_ns()
+            ok = self.store.get(keys, pages)
+            ddir = "read"
+        else:
+            keys = self.keys(c, self.gen_write + loop, idx)
+            pages = self.bufs.pages("src", self.src_page[c * self.npages + idx])
+            t1 = time.perf_counter_ns()
+            ok = self.store.put(keys, pages)
+            ddir = "write"
+        return Outcome(ddir, n * self.page_bytes, t1 - t0, time.perf_counter_ns() - t1, n - sum(ok))
+
+
+class Session:
+    """Directories, open stores and baseline files shared by the jobs of one run.
+
+    `run(job, engines)` measures one job (one sweep point) on each engine, then the raw and fio
+    baselines, and returns one `JobResult` per engine that ran, each with its ratios. Engines
+    that cannot run are recorded in `skipped` (or raise, with `strict`). `close()` closes the
+    stores and removes every file and directory the session created.
+    """
+
+    def __init__(self, *, bars: Bars | None = None, log: Callable[[str], None] | None = None,
+                 fio: str | None = None) -> None:
+        self.bars, self.log, self.fio = bars, log or (lambda s: None), fio
+        self.skipped: list[dict[str, str]] = []
+        self.cache_methods: set[str] = set()
+        self._dirs: dict[str | None, list[str]] = {}
+        self._created: list[str] = []
+        self._stores: dict[tuple, _Entry] = {}
+        self._raw: dict[tuple, RawFile] = {}
+
+    # -- places ------------------------------------------------------------------------------
+    def directories(self, opts: JobOptions) -> list[str]:
+        """Temporary directories (one per root) of `opts.directory`, GDS_PATH or a scratch disk."""
+        spec = opts.directory
+        if spec not in self._dirs:
+            from ..doctor import o_direct_ok
+            if spec:
+                roots = [r for r in spec.replace(",", ":").split(":") if r]
+            else:
+                roots = list(Config.load().gds_path) or [scratch_root()]
+            made = []
+            for root in roots:
+                if not os.path.isdir(root):
+                    raise OptionError(f"--directory: {root} is not a directory", "directory")
+                d = tempfile.mkdtemp(prefix="hicache-gds-bench.", dir=root)
+                self._created.append(d)
+                ok, why = o_direct_ok(d)
+                if opts.direct and not ok:
+                    raise OptionError(f"--directory: {root} does not support O_DIRECT ({why}); use a "
+                                      f"directory on a real disk, or --direct=0", "directory")
+                made.append(d)
+            self._dirs[spec] = made
+        return self._dirs[spec]
+
+    def _cold(self, files: list[str]) -> str:
+        how = drop_caches(files)
+        self.cache_methods.add(how)
+        return how
+
+    # -- stores ------------------------------------------------------------------------------
+    @staticmethod
+    def _precheck(engine: str, mem: str) -> None:
+        if mem == "vram" and not gpu_present():
+            raise EngineUnavailable("--mem=vram needs a CUDA GPU, and none is visible")
+        if engine == "auto":
+            return
+        try:
+            cls = engine_class(engine)
+        except ValueError as exc:
+            raise OptionError(f"--engine: {exc}", "engine") from None
+        if cls.uses_cufile and not gpu_present():
+            raise EngineUnavailable(f"{engine}: no CUDA GPU is visible, and cuFile hangs without one")
+
+    def _store(self, opts: JobOptions, engine: str, dirs: list[str], total: int, need: int) -> _Entry:
+        g = opts.geometry
+        key = (engine, tuple(dirs), g.segments, opts.mem, opts.direct, total)
+        e = self._stores.get(key)
+        if e is not None and e.capacity_pages >= need:
+            return e
+        if e is not None:
+            e.store.close()
+            for d in e.store.dirs:
+                shutil.rmtree(d, ignore_errors=True)
+        slot = align_up(g.page_bytes)
+        cfg = {"gds_path": list(dirs), "capacity": need * slot, "engine": engine, "direct_io": opts.direct}
+        ident = {"bench": "hicache-gds-bench", "engine": engine, "segments": ",".join(map(str, g.segments)),
+                 "mem": opts.mem, "pages": total, "capacity": need}
+        kinds = (MemKind.VRAM,) if opts.mem == "vram" else (MemKind.DRAM,)
+        store = PageStore(g.page_bytes, ident, config=cfg, mem_kinds=kinds)
+        self._stores[key] = e = _Entry(store, need)
+        return e
+
+    # -- running -----------------------------------------------------------------------------
+    def run(self, opts: JobOptions, engines: Sequence[str], *, strict: bool = False,
+            before_verify: Callable[[PageStore, list[str]], None] | None = None) -> list[JobResult]:
+        """Measure one job point on `engines`, then its baselines; see the class docstring."""
+        g = opts.geometry
+        npages = (opts.size or DEFAULT_SIZE) // g.page_bytes
+        if npages < 1:
+            raise OptionError(f"--size: {opts.size} bytes hold no page of {g.page_bytes} bytes", "size")
+        dirs = self.directories(opts)
+        results = []
+        for engine in engines:
+            try:
+                self._precheck(engine, opts.mem)
+                r = self._run_engine(opts, engine, dirs, npages, len(engines) > 1, before_verify)
+            except (EngineUnavailable, ConfigError) as exc:
+                if strict or isinstance(exc, OptionError):
+                    raise
+                why = str(exc).removeprefix(f"{engine}: ")
+                if not any(s["engine"] == engine and s["reason"] == why for s in self.skipped):
+                    self.log(f"hicache-gds-bench: skipping engine {engine}: {why}")
+                self.skipped.append({"job": opts.name, "engine": engine, "reason": why})
+                continue
+            results.append(r)
+        if results:
+            self._baselines(opts, dirs, align_up(g.page_bytes), npages, results)
+        return results
+
+    def _run_engine(self, opts: JobOptions, engine: str, dirs: list[str], npages: int, multi: bool,
+                    before_verify: Callable[[PageStore, list[str]], None] | None) -> JobResult:
+        nj, batch, threads = opts.numjobs, opts.batch_size, opts.iodepth * opts.numjobs
+        total = nj * npages
+        need = total + threads * batch + total // 64 + 16
+        if opts.rw == "randrw":
+            need += math.ceil(total * (100 - opts.rwmixread) / 100)
+        entry = self._store(opts, engine, dirs, total, need)
+        store = entry.store
+        seed = opts.randseed if opts.randseed is not None else 0x5EED
+        bufs = _Buffers(store, opts.mem, opts.geometry, threads * batch, seed)
+        label = f"{opts.name} {engine}"
+        try:
+            prefilled, cache = False, None
+            if has_reads(opts.rw) and entry.dataset is None:
+                gen = entry.next_gen
+                entry.next_gen += 1
+                fill = _Workload(dataclasses.replace(opts, rw="write"), store, bufs, npages, gen, None, seed)
+                pm = run_phase(threads, Plan(fill.nios), fill.io, self.bars, f"{label} prefill",
+                               total * fill.page_bytes)
+                if pm.failed["write"]:
+                    raise OSError(errno.EIO, f"{engine}: prefill wrote only {total - pm.failed['write']} "
+                                             f"of {total} pages")
+                entry.dataset, entry.expected[gen], prefilled = gen, fill.expected(), True
+            if has_reads(opts.rw) and opts.drop_caches:
+                cache = self._cold(list(store.slabs.paths))
+            work = _Workload(opts, store, bufs, npages, entry.next_gen, entry.dataset, seed)
+            s0, t_start = store.stats(), time.time()
+            m = run_phase(threads, Plan.of(opts, work.nios), work.io, self.bars, label,
+                          work.nios and total * work.page_bytes)
+            s1 = store.stats()
+            loops = math.ceil(m.issued / work.nios)
+            writes = opts.rw in ("write", "randwrite", "randrw")
+            if writes and loops:
+                exp = work.expected()
+                for gen in range(work.gen_write, work.gen_write + loops):
+                    entry.expected[gen] = exp
+                entry.next_gen = work.gen_write + loops
+            if opts.rw in ("write", "randwrite"):
+                complete = m.issued % work.nios == 0
+                entry.dataset = work.gen_write + loops - 1 if complete and loops else None
+            elif opts.rw == "randrw" and loops > 1:
+                entry.dataset = None          # later writes may have evicted part of it
+            verify = None
+            if opts.verify:
+                verify = self._verify(opts, entry, work, m, before_verify)
+        finally:
+            bufs.close()
+        return self._result(opts, engine, multi, m, s0, s1, t_start, prefilled, cache, verify, dirs,
+                            threads, work)
+
+    def _verify(self, opts: JobOptions, entry: _Entry, work: _Workload, m: Measured,
+                before_verify: Callable[[PageStore, list[str]], None] | None) -> dict[str, Any]:
+        """Re-read what the job wrote (writes) or read (reads) and compare with the expected xxh3."""
+        if opts.rw in ("write", "randwrite"):
+            last = (m.issued - 1) // work.nios
+            todo = [(j, work.gen_write + last) for j in range(last * work.nios, m.issued)]
+        else:
+            todo = [(j, work.gen_read) for j in range(work.nios)]
+        batches = []
+        for j, gen in todo:
+            c, _, idx = work.where(j)
+            batches.append((work.keys(c, gen, idx), c * work.npages + idx, gen))
+        if before_verify is not None:
+            before_verify(entry.store, [k for keys, _, _ in batches for k in keys])
+        bad: list[str] = []
+        missing = mismatched = checked = 0
+        for keys, gidx, gen in batches:
+            if opts.rw == "randrw":
+                present = entry.store.exists(keys)
+                sel = [i for i, p in enumerate(present) if p]
+                keys, gidx = [keys[i] for i in sel], gidx[sel]
+            dst = np.arange(len(keys))
+            ok = entry.store.get(keys, work.bufs.pages("dst", dst))
+            expect = entry.expected[gen][gidx]
+            for n, (key, good) in enumerate(zip(keys, ok)):
+                checked += 1
+                if not good:
+                    missing += 1
+                    bad.append(key)
+                elif work.bufs.page_hash("dst", n) != int(expect[n]):
+                    mismatched += 1
+                    bad.append(key)
+        return {"pages": checked, "failed": missing + mismatched, "unreadable": missing,
+                "mismatched": mismatched, "bad_keys": bad[:8], "hash": "xxh3_64"}
+
+    def _result(self, opts: JobOptions, engine: str, multi: bool, m: Measured, s0: dict, s1: dict,
+                t_start: float, prefilled: bool, cache: str | None, verify: dict | None,
+                dirs: list[str], threads: int, work: _Workload) -> JobResult:
+        delta = {k: s1.get(k, 0) - s0.get(k, 0) for k in _COUNTERS}
+        delta["evictions"] = s1.get("evictions", 0) - s0.get("evictions", 0)
+        err, why = 0, []
+        if m.failed["write"]:
+            err, why = errno.EIO, why + [f"{m.failed['write']} page(s) not written"]
+        lost = delta["get_failed"] + delta["checksum_mismatches"] + (delta["misses"] if opts.rw != "randrw" else 0)
+        if m.failed["read"] and lost:
+            err, why = errno.EIO, why + [f"{lost} page(s) not read ({delta['misses']} missing, "
+                                         f"{delta['checksum_mismatches']} failed the checksum)"]
+        if verify and verify["failed"]:
+            err = errno.EILSEQ
+            why.append(f"verify: {verify['failed']} of {verify['pages']} page(s) bad ({verify['unreadable']} "
+                       f"unreadable or failed the store checksum, {verify['mismatched']} with wrong bytes), "
+                       f"first {verify['bad_keys'][0]}")
+        name = f"{opts.name}[{engine}]" if multi else opts.name
+        shown = dataclasses.replace(opts, name=name, engine=engine) if multi else opts
+        ours = {"engine": s1.get("engine"), "engine_requested": opts.engine, "path": s1.get("path"),
+                "engine_reason": s1.get("engine_reason"), "gpu_direct": s1.get("gpu_direct"),
+                "direct_io": s1.get("direct_io"), "slot_bytes": s1.get("slot_bytes"),
+                "pages": work.npages * opts.numjobs, "ios_per_pass": work.nios, "threads": threads,
+                "passes": m.issued / work.nios if work.nios else 0.0, "directory": dirs,
+                "prefilled": prefilled, "cache": cache, "store": delta, "verify": verify,
+                "slat": "building keys and page descriptors", "clat": "PageStore.put/get of one batch"}
+        n = m.total_ios
+        return JobResult(shown, read=m.read, write=m.write, usr_cpu=m.usr_cpu, sys_cpu=m.sys_cpu,
+                         ctx=m.ctx, majf=m.majf, minf=m.minf, error=err, error_text="; ".join(why),
+                         members=opts.numjobs, elapsed_s=m.wall_ns / 1e9, job_start_ms=int(t_start * 1000),
+                         iodepth_counts=dict(m.depths), submit_counts={1: n} if n else None,
+                         complete_counts={1: n} if n else None, hicache_gds=ours)
+
+    def _baselines(self, opts: JobOptions, dirs: list[str], slot: int, npages: int,
+                   results: list[JobResult]) -> None:
+        """Raw O_DIRECT and fio on the same pattern; ratios into every result's hicache_gds block."""
+        base: dict[str, Any] = {}
+        total = npages * opts.numjobs
+        for r in results:
+            r.hicache_gds.update(ratio_to_raw=None, ratio_to_fio=None)
+        if opts.raw:
+            key = (dirs[0], slot, total, opts.direct)
+            raw = self._raw.get(key) or self._raw.setdefault(key, RawFile(dirs[0], slot, total, opts.direct))
+            m, details = run_raw(opts, raw, bars=self.bars, cold=self._cold if opts.drop_caches else None)
+            base["raw"] = {**details, **direction_summary(m)}
+        if opts.fio is not False and (opts.fio or self.fio or shutil.which("fio")):
+            if has_reads(opts.rw) and opts.drop_caches:
+                self._cold(glob.glob(os.path.join(dirs[0], "fioref.*")))
+            bar = self.bars(f"{opts.name} fio (libaio)", None) if self.bars else None
+            try:
+                base["fio"] = run_fio(opts, dirs[0], slot, npages, exe=self.fio)
+            finally:
+                if bar is not None:
+                    bar.close()
+        for r in results:
+            ours = {"read": {"bw_bytes": r.read.bw_bytes}, "write": {"bw_bytes": r.write.bw_bytes}}
+            mine = _total_bw(ours)
+            r.hicache_gds["baseline"] = base
+            r.hicache_gds["ratios"] = {}
+            for name, b in base.items():
+                theirs = _total_bw(b)
+                r.hicache_gds[f"ratio_to_{name}"] = mine / theirs if theirs and mine else None
+                for ddir in ("read", "write"):
+                    tb = (b.get(ddir) or {}).get("bw_bytes")
+                    if tb and ours[ddir]["bw_bytes"]:
+                        r.hicache_gds["ratios"][f"{ddir}_vs_{name}"] = ours[ddir]["bw_bytes"] / tb
+
+    def close(self) -> None:
+        """Close every store and remove everything the session created. Idempotent."""
+        for e in self._stores.values():
+            try:
+                e.store.close()
+            except Exception as exc:  # noqa: BLE001 -- cleanup goes on
+                self.log(f"hicache-gds-bench: closing a store: {exc}")
+        self._stores.clear()
+        for raw in self._raw.values():
+            raw.close()
+        self._raw.clear()
+        for d in self._created:
+            shutil.rmtree(d, ignore_errors=True)
+        self._created.clear()
+        self._dirs.clear()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

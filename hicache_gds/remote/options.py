@@ -1,0 +1,68 @@
+"""`RemoteOptions`: the remote tier's settings, read from a `Config` and its dict of overrides."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Mapping
+
+import xxhash
+
+from ..config import ENV_PREFIX, Config
+from ..memory import view
+
+__all__ = ["RemoteOptions", "REMOTE_KEYS", "page_csum"]
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """Remote-tier settings. Config keys: `remote_url`, `remote_prefix`, `remote_timeout`."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "hicache"
+    redis_timeout: float = 2.0
+    """Seconds one Redis call may take."""
+    io_timeout: float = 10.0
+    """Seconds one batch's transfers may take (from `io_timeout`)."""
+    lease: float = 0.0
+    """Seconds a reserved slot stays reserved for a writer that never publishes (0: 2*io_timeout + 10)."""
+    refresh: float = 1.0
+    """Seconds between refreshes of the live server list."""
+    threads: int = 2
+    """Threads that drive transfers (and hash pages) in parallel; UCX over cma copies in the caller."""
+    request_bytes: int = 64 << 20
+    """Batches are cut into requests of at most this many bytes, spread over `threads`."""
+    verify: bool = True
+    """Check host pages' xxh3 checksums after reading (from `verify`)."""
+    net_devices: str = "lo"
+    """UCX_NET_DEVICES for this process when unset in the environment (loopback only)."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, overrides: Mapping[str, Any] | None = None,
+                    env: Mapping[str, str] | None = None) -> "RemoteOptions":
+        """Dict key > `Config` field (once the core declares it) > `HICACHE_GDS_<KEY>` > default."""
+        env = os.environ if env is None else env
+        overrides = overrides or {}
+        out: dict[str, Any] = {"io_timeout": cfg.io_timeout, "verify": cfg.verify}
+        for key, attr in REMOTE_KEYS.items():
+            if key in overrides:
+                val = overrides[key]
+            elif hasattr(cfg, key):
+                val = getattr(cfg, key)
+            else:
+                val = env.get(ENV_PREFIX + key.upper(), "")
+            default = getattr(cls, attr)
+            out[attr] = default if val in ("", None) else type(default)(val)
+        return cls(**out)
+
+
+REMOTE_KEYS = {"remote_url": "url", "remote_prefix": "prefix", "remote_timeout": "redis_timeout"}
+assert set(REMOTE_KEYS.values()) <= {f.name for f in fields(RemoteOptions)}
+
+
+def page_csum(segments: Iterable[tuple[int, int]]) -> int:
+    """xxh3-64 of a page's segments in order; never 0 (0 marks a page not hashed, e.g. device memory)."""
+    h = xxhash.xxh3_64()
+    for addr, n in segments:
+        h.update(view(addr, n))
+    return h.intdigest() or 1  # 0 means "not recorded" (device pages)

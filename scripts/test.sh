@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: system services (fio, redis-server), a virtualenv with
+# hicache-gds, its plugins and SGLang's real classes, then pytest. Usage: bash scripts/test.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+
+if [ "$(id -u)" = 0 ] && { ! command -v fio >/dev/null || ! command -v redis-server >/dev/null; }; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio redis-server >/dev/null
+fi
+# The tests start their own redis-server on a free loopback port; make sure none is left running
+# by the package's own service.
+if command -v service >/dev/null; then service redis-server stop >/dev/null 2>&1 || true; fi
+
+VENV=${VENV:-.venv-test}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+if [ -x scripts/install-sglang-test-deps.sh ]; then
+  bash scripts/install-sglang-test-deps.sh "$PY"
+else
+  "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -m pip install -q -e ".[test]"
+[ -f plugins/sglang/pyproject.toml ] && "$PY" -m pip install -q --no-deps -e plugins/sglang
+set +e
+"$PY" -m pytest -q -p no:cacheprovider tests "$@"
+rc=$?
+set -e
+exit $rc

@@ -1,0 +1,355 @@
+"""HiCacheGDS driven like SGLang's controller, on the mimic host pools, for every layout x MHA/MLA.
+
+Random page data, poisoned destinations, byte comparisons against the source pages and against
+SGLang's own HiCacheFile fed the same calls.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+from hicache_gds import ConfigError, PageStore
+from hicache_gds_sglang import HiCacheGDS
+from hicache_gds_sglang.naming import store_dirs
+from sgl_helpers import (KINDS, LAYOUTS, attach, generic_get, generic_set, hicache_file, indices, keys, leading,
+                         make_pool, page_bytes, poison, same_pages, storage_config)
+
+GRID = [(k, lay) for k in KINDS for lay in LAYOUTS]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("kind,layout", GRID)
+def test_zero_copy_roundtrip_and_prefix(gds_dir, kind, layout):
+    pool = make_pool(kind, layout)
+    b = attach(storage_config(gds_dir, is_mla_model=kind == "mla"), pool)
+    try:
+        ks = keys(16)
+        assert b.batch_exists(ks) == 0
+        assert b.batch_set_v1(ks, indices(range(16))) == [True] * 16
+        assert b.batch_set_v1(ks[:4], indices(range(4))) == [True] * 4  # present: not rewritten
+        assert b.batch_exists(ks) == 16 and b.batch_exists(ks[:5] + keys(1, "x") + ks[5:]) == 5
+        poison(pool, range(32, 48))
+        assert b.batch_get_v1(ks, indices(range(32, 48))) == [True] * 16
+        assert same_pages(pool, list(range(16)), pool, list(range(32, 48)))
+        poison(pool, range(32, 35))
+        got = b.batch_get_v1([ks[0], keys(1, "miss")[0], ks[2]], indices(range(32, 35)))
+        assert got == [True, False, True] and page_bytes(pool, 32) == page_bytes(pool, 0)
+        st = b.stats()["kv"]
+        assert st["pages_written"] == 16 and st["put_skipped_present"] == 4
+        m = b.get_stats()
+        assert m.backup_pgs == [16, 4] and m.prefetch_pgs == [16, 2] and b.get_stats().prefetch_pgs == []
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("kind,layout", GRID)
+def test_same_bytes_and_answers_as_hicache_file(gds_dir, tmp_path, kind, layout):
+    mla = kind == "mla"
+    pool = make_pool(kind, layout, pages=96)
+    ours = attach(storage_config(gds_dir, is_mla_model=mla), pool)
+    theirs = hicache_file(str(tmp_path / "file"), pool, is_mla_model=mla)
+    try:
+        ks, src = keys(24), list(range(24))
+        # each fed as SGLang feeds it: ours through the zero-copy functions, HiCacheFile through the copy ones
+        assert ours.batch_set_v1(ks[:20], indices(src[:20])) == [True] * 20
+        assert generic_set(theirs, pool, ks[:20], src[:20])
+        for probe in (ks, ks[:7], ks[20:], keys(3, "z") + ks, ks[:10] + keys(1, "z") + ks[10:]):
+            assert ours.batch_exists(probe) == theirs.batch_exists(probe)
+        for i, k in enumerate(ks[:20]):
+            path = os.path.join(str(tmp_path / "file"), f"{k}{theirs.config_suffix}.bin")
+            stored = open(path, "rb").read()
+            assert stored == page_bytes(pool, i)
+            got = ours.get(k, pool.get_dummy_flat_data_page())  # our copy path, from our zero-copy write
+            assert got.contiguous().view(torch.uint8).numpy().tobytes() == stored
+        poison(pool, range(32, 56))
+        poison(pool, range(64, 88))
+        assert leading(ours.batch_get_v1(ks, indices(range(32, 56)))) == 20
+        assert generic_get(theirs, pool, ks, list(range(64, 88))) == 20
+        assert same_pages(pool, list(range(32, 52)), pool, list(range(64, 84)))
+        assert same_pages(pool, src[:20], pool, list(range(32, 52)))
+    finally:
+        ours.close()
+
+
+@pytest.mark.parametrize("kind,layout", GRID)
+def test_copy_and_zero_copy_paths_read_each_other(gds_dir, kind, layout):
+    pool = make_pool(kind, layout, pages=96)
+    b = attach(storage_config(gds_dir, is_mla_model=kind == "mla"), pool)
+    try:
+        ks = keys(16)
+        assert generic_set(b, pool, ks[:8], list(range(8)))  # copy path: get_data_page(flat)
+        assert b.batch_set_v1(ks[8:], indices(range(8, 16))) == [True] * 8  # zero-copy
+        poison(pool, range(32, 48))
+        assert b.batch_get_v1(ks, indices(range(32, 48))) == [True] * 16
+        poison(pool, range(64, 80))
+        assert generic_get(b, pool, ks, list(range(64, 80))) == 16
+        assert same_pages(pool, list(range(16)), pool, list(range(32, 48)))
+        assert same_pages(pool, list(range(16)), pool, list(range(64, 80)))
+        assert all(b.exists(k) for k in ks) and not b.exists(keys(1, "no")[0])
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layouts_with_the_same_byte_order_share_pages(gds_dir, kind):
+    mla = kind == "mla"
+    src = make_pool(kind, "layer_first", seed=3)
+    ks = keys(8)
+    with_b = attach(storage_config(gds_dir, is_mla_model=mla), src)
+    assert with_b.batch_set_v1(ks, indices(range(8))) == [True] * 8
+    with_b.close()
+    direct = make_pool(kind, "page_first_direct", seed=None)
+    b = attach(storage_config(gds_dir, is_mla_model=mla), direct)
+    try:
+        assert b.batch_get_v1(ks, indices(range(8))) == [True] * 8
+        assert same_pages(src, list(range(8)), direct, list(range(8)))
+    finally:
+        b.close()
+    other = attach(storage_config(gds_dir, is_mla_model=mla), make_pool(kind, "page_first", seed=None))
+    try:
+        assert other.batch_exists(ks) == 0  # another byte order: another namespace
+    finally:
+        other.close()
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    sys.path[:0] = sys.argv[2:4]
+    from sgl_helpers import *
+    for i, (kind, layout) in enumerate([(k, l) for k in KINDS for l in LAYOUTS]):
+        pool = make_pool(kind, layout, seed=100 + i)
+        b = attach(storage_config(sys.argv[1], is_mla_model=kind == "mla"), pool)
+        assert b.batch_set_v1(keys(12, kind + layout), indices(range(12))) == [True] * 12
+        b.close()
+    print("WROTE")
+""")
+
+
+def test_pages_survive_a_process_restart(gds_dir):
+    tests = os.path.dirname(HERE)
+    out = subprocess.run([sys.executable, "-c", _WRITER, gds_dir, HERE, tests], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "WROTE" in out.stdout, out.stderr[-4000:]
+    for i, (kind, layout) in enumerate(GRID):
+        ref = make_pool(kind, layout, seed=100 + i)
+        pool = make_pool(kind, layout, seed=None)
+        poison(pool, range(16, 28))
+        b = attach(storage_config(gds_dir, is_mla_model=kind == "mla"), pool)
+        try:
+            ks = keys(12, kind + layout)
+            assert b.batch_exists(ks) == 12
+            assert b.batch_get_v1(ks, indices(range(16, 28))) == [True] * 12
+            assert same_pages(ref, list(range(12)), pool, list(range(16, 28)))
+        finally:
+            b.close()
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mla", "layer_first"), ("mha", "layer_first")])
+def test_three_threads_at_once(gds_dir, kind, layout):
+    """SGLang's backup, prefetch-IO and prefetch threads call concurrently."""
+    pool = make_pool(kind, layout, pages=256)
+    b = attach(storage_config(gds_dir, is_mla_model=kind == "mla"), pool)
+    base = keys(16, "base")
+    assert b.batch_set_v1(base, indices(range(16))) == [True] * 16
+    new = keys(96, "new")
+    errors, stop = [], threading.Event()
+
+    def writer():
+        try:
+            for c in range(0, 96, 16):
+                assert b.batch_set_v1(new[c:c + 16], indices(range(16 + c, 32 + c))) == [True] * 16
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def exister():
+        try:
+            last = 0
+            while not stop.is_set():
+                n = b.batch_exists(new)
+                assert last <= n <= 96
+                last = n
+                assert b.batch_exists(base) == 16
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def reader():
+        try:
+            rounds = 0
+            while not stop.is_set() or rounds < 3:
+                assert b.batch_get_v1(base, indices(range(200, 216))) == [True] * 16
+                assert same_pages(pool, list(range(16)), pool, list(range(200, 216)))
+                poison(pool, range(200, 216))
+                rounds += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=f) for f in (writer, exister, reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    try:
+        assert not errors, errors
+        assert b.batch_exists(new) == 96
+        poison(pool, range(112, 208))
+        assert b.batch_get_v1(new, indices(range(112, 208))) == [True] * 96
+        assert same_pages(pool, list(range(16, 112)), pool, list(range(112, 208)))
+    finally:
+        b.close()
+
+
+def test_tp_and_pp_ranks_are_isolated(gds_dir):
+    ks = keys(8)
+    ranks = [dict(tp_rank=0, tp_size=2), dict(tp_rank=1, tp_size=2),
+             dict(tp_rank=0, tp_size=2, pp_rank=1, pp_size=2)]
+    pools = [make_pool("mha", "page_first", seed=10 + i) for i in range(len(ranks))]
+    backends = [attach(storage_config(gds_dir, **r), p) for r, p in zip(ranks, pools)]
+    try:
+        assert backends[0].batch_set_v1(ks, indices(range(8))) == [True] * 8
+        assert [b.batch_exists(ks) for b in backends] == [8, 0, 0]
+        for b in backends[1:]:
+            assert b.batch_set_v1(ks, indices(range(8))) == [True] * 8
+        for b, p in zip(backends, pools):
+            poison(p, range(16, 24))
+            assert b.batch_get_v1(ks, indices(range(16, 24))) == [True] * 8
+            assert same_pages(p, list(range(8)), p, list(range(16, 24)))
+        assert not same_pages(pools[0], [0], pools[1], [0])
+    finally:
+        for b in backends:
+            b.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_one_writer_every_rank_reads(gds_dir, layout):
+    ks = keys(12)
+    wpool = make_pool("mla", layout, seed=5)
+    rpool = make_pool("mla", layout, seed=None)
+    reader = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=1, tp_size=2), rpool)
+    try:
+        assert reader.batch_exists(ks) == 0  # the writer has not even opened its namespace yet
+        assert reader.batch_set_v1(ks, indices(range(12))) == [True] * 12  # skipped: the writer's job
+        writer = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=0, tp_size=2), wpool)
+        assert writer.batch_exists(ks) == 0  # the reader wrote nothing
+        assert writer.batch_set_v1(ks[:8], indices(range(8))) == [True] * 8
+        assert reader.batch_exists(ks) == 8
+        poison(rpool, range(16, 28))
+        assert reader.batch_get_v1(ks, indices(range(16, 28))) == [True] * 8 + [False] * 4
+        assert same_pages(wpool, list(range(8)), rpool, list(range(16, 24)))
+        assert generic_get(reader, rpool, ks, list(range(32, 44))) == 8
+        assert same_pages(wpool, list(range(8)), rpool, list(range(32, 40)))
+        writer.close()  # a restarted writer keeps serving the readers
+        writer = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=0, tp_size=2), wpool)
+        assert writer.batch_set_v1(ks[8:], indices(range(8, 12))) == [True] * 4
+        assert reader.batch_exists(ks) == 12
+        writer.close()
+    finally:
+        reader.close()
+
+
+def test_mla_reader_never_returns_bytes_of_a_reused_slot(gds_dir):
+    wpool, rpool = make_pool("mla", "page_first", seed=6), make_pool("mla", "page_first", seed=None)
+    writer = attach(storage_config(gds_dir, is_mla_model=True), wpool)
+    reader = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=1, tp_size=2), rpool)
+    try:
+        k = keys(1)
+        assert writer.batch_set_v1(k, indices([0])) == [True]
+        slab = os.path.join(reader.stats()["kv"]["dirs"][0], "slab.bin")
+        with open(slab, "r+b") as f:  # what a concurrent reuse of the slot looks like to the reader
+            f.write(b"\x00" * 4096)
+        assert reader.batch_get_v1(k, indices([5])) == [False]
+        assert reader.stats()["kv"]["checksum_mismatches"] == 1
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_reader_mirrors_the_page_store_namespace(gds_dir):
+    from hicache_gds_sglang.naming import load_config
+    cfg = load_config({"gds_path": gds_dir, "capacity": "8M", "namespace": "t1"})
+    ident = {"model": "m", "pool": "kv", "x": 1}
+    with PageStore(12345, ident, config=cfg) as s:
+        ns, dirs, slot = store_dirs(cfg, ident, 12345)
+        assert (ns, dirs, slot) == (s.namespace, s.dirs, s.slot_bytes)
+
+
+def test_failure_injector_never_raises_and_hits_stay_correct(gds_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.002")
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
+    pool = make_pool("mha", "page_first", pages=128)
+    b = attach(storage_config(gds_dir), pool)
+    assert isinstance(b, HiCacheStorageFailureInjector) and isinstance(b._backend, HiCacheGDS)
+    ks = keys(32)
+    try:
+        written = 0
+        for _ in range(40):
+            res = b.batch_set_v1(ks, indices(range(32)))
+            assert len(res) == 32
+            written = max(written, b._backend.batch_exists(ks))
+            n = b.batch_exists(ks)
+            assert 0 <= n <= 32
+            poison(pool, range(64, 96))
+            got = b.batch_get_v1(ks, indices(range(64, 96)))
+            for i, ok in enumerate(got):
+                if ok:
+                    assert page_bytes(pool, 64 + i) == page_bytes(pool, i)
+            data = b.batch_get(ks[:4], [pool.get_dummy_flat_data_page() for _ in range(4)])
+            for i, d in enumerate(data):
+                if d is not None:
+                    assert d.contiguous().view(torch.uint8).numpy().tobytes() == page_bytes(pool, i)
+        assert written == 32
+    finally:
+        b.close()
+
+
+def test_bad_calls_and_a_closed_backend_never_raise(gds_dir):
+    pool = make_pool("mha", "page_first")
+    b = attach(storage_config(gds_dir), pool)
+    ks = keys(4)
+    assert b.batch_set_v1(ks, indices(range(3))) == [False] * 4  # 3 pages of indices for 4 keys
+    assert b.batch_get_v1(ks, None) == [False] * 4
+    assert b.batch_set(ks, [torch.zeros(3)] * 4) is False  # wrong page size
+    assert b.batch_set_v1(ks, indices(range(4))) == [True] * 4
+    assert b.clear() is True and b.batch_exists(ks) == 0
+    b.close()
+    b.close()
+    assert b.batch_exists(ks) == 0 and b.batch_get_v1(ks, indices(range(4))) == [False] * 4
+    assert b.batch_set_v1(ks, indices(range(4))) == [False] * 4
+    assert b.get(ks[0]) is None and b.exists(ks[0]) is False and b.set(ks[0], torch.zeros(1)) is False
+
+
+class _NoFlatPool:
+    layout, page_size = "page_first", 4
+    kv_buffer = torch.zeros(16)
+
+
+class _LogicalAnchor:
+    layout, page_size, kv_buffer = "page_first", 4, None
+
+    def get_data_page(self, index, flat=True):
+        return torch.zeros(4)
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros(4)
+
+    def set_from_flat_data_page(self, index, data_page):
+        pass
+
+
+@pytest.mark.parametrize("pool,match", [(_NoFlatPool(), "no get_data_page"), (_LogicalAnchor(), "no materialized")])
+def test_pools_we_cannot_serve_are_refused_at_attach(gds_dir, pool, match):
+    b = HiCacheGDS(storage_config(gds_dir), {})
+    try:
+        with pytest.raises(ConfigError, match=match):
+            b.register_mem_pool_host(pool)
+        with pytest.raises(ConfigError, match="no KV host pool"):
+            b.on_host_pools_registered()
+    finally:
+        b.close()

@@ -1,0 +1,94 @@
+"""The spec loads from vLLM's config, reads hicache-gds settings, and namespaces the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                       OffloadingModelConfig, OffloadingParallelConfig)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from hicache_gds import ConfigError
+from hicache_gds_vllm import HiCacheGDSOffloadingSpec
+from hicache_gds_vllm.spec import engine_identity, hicache_config
+
+BASE_EXTRA = {"spec_name": "HiCacheGDSOffloadingSpec", "spec_module_path": "hicache_gds_vllm",
+              "blocks_per_chunk": 4, "offload_prompt_only": True}
+
+
+def make_config(extra: dict, *, rank: int = 0, world_size: int = 1, dtype: str = "bfloat16",
+                model: str = "meta-llama/Meta-Llama-3-8B", bytes_per_block: int = 32 * 64 * 1024,
+                events: bool = False, engine_id: str = "engine-0") -> OffloadingConfig:
+    """An OffloadingConfig as vLLM builds it for Llama-3-8B (32 layers, 64 KiB pages, 16-token blocks)."""
+    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(32))
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=layers, group_id=0),),
+        worker_kv_bytes_per_block=bytes_per_block, enable_kv_cache_events=events, extra_config=extra,
+        engine_id=engine_id, model=OffloadingModelConfig(model, dtype, 8192),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=extra.get("blocks_per_chunk", 1)),
+        parallel=OffloadingParallelConfig(rank=rank, world_size=world_size, tp_size=world_size, pp_size=1,
+                                          pcp_size=1, dcp_size=1, data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=world_size == 1),
+        kv_cache_layout="LBHNC")
+
+
+def test_factory_loads_spec_from_extra_config(gds_dir):
+    spec = OffloadingSpecFactory.create_spec(make_config({**BASE_EXTRA, "gds_path": gds_dir, "capacity": "1G"}))
+    assert isinstance(spec, HiCacheGDSOffloadingSpec)
+    assert spec.hicache.gds_path == (gds_dir,)
+    assert spec.blocks_per_chunk == 4
+    assert spec.capacity_chunks == (1 << 30) // (32 * 64 * 1024 * 4)
+
+
+def test_extra_config_overrides_env_and_accepts_env_spellings(gds_dir, tmp_path):
+    env = {"GDS_PATH": str(tmp_path), "ENABLE_GDS": "1", "HICACHE_GDS_VERIFY": "0"}
+    cfg = hicache_config({**BASE_EXTRA, "GDS_PATH": gds_dir, "enable_gds": "0", "HICACHE_GDS_IO_THREADS": 4}, env=env)
+    assert cfg.gds_path == (gds_dir,) and cfg.sources["gds_path"] == "config"
+    assert cfg.enable_gds == "0" and cfg.io_threads == 4
+    assert cfg.verify is False and cfg.sources["verify"] == "env"  # not in extra: env applies
+
+
+def test_unknown_extra_key_is_a_config_error(gds_dir):
+    with pytest.raises(ConfigError, match="no_such_key"):
+        hicache_config({**BASE_EXTRA, "gds_path": gds_dir, "no_such_key": 1}, env={})
+
+
+def test_missing_gds_path_fails_at_construction(monkeypatch):
+    monkeypatch.delenv("GDS_PATH", raising=False)
+    with pytest.raises(ConfigError, match="GDS_PATH"):
+        HiCacheGDSOffloadingSpec(make_config(dict(BASE_EXTRA)))
+
+
+def test_identity_separates_what_changes_the_bytes():
+    base = engine_identity(make_config(BASE_EXTRA))
+    assert engine_identity(make_config(BASE_EXTRA, rank=0)) == engine_identity(make_config(BASE_EXTRA, rank=0))
+    for other in (make_config(BASE_EXTRA, dtype="float16"), make_config(BASE_EXTRA, world_size=2),
+                  make_config(BASE_EXTRA, model="other"), make_config({**BASE_EXTRA, "blocks_per_chunk": 2})):
+        assert engine_identity(other) != base
+    # The scheduler (rank 0) and a worker of rank 3 share the engine identity; ranks differ per store.
+    assert engine_identity(make_config(BASE_EXTRA, rank=3, world_size=4)) == \
+        engine_identity(make_config(BASE_EXTRA, rank=0, world_size=4))
+
+
+def test_scheduler_and_workers_agree_on_capacity_from_free_space(gds_dir):
+    extra = {**BASE_EXTRA, "gds_path": gds_dir, "capacity_fraction": 0.001}
+    first = HiCacheGDSOffloadingSpec(make_config(extra, world_size=2))
+    worker = HiCacheGDSOffloadingSpec(make_config(extra, rank=1, world_size=2))
+    assert first.spec_id == worker.spec_id
+    assert first.capacity_chunks == worker.capacity_chunks > 0  # recorded once, not re-measured
+
+
+def test_explicit_capacity_too_small_is_an_error(gds_dir):
+    with pytest.raises(ConfigError, match="capacity"):
+        HiCacheGDSOffloadingSpec(make_config({**BASE_EXTRA, "gds_path": gds_dir, "capacity": "1M"}))
+
+
+def test_specs_are_small_and_picklable():
+    import pickle
+
+    from hicache_gds_vllm import HiCacheLoadSpec, HiCacheStoreSpec
+    s = pickle.loads(pickle.dumps(HiCacheStoreSpec(["ab" * 18], ["cd" * 18], True)))
+    assert (s.keys, s.drops, s.clear) == (["ab" * 18], ["cd" * 18], True)
+    assert pickle.loads(pickle.dumps(HiCacheLoadSpec(["ef"]))).keys == ["ef"]
+    assert dataclasses.is_dataclass(make_config(BASE_EXTRA))

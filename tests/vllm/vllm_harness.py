@@ -1,0 +1,171 @@
+"""A CPU stand-in for a vLLM engine: the real Scheduler + OffloadingConnector, with W simulated ranks.
+
+Each rank is a WORKER-role OffloadingConnector over its own CPU KV tensors (random bytes, one
+LBHNC allocation per rank, as vLLM makes). A step runs the scheduler, hands the metadata to every
+rank exactly as the model runner does (handle_preemptions, start_load_kv, wait_for_save,
+get_finished, build_connector_worker_meta), aggregates the ranks' worker metadata the way vLLM's
+executor does (job counts summed; a load is finished only when every rank reports it), and feeds a
+ModelRunnerOutput back. No model runs: KV bytes are whatever is in the tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from functools import reduce
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
+                         set_current_vllm_config)
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK = 16
+EOS = 0
+
+
+def tiny_model_dir(root: str, layers: int, heads: int, head_dim: int) -> str:
+    d = os.path.join(root, "tiny-llama")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": heads * head_dim,
+                   "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": head_dim,
+                   "num_hidden_layers": layers, "intermediate_size": 256, "vocab_size": 1000,
+                   "max_position_embeddings": 4096, "torch_dtype": "float16"}, f)
+    return d
+
+
+class Engine:
+    """Scheduler + `world_size` worker connectors sharing one KVCacheConfig."""
+
+    def __init__(self, root: str, gds_path: str, *, world_size: int = 1, blocks_per_chunk: int = 2,
+                 num_blocks: int = 64, layers: int = 2, heads: int = 4, head_dim: int = 64,
+                 extra: dict | None = None, seed: int = 0) -> None:
+        self.layers, self.num_blocks = layers, num_blocks
+        extra_config = {"spec_name": "HiCacheGDSOffloadingSpec", "spec_module_path": "hicache_gds_vllm",
+                        "blocks_per_chunk": blocks_per_chunk, "gds_path": gds_path, "capacity": "64M",
+                        "preallocate": False, **(extra or {})}
+        vc = VllmConfig(
+            model_config=ModelConfig(model=tiny_model_dir(root, layers, heads, head_dim), skip_tokenizer_init=True,
+                                     dtype="float16", max_model_len=4096),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=4096,
+                                             is_encoder_decoder=False),
+            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                                kv_connector_extra_config=extra_config),
+        )
+        vc.parallel_config.world_size = world_size  # ranks are simulated in this process
+        vc.cache_config.num_gpu_blocks = num_blocks
+        self.vllm_config = vc
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head_dim, dtype=torch.float16)
+        self.page_bytes = spec.page_size_bytes
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                             kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+        gen = torch.Generator().manual_seed(seed)
+        self.kv: list[torch.Tensor] = []  # per rank: (L, B, H, N, 2*D) fp16, LBHNC in one allocation
+        self.workers: list[OffloadingConnector] = []
+        for rank in range(world_size):
+            rc = copy.deepcopy(vc)
+            rc.parallel_config.rank = rank
+            kv = torch.randint(-128, 127, (layers, num_blocks, heads, BLOCK, 4 * head_dim), dtype=torch.int8,
+                               generator=gen).view(torch.float16)
+            conn = OffloadingConnector(rc, KVConnectorRole.WORKER, self.kv_cache_config)
+            with set_current_vllm_config(rc):
+                conn.register_kv_caches({n: kv[i] for i, n in enumerate(names)})
+            self.kv.append(kv)
+            self.workers.append(conn)
+        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(vc), block_size=BLOCK,
+                                   log_stats=True)
+        # A real engine loads the model meanwhile; here, let the manager's warm start finish first.
+        self.manager.wait_warm_start()
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(BLOCK, sha256)
+        self.block_ids: dict[str, list[int]] = {}
+        self.load_jobs = 0
+        self._recv_counts: dict[str, int] = {}
+
+    # -- handles -------------------------------------------------------------------------------
+    @property
+    def manager(self):
+        return self.scheduler.connector.connector_scheduler.manager
+
+    def worker(self, rank: int = 0):
+        return self.workers[rank].connector_worker.worker
+
+    def block_bytes(self, rank: int, block_id: int) -> torch.Tensor:
+        """All layers' bytes of one block on one rank, as uint8 (never compared as floats)."""
+        return self.kv[rank][:, block_id].contiguous().view(torch.uint8).clone()
+
+    def poison(self, value: int = 0xA5) -> None:
+        for kv in self.kv:
+            kv.view(torch.uint8).fill_(value)
+
+    # -- driving -------------------------------------------------------------------------------
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> None:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        self.scheduler.add_request(Request(req_id, tokens, sp, None, block_hasher=self._hasher))
+
+    def step(self) -> None:
+        so = self.scheduler.schedule()
+        for nr in so.scheduled_new_reqs:
+            self.block_ids[nr.req_id] = list(nr.block_ids[0])
+        meta = so.kv_connector_metadata
+        self.load_jobs += len(meta.load_jobs)
+        recving: set[str] = set()
+        metas = []
+        for conn in self.workers:
+            conn.handle_preemptions(meta)
+            conn.bind_connector_metadata(meta)
+            conn.start_load_kv(None)
+            if so.total_num_scheduled_tokens > 0:
+                conn.wait_for_save()
+            conn.connector_worker.worker.drain()  # IO threads are real; make the test deterministic
+            _, rec = conn.get_finished(so.finished_req_ids)
+            for r in rec:
+                self._recv_counts[r] = self._recv_counts.get(r, 0) + 1
+                if self._recv_counts[r] == len(self.workers):
+                    recving.add(r)
+                    del self._recv_counts[r]
+            wm = conn.build_connector_worker_meta()
+            if wm is not None:
+                metas.append(wm)
+            conn.clear_connector_metadata()
+        req_ids, sampled = [], []
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            req_ids.append(req_id)
+            done_prefill = req.num_computed_tokens + n >= req.num_prompt_tokens
+            sampled.append([7] if done_prefill else [])
+        agg = reduce(lambda a, b: a.aggregate(b), metas) if metas else None  # vLLM sums ranks' job counts
+        kvo = KVConnectorOutput(finished_sending=set(), finished_recving=recving, kv_connector_worker_meta=agg)
+        out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kvo)
+        self.scheduler.update_from_output(so, out)
+
+    def run(self, max_steps: int = 50) -> None:
+        """Step until no request is left and no transfer is pending."""
+        for _ in range(max_steps):
+            self.step()
+            conn = self.scheduler.connector
+            if not self.scheduler.requests and not conn.connector_scheduler.has_pending_push_work():
+                return
+        reqs = [(r.request_id, r.status.name, r.num_computed_tokens) for r in self.scheduler.requests.values()]
+        raise AssertionError(f"engine still busy after {max_steps} steps: requests {reqs}, "
+                             f"manager {self.manager.stats()}")
+
+    def shutdown(self) -> None:
+        for conn in self.workers:
+            conn.shutdown()
+        self.scheduler.connector.shutdown()
