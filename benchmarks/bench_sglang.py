@@ -136,9 +136,8 @@ def main() -> None:
         shutil.rmtree(root)
     os.makedirs(root)
     n = args.pages
-    pool = sglang_pools.make_host_pool(kind="mha", layout="page_first", page_num=2 * n, page_size=PAGE_TOKENS,
-                                       layer_num=LAYERS, head_num=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16)
-    sglang_pools.fill_random(pool, seed=0)
+    pool = sglang_pools.make_host_pool("mha", "page_first", layer_num=LAYERS, head_num=HEADS, head_dim=HEAD_DIM,
+                                       page_size=PAGE_TOKENS, dtype=torch.bfloat16, num_pages=2 * n, fill=True)
     kv = pool.kv_buffer.view(torch.uint8)
     page_bytes = 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
     src, dst = list(range(n)), list(range(n, 2 * n))

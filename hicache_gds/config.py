@@ -141,6 +141,8 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
     "engine": (ENV_PREFIX + "ENGINE", _engine, "auto", "transfer engine name, or auto"),
     "capacity": (ENV_PREFIX + "CAPACITY", _size, 0, "bytes of page slots per namespace (0: capacity_fraction of free space)"),
     "capacity_fraction": (ENV_PREFIX + "CAPACITY_FRACTION", _fraction, 0.5, "share of free space used when capacity is 0"),
+    "evict": (ENV_PREFIX + "EVICT", _bool, True,
+              "evict least recently used pages when full (off: a put into a full store fails)"),
     "preallocate": (ENV_PREFIX + "PREALLOCATE", _bool, True, "fallocate slab files at open, so a full disk fails early"),
     "verify": (ENV_PREFIX + "VERIFY", _bool, True, "check each page's xxh3 checksum on read; a mismatch is a miss"),
     "direct_io": (ENV_PREFIX + "DIRECT_IO", _bool, True, "open slab files with O_DIRECT"),
@@ -174,6 +176,7 @@ class Config:
     engine: str = "auto"
     capacity: int = 0
     capacity_fraction: float = 0.5
+    evict: bool = True
     preallocate: bool = True
     verify: bool = True
     direct_io: bool = True

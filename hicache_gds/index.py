@@ -24,10 +24,32 @@ import time
 from collections import Counter, OrderedDict
 from typing import Iterable, NamedTuple, Sequence
 
-__all__ = ["Entry", "Index"]
+__all__ = ["Entry", "Index", "read_keys", "INDEX_FILE"]
+
+INDEX_FILE = "index.sqlite3"
 
 log = logging.getLogger("hicache_gds.index")
 SCHEMA = 1
+
+
+def read_keys(namespace_dir: str) -> list[str]:
+    """Keys a namespace holds, least recently used first, read without writing or locking.
+
+    For processes that must not open the store (it has one writer): a vLLM scheduler
+    rebuilding its view of what workers hold, tools, tests. Any failure returns [].
+    """
+    path = os.path.join(namespace_dir, INDEX_FILE)
+    if not os.path.exists(path):
+        return []
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            return [k for (k,) in db.execute("SELECT key FROM pages ORDER BY atime")]
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        log.warning("index %s cannot be read (%s)", path, exc)
+        return []
 
 
 class Entry(NamedTuple):
@@ -164,10 +186,12 @@ class Index:
                         self._free.append(s)
 
     # -- writes ----------------------------------------------------------------------------------
-    def reserve(self, n: int) -> list[int]:
-        """Up to `n` free slots, evicting least recently used pages as needed (committed first)."""
+    def reserve(self, n: int, evict: bool = True) -> list[int]:
+        """Up to `n` free slots, evicting least recently used pages as needed (committed first).
+
+        With `evict=False` only free slots are handed out."""
         with self._lock:
-            if len(self._free) < n:
+            if evict and len(self._free) < n:
                 victims = []
                 need = n - len(self._free)
                 for k, e in self._map.items():

@@ -30,7 +30,7 @@ from .config import Config
 from .engines.base import MemKind, Op, Transfer, TransferEngine, split_batches
 from .engines.select import choose_engine
 from .errors import ConfigError, RegionError, StoreLockedError, TransferError, TransferTimeout
-from .index import Index
+from .index import INDEX_FILE, Index
 from .layout import Pages, namespace_id
 from .memory import HostBuffer, align_up, view
 from .slabs import SlabSet, prepare_root, private_dir
@@ -40,7 +40,10 @@ __all__ = ["PageStore", "MAX_KEY_BYTES"]
 
 log = logging.getLogger("hicache_gds.store")
 MAX_KEY_BYTES = 1024
-_PIPELINE_BYTES = 64 << 20  # requests per batch are cut to this, so checksums overlap the IO
+# A batch is cut into about this many requests, all posted at once, so checksums of request k
+# overlap the IO of the later ones and only the last one's checksum is exposed.
+_PIPELINE_PARTS = 8
+_PIPELINE_MIN_BYTES = 8 << 20
 _MIN_DIRECT_SEGMENT = 128 << 10  # smaller segments are gathered into one aligned IO per page
 _OK, _FAIL, _TIMEOUT, _BADSUM = 1, 0, 2, 3
 
@@ -106,6 +109,9 @@ class PageStore:
         Memory kinds the caller will pass (VRAM makes `auto` prefer GPU-direct engines).
     engine:
         An engine to use instead of choosing one (tests, benchmarks, wrappers).
+
+    The namespace holds `config.capacity // slot_bytes` slots (`slot_bytes` = `page_bytes`
+    rounded up to 4 KiB), so callers that must agree on a page count can size it exactly.
     """
 
     def __init__(self, page_bytes: int, identity: Mapping[str, Any] | None = None, *,
@@ -132,7 +138,7 @@ class PageStore:
             self._write_meta()
             nslots = self._nslots(cfg)
             self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate)
-            self.index = Index(os.path.join(self.dirs[0], "index.sqlite3"), nslots,
+            self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots,
                                {"slot_bytes": str(self.slot_bytes), "page_bytes": str(page_bytes),
                                 "ndirs": str(len(self.dirs))})
             if engine is None:
@@ -263,7 +269,7 @@ class PageStore:
                 first[k] = i
                 todo.append(i)
         try:
-            slots = self.index.reserve(len(todo))
+            slots = self.index.reserve(len(todo), evict=self.config.evict)
         except OSError as exc:
             log.warning("hicache-gds: no slots for %d pages: %s", len(todo), exc)
             slots = []
@@ -365,8 +371,9 @@ class PageStore:
             rows = np.concatenate([[0], np.cumsum(per_page)])
             mem = np.stack([mem_a, mem_l], axis=1)
             fil = np.stack([np.repeat(fids, per_page), file_off], axis=1)
+            pipeline = max(_PIPELINE_MIN_BYTES, n * self.slot_bytes // _PIPELINE_PARTS)
             plan = list(split_batches(per_page, np.full(n, self.slot_bytes), caps,
-                                      self.config.max_request_bytes or _PIPELINE_BYTES))
+                                      self.config.max_request_bytes or pipeline))
             deadline = time.monotonic() + self.config.io_timeout
             posted: list[tuple[int, int, Transfer | None]] = []
             for a, b in plan:

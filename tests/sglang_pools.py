@@ -29,8 +29,8 @@ What each piece mirrors:
     refuses pinning), which also makes ``get_dummy_flat_data_page`` allocate ordinary memory.
 
 ``MHAHostPoolMimic``  (``MHATokenToKVPoolHost``, ``pool_host/mha.py``)
-  * attributes ``dtype``/``head_dim``/``v_head_dim``/``head_num``/``layer_num``/
-    ``target_layer_num``/``page_size``/``element_dim`` — mha.py:203-212, 242
+  * attributes ``target_layer_num``/``dtype``/``head_dim``/``v_head_dim``/``head_num``/
+    ``layer_num`` — mha.py:203-212; ``element_dim`` — mha.py:242
   * ``get_size_per_token`` — mha.py:290-296; ``get_ksize_per_token`` — mha.py:302-303
   * ``get_hybrid_pool_buffer`` — mha.py:298-300; ``k_buffer``/``v_buffer`` — mha.py:392-398
   * ``init_kv_buffer`` dims, ``token_stride_size``, ``layout_dim`` — mha.py:305-360
@@ -311,18 +311,27 @@ class MHAHostPoolMimic(_HostPoolBase):
         )
         # _initialize_transfer_views (mha.py:241-288), host side only
         self.element_dim = self.head_num * self.head_dim
+
+    def _data_refs(self, buf: torch.Tensor) -> List[torch.Tensor]:
+        # mha.py:264-280. Built lazily here: for page_head the real code takes the else branch,
+        # whose ``buf[i]`` are *page* views, and that raises when page_num < layer_num (the tiny
+        # pools tests build); no L3 path reads these refs.
         if self.layout in ("page_first", "page_first_direct"):
-            k_t = self.k_buffer.transpose(0, 1)
-            v_t = self.v_buffer.transpose(0, 1)
-            self.k_data_refs = [k_t[i] for i in range(self.layer_num)]
-            self.v_data_refs = [v_t[i] for i in range(self.layer_num)]
-        elif self.layout == "layer_first":
-            self.k_data_refs = [self.k_buffer[i] for i in range(self.layer_num)]
-            self.v_data_refs = [self.v_buffer[i] for i in range(self.layer_num)]
-        else:  # page_head: the real pool also builds k_buffer[i] views (used by no L3 path)
-            self.k_data_refs = [self.k_buffer[i] for i in range(self.layer_num)]
-            self.v_data_refs = [self.v_buffer[i] for i in range(self.layer_num)]
-        self.host_kv_data_refs = self.k_data_refs + self.v_data_refs
+            t = buf.transpose(0, 1)
+            return [t[i] for i in range(self.layer_num)]
+        return [buf[i] for i in range(self.layer_num)]
+
+    @property
+    def k_data_refs(self) -> List[torch.Tensor]:
+        return self._data_refs(self.k_buffer)
+
+    @property
+    def v_data_refs(self) -> List[torch.Tensor]:
+        return self._data_refs(self.v_buffer)
+
+    @property
+    def host_kv_data_refs(self) -> List[torch.Tensor]:
+        return self.k_data_refs + self.v_data_refs
 
     # mha.py:290-303
     def get_size_per_token(self) -> int:
@@ -522,12 +531,16 @@ class MLAHostPoolMimic(_HostPoolBase):
             dcp_rank=dcp_rank,
             pool_label=pool_label,
         )
-        # _initialize_transfer_views (mla.py:259-284), host side only
+
+    @property
+    def data_refs(self) -> List[torch.Tensor]:
+        # _initialize_transfer_views (mla.py:266-279). Built lazily here: for page_first_direct
+        # the real else branch takes ``kv_buffer[i]`` = *page* views, which raises when
+        # page_num < layer_num (tiny test pools); get_contiguous_buf_infos reads them.
         if self.layout == "page_first":
             transposed = self.kv_buffer.transpose(0, 1)
-            self.data_refs = [transposed[i] for i in range(self.layer_num)]
-        else:
-            self.data_refs = [self.kv_buffer[i] for i in range(self.layer_num)]
+            return [transposed[i] for i in range(self.layer_num)]
+        return [self.kv_buffer[i] for i in range(self.layer_num)]
 
     # mla.py:286-299
     def get_contiguous_buf_infos(self):

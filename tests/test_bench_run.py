@@ -15,10 +15,12 @@ from hicache_gds.bench import cli
 from hicache_gds.bench.jobfile import parse_jobfile
 from hicache_gds.bench.options import expand_sweeps, parse_argv
 from hicache_gds.bench.plot import series, summary_table
-from hicache_gds.bench.raw import drop_caches
-from hicache_gds.bench.runner import Session, scratch_root
+from hicache_gds.bench.raw import drop_caches, scratch_root
+from hicache_gds.bench.runner import Session
+from hicache_gds.engines.gds_probe import gpu_present
 
 JOBS = Path(__file__).resolve().parent.parent / "benchmarks" / "jobs"
+no_gpu = pytest.mark.skipif(gpu_present(), reason="expects a machine without a GPU (the CPU machine)")
 HOST_ENGINES = ["nixl-posix", "bounce"]
 TINY = ["--bs=64k", "--batch=4", "--size=1m", "--drop-caches=0", "--fio=0"]
 
@@ -69,6 +71,7 @@ def test_default_job_shape():
     assert [j.engine for j in cli.build_jobs(["--engine", "all"])[0]] == ["all", "all"]
 
 
+@no_gpu
 def test_engine_all_runs_every_engine_and_says_why_others_were_skipped(capsys, gds_dir):
     rc, doc, err = bench_json(capsys, *TINY, "--engine=all", f"--directory={gds_dir}", "--rw=write")
     assert rc == 0
@@ -82,6 +85,7 @@ def test_engine_all_runs_every_engine_and_says_why_others_were_skipped(capsys, g
     assert len({j["hicache_gds"]["baseline"]["raw"]["write"]["bw_bytes"] for j in doc["jobs"]}) == 1
 
 
+@no_gpu
 def test_a_named_engine_that_cannot_run_is_an_error(capsys, gds_dir):
     rc, _, err = bench(capsys, *TINY, "--engine=nixl-gds", f"--directory={gds_dir}")
     assert rc == 1 and "error: nixl-gds: no CUDA GPU is visible" in err
@@ -221,3 +225,18 @@ def test_series_and_table_on_results(gds_dir):
     assert "bounce" in summary_table(results)
     data = series(results)
     assert set(data) == {"bounce write b4", "raw write b4"} and data["bounce write b4"][0][0] == 65536
+
+
+@pytest.mark.gpu
+def test_vram_pages_on_every_engine(capsys, gds_dir):
+    """GPU machine: device pages through every engine that moves VRAM, verified byte for byte."""
+    rc, doc, _ = bench_json(capsys, "--engine=all", "--mem=vram", "--bs=1m", "--batch=16", "--size=32m",
+                            "--verify=1", "--drop-caches=0", f"--directory={gds_dir}")
+    assert rc == 0
+    ran = {j["hicache_gds"]["engine"] for j in doc["jobs"]}
+    assert {"nixl-gds", "nixl-gds-mt", "bounce"} <= ran
+    assert all(j["error"] == 0 and j["hicache_gds"]["verify"]["failed"] == 0 for j in doc["jobs"])
+    skipped = {s["engine"]: s["reason"] for s in doc["hicache_gds"]["skipped"]}
+    assert "VRAM" in skipped["nixl-posix"]
+    gds = [j for j in doc["jobs"] if j["hicache_gds"]["engine"] == "nixl-gds"][0]["hicache_gds"]
+    assert gds["gpu_direct"] and ("compat mode" in gds["path"] or "GPUDirect" in gds["path"])

@@ -9,6 +9,9 @@ import pytest
 
 from hicache_gds import cli
 from hicache_gds.doctor import _cufile_mode, collect, fs_info, main, o_direct_ok, render_text
+from hicache_gds.engines.gds_probe import gpu_present
+
+no_gpu = pytest.mark.skipif(gpu_present(), reason="expects a machine without a GPU (the CPU machine)")
 
 
 def doctor(capsys, *argv):
@@ -17,6 +20,7 @@ def doctor(capsys, *argv):
     return rc, out.out, out.err
 
 
+@no_gpu
 def test_default_environment_is_ok(capsys):
     rc, out, _ = doctor(capsys)
     assert rc == 0 and out.rstrip().endswith("result       : OK")
@@ -26,6 +30,7 @@ def test_default_environment_is_ok(capsys):
     assert "warning      : GDS_PATH is not set" in out and "O_DIRECT ok" in out
 
 
+@no_gpu
 def test_enable_gds_1_without_a_gpu_fails_and_says_why(capsys, monkeypatch, gds_dir):
     monkeypatch.setenv("ENABLE_GDS", "1")
     monkeypatch.setenv("GDS_PATH", gds_dir)
@@ -37,6 +42,7 @@ def test_enable_gds_1_without_a_gpu_fails_and_says_why(capsys, monkeypatch, gds_
     assert os.listdir(gds_dir) == []                       # the probe directory is gone
 
 
+@no_gpu
 def test_json_report(capsys, monkeypatch, gds_dir):
     monkeypatch.setenv("GDS_PATH", gds_dir)
     rc, out, _ = doctor(capsys, "--json")
@@ -119,3 +125,17 @@ def test_dispatcher(capsys, monkeypatch):
         main(["--help"])
     assert e.value.code == 0 and "--json" in capsys.readouterr().out
     assert cli.main(["bench", "--rw=reed"]) == 2
+
+
+@pytest.mark.gpu
+def test_doctor_on_the_gpu_machine(capsys, monkeypatch, gds_dir):
+    monkeypatch.setenv("GDS_PATH", gds_dir)
+    rc, out, _ = doctor(capsys, "--json")
+    rep = json.loads(out)
+    assert rc == 0 and rep["gpu"]["visible"] and rep["gpu"]["devices"]
+    assert rep["nixl"]["gds"]["nixl-gds"]["ok"], rep["nixl"]["gds"]
+    dev = rep["engine_auto"]["device_memory"]
+    assert dev["ok"] and dev["engine"] in ("nixl-gds-mt", "nixl-gds") and "probe passed" in dev["reason"]
+    monkeypatch.setenv("ENABLE_GDS", "1")
+    rc, out, _ = doctor(capsys)
+    assert rc == 0 and "result       : OK" in out

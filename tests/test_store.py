@@ -391,3 +391,21 @@ def test_damaged_index_is_reset_with_a_log_line(gds_dir, caplog):
     with open_store(gds_dir) as s:
         assert s.exists(["a"]) == [False]
     assert any("damaged" in r.message for r in caplog.records)
+
+
+def test_read_keys_lists_lru_order_without_the_lock(gds_dir):
+    from hicache_gds import read_keys
+    with open_store(gds_dir) as s:
+        src, dst, _ = buffers(s, n=3)
+        s.put(keys(3), Pages.contiguous(src.addr, P, range(3)))
+        s.get(keys(1), Pages.contiguous(dst.addr, P, [0]))
+        s.index.flush()
+        assert read_keys(s.dirs[0]) == ["k00001", "k00002", "k00000"]  # read while the writer holds the lock
+    assert read_keys(os.path.join(gds_dir, "nothing-here")) == []
+
+
+def test_no_evict_mode_fails_puts_into_a_full_store(gds_dir):
+    with open_store(gds_dir, capacity=4 * P, config={"evict": False}) as s:
+        src, _, _ = buffers(s, n=6)
+        assert s.put(keys(6), Pages.contiguous(src.addr, P, range(6))) == [True] * 4 + [False] * 2
+        assert s.stats()["evictions"] == 0 and s.exists(keys(4)) == [True] * 4

@@ -24,14 +24,15 @@ import threading
 import time
 from typing import Any, Sequence
 
+from ..engines import engine_names
 from ..errors import HiCacheGDSError
 from .jobfile import parse_jobfile, parse_jobfile_text
 from .options import JobOptions, OptionError, argv_to_mapping, canonical_name, expand_sweeps
 from .plot import plot_results, summary_table
 from .report import JobResult, bench_version, render
-from .runner import Session, resolve_engines
+from .runner import Session
 
-__all__ = ["main", "build_jobs", "split_argv", "DEFAULT_JOB", "run_jobs"]
+__all__ = ["main", "build_jobs", "split_argv", "DEFAULT_JOB", "run_jobs", "resolve_engines"]
 
 DEFAULT_JOB = """\
 ; The embedded default job: llama3-8b KV pages (2 MiB, 16 tokens), 128 pages per request,
@@ -54,6 +55,14 @@ rw=read
 
 _BOOL = frozenset(("time_based", "direct", "drop_caches", "raw", "fio", "buffered"))
 _PATHLIKE = frozenset(("output", "plot", "directory", "filename"))
+
+
+def resolve_engines(spec: str) -> tuple[list[str], bool]:
+    """Engine names of `--engine` (`all`, `a,b` or one name) and whether it named several."""
+    if spec == "all":
+        return engine_names(), True
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    return names, len(names) > 1
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any]]:

@@ -32,7 +32,7 @@ from .options import JobOptions, OptionError
 from .report import DirStats, FioOutputError, fio_argv, fio_job_summary, parse_fio_json
 
 __all__ = ["Plan", "Outcome", "Measured", "drive", "run_phase", "Bars", "RawFile", "run_raw", "run_fio", "drop_caches",
-           "queue_depth", "has_reads", "MAX_QUEUE_DEPTH", "fill_random"]
+           "queue_depth", "has_reads", "scratch_root", "MAX_QUEUE_DEPTH", "fill_random"]
 
 MAX_QUEUE_DEPTH = 256
 """Most page IOs the raw and fio baselines keep in flight (threads for raw, iodepth for fio)."""
@@ -118,6 +118,17 @@ class Measured:
 
     def dir(self, ddir: str) -> DirStats:
         return self.read if ddir == "read" else self.write
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers per active direction (the shape of `fio_job_summary`) and CPU use."""
+        out: dict[str, Any] = {"usr_cpu": self.usr_cpu, "sys_cpu": self.sys_cpu}
+        for ddir, d in (("read", self.read), ("write", self.write)):
+            if d.total_ios:
+                s = d.clat.summary((50.0, 99.0))
+                out[ddir] = {"bw_bytes": d.bw_bytes, "iops": d.iops, "io_bytes": d.io_bytes,
+                             "runtime_ms": d.runtime_ns // 1_000_000, "clat_mean_ns": s.mean,
+                             "clat_p50_ns": s.percentiles.get(50.0), "clat_p99_ns": s.percentiles.get(99.0)}
+        return out
 
     @property
     def total_ios(self) -> int:
@@ -231,7 +242,25 @@ def run_phase(nthreads: int, plan: Plan, do_io: Callable[[int, int], Outcome],
             bar.close()
 
 
-# --------------------------------------------------------------------------- page cache
+# --------------------------------------------------------------------------- places and caches
+
+def scratch_root() -> str:
+    """A directory on a real disk for a temporary GDS_PATH: $TMPDIR, the current directory or
+    /var/tmp, the first whose file system is not in memory and accepts O_DIRECT."""
+    from ..doctor import fs_info, o_direct_ok
+    tried = []
+    for cand in (os.environ.get("TMPDIR", ""), os.getcwd(), "/var/tmp"):
+        if not cand or not os.path.isdir(cand) or not os.access(cand, os.W_OK):
+            continue
+        fs = fs_info(cand)
+        ok, why = o_direct_ok(cand)
+        if fs["fstype"] not in ("tmpfs", "ramfs") and ok:
+            return os.path.realpath(cand)
+        tried.append(f"{cand} ({fs['fstype']}{'' if ok else ', ' + why})")
+    raise OptionError("no directory on a real disk for the benchmark; tried " + "; ".join(tried)
+                      + ". Give --directory or set GDS_PATH", "directory")
+
+
 
 def drop_caches(files: Iterable[str], *, use_proc: bool = True) -> str:
     """Empty the page cache before a cold read; returns how, in words.
@@ -338,13 +367,13 @@ def run_raw(opts: JobOptions, raw: RawFile, *, bars: Bars | None = None,
         if has_reads(opts.rw) and cold is not None:
             details["cache"] = cold([raw.path])
         plan = Plan.of(opts, npages)
+        os.sync()                          # earlier jobs' dirty pages must not flush during this one
         m = run_phase(qd, plan, lambda j, t: io(not is_read[j % npages], j, t), bars,
                       f"{opts.name} raw", npages * slot)
         if "write" in opts.rw and not plan.time_based:
             raw.written = True
         return m, details
     finally:
-        del regions
         buf.close()
 
 
@@ -366,6 +395,7 @@ def run_fio(opts: JobOptions, directory: str, slot_bytes: int, npages: int, *,
                               size=slot_bytes * npages, iodepth=max(1, qd // opts.numjobs),
                               directory=directory, filename=None, verify=None, fio_passthrough=extra)
     argv = [exe, *fio_argv(ref, ioengine="libaio")]
+    os.sync()
     if timeout is None:
         timeout = opts.runtime + opts.ramp_time + 300 if opts.runtime else 900
     try:

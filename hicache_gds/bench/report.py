@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import HiCacheGDSError
 from .options import JobOptions, OptionError
-from .stats import LatencyRecorder, RateRecorder, latency_distribution
+from .stats import DirStats, LatencyRecorder, latency_distribution
 
 __all__ = ["DirStats", "JobResult", "FioOutputError", "to_fio_json", "to_fio_normal", "render",
            "parse_fio_json", "fio_job_summary", "fio_argv", "num2str", "bench_version"]
@@ -38,35 +38,6 @@ _SUBMIT_KEYS = ("0", "4", "8", "16", "32", "64", ">=64")
 
 class FioOutputError(HiCacheGDSError, ValueError):
     """Text that should hold fio's JSON output does not."""
-
-
-@dataclass
-class DirStats:
-    """One direction (read or write) of one job: totals and per-IO latency recorders.
-
-    `slat` is submission latency, `clat` submission-to-completion, `lat` their sum (fio's
-    definitions); `rate` holds the bandwidth/IOPS interval samples. `runtime_ns` is the time
-    this direction was active.
-    """
-
-    io_bytes: int = 0
-    total_ios: int = 0
-    runtime_ns: int = 0
-    short_ios: int = 0
-    drop_ios: int = 0
-    slat: LatencyRecorder = field(default_factory=LatencyRecorder)
-    clat: LatencyRecorder = field(default_factory=LatencyRecorder)
-    lat: LatencyRecorder = field(default_factory=LatencyRecorder)
-    rate: RateRecorder = field(default_factory=RateRecorder)
-
-    @property
-    def bw_bytes(self) -> int:
-        """Bytes per second over `runtime_ns` (0 before anything ran)."""
-        return self.io_bytes * 1_000_000_000 // self.runtime_ns if self.runtime_ns > 0 else 0
-
-    @property
-    def iops(self) -> float:
-        return self.total_ios * 1e9 / self.runtime_ns if self.runtime_ns > 0 else 0.0
 
 
 @dataclass

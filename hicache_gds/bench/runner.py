@@ -44,53 +44,15 @@ from ..memory import HostBuffer, align_up, view
 from ..store import PageStore
 from .options import JobOptions, OptionError, PageGeometry
 from .raw import (Bars, Measured, Outcome, Plan, RawFile, drop_caches, fill_random, has_reads, run_fio,
-                  run_phase, run_raw)
+                  run_phase, run_raw, scratch_root)
 from .report import JobResult
 
-__all__ = ["Session", "DEFAULT_SIZE", "resolve_engines", "scratch_root", "direction_summary"]
+__all__ = ["Session", "DEFAULT_SIZE"]
 
 DEFAULT_SIZE = 1 << 30
 """Bytes per job when the job gives no `size`."""
 _COUNTERS = ("pages_written", "pages_read", "hits", "misses", "put_failed", "get_failed",
              "checksum_mismatches", "timeouts", "staged_pages")
-
-
-def resolve_engines(spec: str) -> tuple[list[str], bool]:
-    """Engine names of `--engine` (`all`, `a,b` or one name) and whether it named several."""
-    from ..engines import engine_names
-    if spec == "all":
-        return engine_names(), True
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    return names, len(names) > 1
-
-
-def scratch_root() -> str:
-    """A directory on a real disk for a temporary GDS_PATH: $TMPDIR, the current directory or
-    /var/tmp, the first whose file system is not in memory and accepts O_DIRECT."""
-    from ..doctor import fs_info, o_direct_ok
-    tried = []
-    for cand in (os.environ.get("TMPDIR", ""), os.getcwd(), "/var/tmp"):
-        if not cand or not os.path.isdir(cand) or not os.access(cand, os.W_OK):
-            continue
-        fs = fs_info(cand)
-        ok, why = o_direct_ok(cand)
-        if fs["fstype"] not in ("tmpfs", "ramfs") and ok:
-            return os.path.realpath(cand)
-        tried.append(f"{cand} ({fs['fstype']}{'' if ok else ', ' + why})")
-    raise OptionError("no directory on a real disk for the benchmark; tried " + "; ".join(tried)
-                      + ". Give --directory or set GDS_PATH", "directory")
-
-
-def direction_summary(m: Measured) -> dict[str, Any]:
-    """Headline numbers per active direction of a measured phase (like `fio_job_summary`)."""
-    out: dict[str, Any] = {"usr_cpu": m.usr_cpu, "sys_cpu": m.sys_cpu}
-    for ddir, d in (("read", m.read), ("write", m.write)):
-        if d.total_ios:
-            s = d.clat.summary((50.0, 99.0))
-            out[ddir] = {"bw_bytes": d.bw_bytes, "iops": d.iops, "io_bytes": d.io_bytes,
-                         "runtime_ms": d.runtime_ns // 1_000_000, "clat_mean_ns": s.mean,
-                         "clat_p50_ns": s.percentiles.get(50.0), "clat_p99_ns": s.percentiles.get(99.0)}
-    return out
 
 
 def _total_bw(summary: dict) -> float:
@@ -111,27 +73,29 @@ class _Entry:
 class _Buffers:
     """Source (random bytes) and destination pages of one job run, registered with the store."""
 
-    def __init__(self, store: PageStore, mem: str, geometry: PageGeometry, nbuf: int, seed: int) -> None:
+    def __init__(self, store: PageStore, mem: str, geometry: PageGeometry, nbuf: int, seed: int,
+                 dst: bool = True) -> None:
         self.nbuf, self.geometry = nbuf, geometry
         self.seg = np.asarray(geometry.segments, dtype=np.uint64)
         planes = self.seg * np.uint64(nbuf)
         self.plane_off = np.cumsum(planes) - planes
         self.nbytes = nbuf * geometry.page_bytes
         self.kind = MemKind.VRAM if mem == "vram" else MemKind.DRAM
-        self._store, self._keep = store, []
+        self._store, self._keep = store, {}
         if self.kind is MemKind.VRAM:
             import torch
             g = torch.Generator(device="cuda").manual_seed(seed)
-            src = torch.randint(0, 256, (self.nbytes,), dtype=torch.uint8, device="cuda", generator=g)
-            dst = torch.full((self.nbytes,), 0xEE, dtype=torch.uint8, device="cuda")
-            self._keep = [src, dst]
-            self.base = {"src": src.data_ptr(), "dst": dst.data_ptr()}
+            self._keep = {"src": torch.randint(0, 256, (self.nbytes,), dtype=torch.uint8, device="cuda",
+                                               generator=g)}
+            if dst:
+                self._keep["dst"] = torch.full((self.nbytes,), 0xEE, dtype=torch.uint8, device="cuda")
+            self.base = {k: t.data_ptr() for k, t in self._keep.items()}
         else:
-            src, dst = (HostBuffer(self.nbytes, pinned=mem == "pinned") for _ in range(2))
-            fill_random(src.addr, src.nbytes, seed)
-            view(dst.addr, dst.nbytes)[:] = b"\xee" * dst.nbytes   # touch every page before timing
-            self._keep = [src, dst]
-            self.base = {"src": src.addr, "dst": dst.addr}
+            self._keep = {k: HostBuffer(self.nbytes, pinned=mem == "pinned") for k in ("src", "dst")[:1 + dst]}
+            fill_random(self._keep["src"].addr, self.nbytes, seed)
+            if dst:                        # touch every page before timing
+                view(self._keep["dst"].addr, self.nbytes)[:] = b"\xee" * self.nbytes
+            self.base = {k: b.addr for k, b in self._keep.items()}
         for addr in self.base.values():
             store.register_memory(addr, self.nbytes, self.kind)
         self._src_hash: np.ndarray | None = None
@@ -147,7 +111,7 @@ class _Buffers:
         pages = self.pages(which, np.array([p]))
         for addr, n in zip(pages.addrs[0].tolist(), pages.lens[0].tolist()):
             if self.kind is MemKind.VRAM:
-                t = self._keep[0 if which == "src" else 1]
+                t = self._keep[which]
                 off = addr - self.base[which]
                 h.update(t[off:off + n].cpu().numpy().tobytes())
             else:
@@ -162,10 +126,10 @@ class _Buffers:
     def close(self) -> None:
         for addr in self.base.values():
             self._store.engine.deregister_memory(addr)
-        for b in self._keep:
+        for b in self._keep.values():
             if isinstance(b, HostBuffer):
                 b.close()
-        self._keep = []
+        self._keep = {}
 
 
 class _Workload:
@@ -298,10 +262,9 @@ class Session:
         if e is not None and e.capacity_pages >= need:
             return e
         if e is not None:
-            e.store.close()
-            for d in e.store.dirs:
-                shutil.rmtree(d, ignore_errors=True)
+            self._drop(key)
         slot = align_up(g.page_bytes)
+        self._make_room(dirs, need * slot)
         cfg = {"gds_path": list(dirs), "capacity": need * slot, "engine": engine, "direct_io": opts.direct}
         ident = {"bench": "hicache-gds-bench", "engine": engine, "segments": ",".join(map(str, g.segments)),
                  "mem": opts.mem, "pages": total, "capacity": need}
@@ -309,6 +272,20 @@ class Session:
         store = PageStore(g.page_bytes, ident, config=cfg, mem_kinds=kinds)
         self._stores[key] = e = _Entry(store, need)
         return e
+
+    def _make_room(self, dirs: list[str], nbytes: int) -> None:
+        """Close and delete cached stores, oldest first, until `dirs` have room for `nbytes`
+        more (plus 5%): later jobs then write their data again instead of failing on ENOSPC."""
+        def room() -> int:
+            return min(os.statvfs(d).f_bavail * os.statvfs(d).f_frsize for d in dirs) * len(dirs)
+        while self._stores and room() < nbytes * 1.05:
+            self._drop(next(iter(self._stores)))
+
+    def _drop(self, key: tuple) -> None:
+        store = self._stores.pop(key).store
+        store.close()
+        for d in store.dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
     # -- running -----------------------------------------------------------------------------
     def run(self, opts: JobOptions, engines: Sequence[str], *, strict: bool = False,
@@ -347,11 +324,13 @@ class Session:
         entry = self._store(opts, engine, dirs, total, need)
         store = entry.store
         seed = opts.randseed if opts.randseed is not None else 0x5EED
-        bufs = _Buffers(store, opts.mem, opts.geometry, threads * batch, seed)
+        bufs = _Buffers(store, opts.mem, opts.geometry, threads * batch, seed,
+                        dst=has_reads(opts.rw) or bool(opts.verify))
         label = f"{opts.name} {engine}"
         try:
             prefilled, cache = False, None
-            if has_reads(opts.rw) and entry.dataset is None:
+            known = entry.dataset is not None and (not opts.verify or entry.dataset in entry.expected)
+            if has_reads(opts.rw) and not known:
                 gen = entry.next_gen
                 entry.next_gen += 1
                 fill = _Workload(dataclasses.replace(opts, rw="write"), store, bufs, npages, gen, None, seed)
@@ -360,29 +339,29 @@ class Session:
                 if pm.failed["write"]:
                     raise OSError(errno.EIO, f"{engine}: prefill wrote only {total - pm.failed['write']} "
                                              f"of {total} pages")
-                entry.dataset, entry.expected[gen], prefilled = gen, fill.expected(), True
+                entry.dataset, prefilled = gen, True
+                if opts.verify:
+                    entry.expected[gen] = fill.expected()
             if has_reads(opts.rw) and opts.drop_caches:
                 cache = self._cold(list(store.slabs.paths))
             work = _Workload(opts, store, bufs, npages, entry.next_gen, entry.dataset, seed)
+            os.sync()                      # earlier jobs' dirty pages must not flush during this one
             s0, t_start = store.stats(), time.time()
             m = run_phase(threads, Plan.of(opts, work.nios), work.io, self.bars, label,
                           work.nios and total * work.page_bytes)
             s1 = store.stats()
             loops = math.ceil(m.issued / work.nios)
-            writes = opts.rw in ("write", "randwrite", "randrw")
-            if writes and loops:
-                exp = work.expected()
-                for gen in range(work.gen_write, work.gen_write + loops):
-                    entry.expected[gen] = exp
+            if opts.rw in ("write", "randwrite", "randrw") and loops:
+                if opts.verify:            # xxh3 of the source pages: computed only when asked
+                    entry.expected.update(dict.fromkeys(range(work.gen_write, work.gen_write + loops),
+                                                        work.expected()))
                 entry.next_gen = work.gen_write + loops
             if opts.rw in ("write", "randwrite"):
                 complete = m.issued % work.nios == 0
                 entry.dataset = work.gen_write + loops - 1 if complete and loops else None
             elif opts.rw == "randrw" and loops > 1:
                 entry.dataset = None          # later writes may have evicted part of it
-            verify = None
-            if opts.verify:
-                verify = self._verify(opts, entry, work, m, before_verify)
+            verify = self._verify(opts, entry, work, m, before_verify) if opts.verify and m.issued else None
         finally:
             bufs.close()
         return self._result(opts, engine, multi, m, s0, s1, t_start, prefilled, cache, verify, dirs,
@@ -467,7 +446,7 @@ class Session:
             key = (dirs[0], slot, total, opts.direct)
             raw = self._raw.get(key) or self._raw.setdefault(key, RawFile(dirs[0], slot, total, opts.direct))
             m, details = run_raw(opts, raw, bars=self.bars, cold=self._cold if opts.drop_caches else None)
-            base["raw"] = {**details, **direction_summary(m)}
+            base["raw"] = {**details, **m.summary()}
         if opts.fio is not False and (opts.fio or self.fio or shutil.which("fio")):
             if has_reads(opts.rw) and opts.drop_caches:
                 self._cold(glob.glob(os.path.join(dirs[0], "fioref.*")))

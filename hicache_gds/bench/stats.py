@@ -10,6 +10,7 @@ json+). Differences from fio, on purpose:
   json+ tools read them.
 * `stddev` is the sample standard deviation (n - 1), as fio computes it.
 
+`DirStats` holds one direction's totals and recorders (what fio reports per `read`/`write`).
 `RateRecorder` produces fio's bandwidth/IOPS interval samples (`bw_min`..`iops_samples`): one
 sample each time at least `interval_ns` (fio's `bw_avg_time`, 500 ms) has passed since the last.
 """
@@ -17,7 +18,7 @@ sample each time at least `interval_ns` (fio's `bw_avg_time`, 500 ms) has passed
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Iterable, Sequence
 
@@ -26,7 +27,7 @@ import numpy as np
 __all__ = [
     "DEFAULT_PERCENTILES", "percentile_key", "fio_percentiles", "LatencyRecorder", "LatencySummary",
     "RateRecorder", "RateSummary", "latency_distribution", "fio_bucket_value",
-    "LAT_RANGES_NS", "LAT_RANGES_US", "LAT_RANGES_MS",
+    "LAT_RANGES_NS", "LAT_RANGES_US", "LAT_RANGES_MS", "DirStats",
 ]
 
 #: fio's default `percentile_list` (options.c): 1:5:10:20:30:40:50:60:70:80:90:95:99:99.5:99.9:99.95:99.99
@@ -270,3 +271,32 @@ class RateRecorder:
     @property
     def iops(self) -> RateSummary:
         return _rate_summary(self._iops)
+
+
+@dataclass
+class DirStats:
+    """One direction (read or write) of one job: totals and per-IO latency recorders.
+
+    `slat` is submission latency, `clat` submission-to-completion, `lat` their sum (fio's
+    definitions); `rate` holds the bandwidth/IOPS interval samples. `runtime_ns` is the time
+    this direction was active.
+    """
+
+    io_bytes: int = 0
+    total_ios: int = 0
+    runtime_ns: int = 0
+    short_ios: int = 0
+    drop_ios: int = 0
+    slat: LatencyRecorder = field(default_factory=LatencyRecorder)
+    clat: LatencyRecorder = field(default_factory=LatencyRecorder)
+    lat: LatencyRecorder = field(default_factory=LatencyRecorder)
+    rate: RateRecorder = field(default_factory=RateRecorder)
+
+    @property
+    def bw_bytes(self) -> int:
+        """Bytes per second over `runtime_ns` (0 before anything ran)."""
+        return self.io_bytes * 1_000_000_000 // self.runtime_ns if self.runtime_ns > 0 else 0
+
+    @property
+    def iops(self) -> float:
+        return self.total_ios * 1e9 / self.runtime_ns if self.runtime_ns > 0 else 0.0

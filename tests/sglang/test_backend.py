@@ -41,14 +41,14 @@ def test_zero_copy_roundtrip_and_prefix(gds_dir, kind, layout):
         got = b.batch_get_v1([ks[0], keys(1, "miss")[0], ks[2]], indices(range(32, 35)))
         assert got == [True, False, True] and page_bytes(pool, 32) == page_bytes(pool, 0)
         st = b.stats()["kv"]
-        assert st["pages_written"] == 16 and st["put_skipped_present"] == 4
+        assert st["pool_path"] == "zero-copy" and st["pages_written"] == 16 and st["put_skipped_present"] == 4
         m = b.get_stats()
         assert m.backup_pgs == [16, 4] and m.prefetch_pgs == [16, 2] and b.get_stats().prefetch_pgs == []
     finally:
         b.close()
 
 
-@pytest.mark.parametrize("kind,layout", GRID)
+@pytest.mark.parametrize("kind,layout", GRID + [("mha", "page_head")])
 def test_same_bytes_and_answers_as_hicache_file(gds_dir, tmp_path, kind, layout):
     mla = kind == "mla"
     pool = make_pool(kind, layout, pages=96)
@@ -323,6 +323,57 @@ def test_bad_calls_and_a_closed_backend_never_raise(gds_dir):
     assert b.batch_exists(ks) == 0 and b.batch_get_v1(ks, indices(range(4))) == [False] * 4
     assert b.batch_set_v1(ks, indices(range(4))) == [False] * 4
     assert b.get(ks[0]) is None and b.exists(ks[0]) is False and b.set(ks[0], torch.zeros(1)) is False
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "page_first_direct"), ("mla", "page_first")])
+def test_aligned_pages_go_straight_from_the_pool_to_disk(gds_dir, kind, layout):
+    """Llama/DeepSeek-like geometry: 4 KiB-aligned segments of >= 128 KiB are never staged."""
+    pool = make_pool(kind, layout, pages=24, page_size=16, layer_num=8, head_num=4, head_dim=128 if kind == "mha" else 576)
+    b = attach(storage_config(gds_dir, is_mla_model=kind == "mla"), pool)
+    try:
+        ks = keys(8)
+        assert b.batch_set_v1(ks, indices(range(8), 16)) == [True] * 8
+        poison(pool, range(8, 16))
+        assert b.batch_get_v1(ks, indices(range(8, 16), 16)) == [True] * 8
+        assert same_pages(pool, list(range(8)), pool, list(range(8, 16)))
+        st = b.stats()["kv"]
+        assert st["pool_path"] == "zero-copy" and st["staged_pages"] == 0 and st["direct_io"]
+    finally:
+        b.close()
+
+
+def test_a_pool_whose_meta_disagrees_with_its_flat_page_gets_the_copy_path(gds_dir, caplog):
+    import sglang_pools
+
+    class Swapped(sglang_pools.MHAHostPoolMimic):
+        """Lists V before K: zero-copy would store other bytes than get_data_page."""
+
+        def get_page_buffer_meta(self, indices):
+            p, s = super().get_page_buffer_meta(indices)
+            return [x for i in range(0, len(p), 2) for x in (p[i + 1], p[i])], s
+
+        def get_data_page(self, index, flat=True):
+            return super().get_data_page(index, flat)
+
+        def get_dummy_flat_data_page(self):
+            return super().get_dummy_flat_data_page()
+
+        def set_from_flat_data_page(self, index, data_page):
+            return super().set_from_flat_data_page(index, data_page)
+
+    pool = Swapped(layout="page_first", layer_num=3, head_num=2, head_dim=64, page_size=4, dtype=torch.bfloat16,
+                   num_pages=32)
+    sglang_pools.fill_random(pool, seed=9)
+    b = attach(storage_config(gds_dir), pool)
+    try:
+        assert b.stats()["kv"]["pool_path"] == "copy" and "disagree" in caplog.text
+        ks = keys(4)
+        assert b.batch_set_v1(ks, indices(range(4))) == [True] * 4
+        poison(pool, range(8, 12))
+        assert b.batch_get_v1(ks, indices(range(8, 12))) == [True] * 4
+        assert same_pages(pool, list(range(4)), pool, list(range(8, 12)))
+    finally:
+        b.close()
 
 
 class _NoFlatPool:

@@ -362,8 +362,14 @@ class HiCacheGDS(HiCacheStorage):
             return False
 
     def stats(self) -> dict[str, dict]:
-        """hicache-gds's own counters per pool (`PageStore.stats()`)."""
-        return {name: b.store.stats() for name, b in list(self._bindings.items())}
+        """hicache-gds's counters per pool (`PageStore.stats()`), plus how the pool is served."""
+        out = {}
+        for name, b in list(self._bindings.items()):
+            st = b.store.stats()
+            st.update(pool_class=type(b.pool).__name__, layout=b.geo.layout, read_only=b.read_only,
+                      pool_path="zero-copy" if b.geo.zero_copy else "copy", page_order=b.geo.identity["page_order"])
+            out[name] = st
+        return out
 
     def get_stats(self):
         """SGLang's `StorageMetrics` for the operations since the previous call."""

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sqlite3
 from typing import Iterable, Mapping
 
+from hicache_gds.index import read_keys
 from hicache_gds.slabs import prepare_root, private_dir
 
 __all__ = ["SideDir", "FailureLog", "read_store_keys"]
@@ -134,20 +134,5 @@ class FailureLog:
 
 
 def read_store_keys(namespace_dir: str) -> list[str]:
-    """Keys a worker's namespace holds, least recently used first, read without writing.
-
-    This reads the core's SQLite index directly (table `pages`, column `atime`): the core has no
-    read-only listing API yet. Any failure returns [] (the manager then starts cold).
-    """
-    path = os.path.join(namespace_dir, "index.sqlite3")
-    if not os.path.exists(path):
-        return []
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-        try:
-            return [k for (k,) in db.execute("SELECT key FROM pages ORDER BY atime")]
-        finally:
-            db.close()
-    except sqlite3.Error as exc:
-        log.warning("hicache-gds-vllm: cannot read %s for a warm start (%s); its pages are ignored", path, exc)
-        return []
+    """Keys a worker's namespace holds, least recently used first, read without writing."""
+    return read_keys(namespace_dir)
