@@ -221,7 +221,7 @@ def _auto(cfg: Any, probe_root: str, kinds: Sequence[str]) -> dict[str, Any]:
         choice = choose_engine(cfg, tmp, frozenset(MemKind(k) for k in kinds))
         try:
             return {"ok": True, "engine": choice.engine.name, "path": choice.engine.capabilities.path,
-                    "reason": choice.reason}
+                    "reason": choice.reason.replace(tmp, probe_root)}
         finally:
             choice.engine.close()
     except (HiCacheGDSError, ImportError, ValueError) as exc:

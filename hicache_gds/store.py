@@ -134,22 +134,26 @@ class PageStore:
         self.dirs = [private_dir(r, self.namespace) for r in roots]
         self._lock_fd = self._lock_namespace(self.dirs[0])
         self._closed = False
+        own_engine = engine is None
         try:
-            self._write_meta()
-            nslots = self._nslots(cfg)
-            self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate)
-            self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots,
-                               {"slot_bytes": str(self.slot_bytes), "page_bytes": str(page_bytes),
-                                "ndirs": str(len(self.dirs))})
+            # The engine first: one that cannot run here must not cost a full fallocate.
             if engine is None:
                 choice = choose_engine(cfg, self.dirs[0], frozenset(MemKind(k) for k in mem_kinds))
                 engine, self.engine_reason = choice.engine, choice.reason
             else:
                 self.engine_reason = f"{engine.name}: given by the caller"
             self.engine = engine
+            self._write_meta()
+            nslots = self._nslots(cfg)
+            self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate)
+            self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots,
+                               {"slot_bytes": str(self.slot_bytes), "page_bytes": str(page_bytes),
+                                "ndirs": str(len(self.dirs))})
             self._fids = [engine.open_file(p) for p in self.slabs.paths]
             self._sync_fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in self.slabs.paths] if cfg.sync else []
         except BaseException:
+            if own_engine and engine is not None:
+                engine.close()
             self._unlock()
             raise
         self._staging = _Staging(engine)
@@ -246,6 +250,11 @@ class PageStore:
         """Register a buffer that pages will point into (once, before put/get)."""
         self._check_open()
         self.engine.register_memory(addr, nbytes, MemKind(kind))
+
+    def deregister_memory(self, addr: int) -> None:
+        """Forget a buffer registered with `register_memory` (before freeing it)."""
+        self._check_open()
+        self.engine.deregister_memory(addr)
 
     def register_tensor(self, tensor: Any) -> None:
         self.register_memory(tensor.data_ptr(), tensor.numel() * tensor.element_size(),

@@ -23,7 +23,14 @@ fi
 "$PY" -m pip install -q -e ".[test]"
 [ -f plugins/sglang/pyproject.toml ] && "$PY" -m pip install -q --no-deps -e plugins/sglang
 set +e
-"$PY" -m pytest -q -p no:cacheprovider tests "$@"
+# vLLM's tests run in their own virtualenv: vLLM pins versions that SGLang's set does not share.
+"$PY" -m pytest -q -p no:cacheprovider --ignore=tests/vllm tests "$@"
 rc=$?
+if [ -z "${SKIP_VLLM:-}" ]; then
+  bash scripts/install-vllm-test-deps.sh python3 .venv-vllm >/dev/null && \
+    VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"
+  rc2=$?
+  [ $rc -eq 0 ] && rc=$rc2
+fi
 set -e
 exit $rc

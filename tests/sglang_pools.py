@@ -698,7 +698,10 @@ def make_host_pool(
         )
     elif kind == "mla":
         if qk_rope_head_dim is None:
-            qk_rope_head_dim = 64 if head_dim > 64 and kv_lora_rank is None else 0
+            if kv_lora_rank is not None:
+                qk_rope_head_dim = head_dim - kv_lora_rank
+            else:
+                qk_rope_head_dim = 64 if head_dim > 64 else 0
         if kv_lora_rank is None:
             kv_lora_rank = head_dim - qk_rope_head_dim
         if kv_lora_rank + qk_rope_head_dim != head_dim:

@@ -224,7 +224,8 @@ def test_series_and_table_on_results(gds_dir):
         results = s.run(opts, ["bounce"], strict=True)
     assert "bounce" in summary_table(results)
     data = series(results)
-    assert set(data) == {"bounce write b4", "raw write b4"} and data["bounce write b4"][0][0] == 65536
+    assert set(data) == {("bounce", "write", 4), ("raw", "write", 4)}
+    assert data[("bounce", "write", 4)][0][0] == 65536
 
 
 @pytest.mark.gpu

@@ -293,7 +293,10 @@ def _sglang_mem_cache_dir():
         pytest.skip("sglang not installed (use the venv from scripts/install-sglang-test-deps.sh)")
     from importlib import metadata as importlib_metadata
 
-    version = importlib_metadata.version("sglang")
+    try:
+        version = importlib_metadata.version("sglang")
+    except importlib_metadata.PackageNotFoundError:  # e.g. a namespace dir named sglang on sys.path
+        pytest.skip("sglang not installed (use the venv from scripts/install-sglang-test-deps.sh)")
     if version != "0.5.23":
         pytest.skip(f"sglang {version} is installed; these checks cite 0.5.23's source")
     return Path(list(spec.submodule_search_locations)[0]) / "srt" / "mem_cache"

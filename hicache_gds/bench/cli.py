@@ -1,6 +1,7 @@
 """`hicache-gds-bench`: a fio-style benchmark of KV-page IO through `PageStore`.
 
-    hicache-gds-bench                                   # the default job (see DEFAULT_JOB)
+    hicache-gds-bench                                   # default: llama3-8b 2 MiB pages x128, 2 GiB,
+                                                        # write then cold read, engine auto
     hicache-gds-bench --engine=all                      # the default job on every engine here
     hicache-gds-bench --rw=randread --bs=2m,8m --batch=64,128 --size=2g --directory=/nvme
     hicache-gds-bench benchmarks/jobs/pagestore-vs-raw.fio --output-format=json --plot=bw.png

@@ -2,9 +2,9 @@
 
 `summary_table(results)` is the compact table printed after fio's normal output (one row per job,
 engine and direction, with the raw and fio baselines of the same run and our ratio to each).
-`plot_results(results, path)` draws two panels with matplotlib's Agg backend (no display
-needed): bandwidth (GB/s) and p99 completion latency of one batch (ms) against the page size,
-one line per engine, direction and batch size, the raw baseline dashed and fio dotted.
+`plot_results(results, path)` draws, with matplotlib's Agg backend (no display needed), per
+direction: bandwidth (GB/s) and p99 completion latency of one batch (ms) against the page size,
+one line per engine and batch size, with the raw and fio baselines' bandwidth beside them.
 """
 
 from __future__ import annotations
@@ -60,10 +60,11 @@ def summary_table(results: Sequence[JobResult]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def series(results: Sequence[JobResult]) -> dict[str, list[tuple[int, float, float | None]]]:
-    """{label: [(page bytes, GB/s, p99 ms or None)]} sorted by page size; labels are
-    `engine dir bN` for our runs and `raw dir bN` / `fio dir bN` for the baselines."""
-    out: dict[str, dict[int, tuple[float, float | None]]] = defaultdict(dict)
+def series(results: Sequence[JobResult]) -> dict[tuple[str, str, int], list[tuple[int, float, float | None]]]:
+    """{(who, direction, batch): [(page bytes, GB/s, p99 ms or None)]} sorted by page size; `who`
+    is the engine for our runs, `raw` or `fio` for the baselines (bandwidth only: their
+    latencies are per page IO, not per batch)."""
+    out: dict[tuple[str, str, int], dict[int, tuple[float, float | None]]] = defaultdict(dict)
     for r in results:
         geo = _geometry(r)
         if geo is None:
@@ -75,17 +76,19 @@ def series(results: Sequence[JobResult]) -> dict[str, list[tuple[int, float, flo
             if not d.total_ios:
                 continue
             p99 = d.clat.summary((99.0,)).percentiles.get(99.0)
-            out[f"{engine} {ddir} b{batch}"][page] = (d.bw_bytes / 1e9, p99 / 1e6 if p99 else None)
+            out[(engine, ddir, batch)][page] = (d.bw_bytes / 1e9, p99 / 1e6 if p99 else None)
             for name in ("raw", "fio"):
                 b = (base.get(name) or {}).get(ddir) or {}
                 if b.get("bw_bytes"):
-                    # raw/fio latencies are per page IO, not per batch: bandwidth only
-                    out[f"{name} {ddir} b{batch}"].setdefault(page, (b["bw_bytes"] / 1e9, None))
+                    out[(name, ddir, batch)].setdefault(page, (b["bw_bytes"] / 1e9, None))
     return {k: sorted((p, bw, lat) for p, (bw, lat) in v.items()) for k, v in out.items()}
 
 
 def plot_results(results: Sequence[JobResult], path: str, title: str = "hicache-gds-bench") -> str:
-    """Draw bandwidth and p99 latency against block size into `path` (PNG); returns `path`."""
+    """Draw bandwidth and p99 latency against block size into `path` (PNG); returns `path`.
+
+    One row per direction; a colour per engine (raw black, fio grey), a line style per batch.
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -95,26 +98,34 @@ def plot_results(results: Sequence[JobResult], path: str, title: str = "hicache-
     data = series(results)
     if not data:
         raise PlotError("--plot: no job produced a measurement to plot")
-    fig, (ax_bw, ax_lat) = plt.subplots(1, 2, figsize=(13, 5))
-    for label, pts in sorted(data.items()):
-        xs = [p for p, _, _ in pts]
-        style = "--" if label.startswith("raw ") else ":" if label.startswith("fio ") else "-"
-        ax_bw.plot(xs, [bw for _, bw, _ in pts], style, marker="o", label=label)
-        lat = [(p, v) for p, _, v in pts if v is not None]
-        if lat:
-            ax_lat.plot([p for p, _ in lat], [v for _, v in lat], style, marker="o", label=label)
+    dirs = [d for d in ("write", "read") if any(k[1] == d for k in data)]
+    engines = sorted({k[0] for k in data} - {"raw", "fio"})
+    colour = {e: plt.get_cmap("tab10")(i % 10) for i, e in enumerate(engines)}
+    colour.update(raw="black", fio="grey")
+    style = {b: ("-", "--", "-.", ":")[i % 4] for i, b in enumerate(sorted({k[2] for k in data}, reverse=True))}
     ticks = sorted({p for pts in data.values() for p, _, _ in pts})
-    for ax, ylabel in ((ax_bw, "bandwidth (GB/s)"), (ax_lat, "p99 latency of one batch (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([num2str(t, pow2=True, unit="B") for t in ticks])
-        ax.set_xlabel("page (block) size")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    ax_bw.set_ylim(bottom=0)
-    ax_bw.legend(fontsize="small")
-    if ax_lat.lines:
-        ax_lat.legend(fontsize="small")
+    fig, axes = plt.subplots(len(dirs), 2, figsize=(13, 4.2 * len(dirs)), squeeze=False)
+    for row, ddir in zip(axes, dirs):
+        ax_bw, ax_lat = row
+        for (who, d, batch), pts in sorted(data.items()):
+            if d != ddir:
+                continue
+            kw = {"color": colour[who], "linestyle": style[batch], "marker": "o" if who in engines else "x",
+                  "label": f"{who} batch {batch}"}
+            ax_bw.plot([p for p, _, _ in pts], [bw for _, bw, _ in pts], **kw)
+            lat = [(p, v) for p, _, v in pts if v is not None]
+            if lat:
+                ax_lat.plot([p for p, _ in lat], [v for _, v in lat], **kw)
+        for ax, ylabel in ((ax_bw, f"{ddir} bandwidth (GB/s)"), (ax_lat, f"{ddir}: p99 latency of one batch (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([num2str(t, pow2=True, unit="B") for t in ticks])
+            ax.set_xlabel("page (block) size")
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize="small", loc="best")
     fig.suptitle(title)
     fig.tight_layout()
     try:

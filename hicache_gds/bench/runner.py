@@ -12,10 +12,10 @@ the same shape left behind (`write` then `read` shares the store), or one writte
 Sequential modes take keys in order into consecutive buffer pages; random modes take keys in a
 random order and random pages of the buffer. Buffers hold `iodepth * numjobs * batch` pages laid
 out as one plane per segment (segment s of page p at `plane[s] + p * seg[s]`, the way SGLang's
-host pools keep K and V apart), source pages filled with random bytes. The expected xxh3 of
-every written key is kept, so `--verify` re-reads the keys and compares: a page the store cannot
-return (its checksum turns corruption into a miss) or whose bytes differ is a verify error (fio's
-`err=84`, EILSEQ).
+host pools keep K and V apart), source pages filled with random bytes. With `--verify` the
+expected xxh3 of every written key is kept, and after the measured phase the job's keys are read
+back and compared: a page the store cannot return (its checksum turns corruption into a miss) or
+whose bytes differ is a verify error (fio's `err=84`, EILSEQ).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class _Buffers:
             self._keep = {k: HostBuffer(self.nbytes, pinned=mem == "pinned") for k in ("src", "dst")[:1 + dst]}
             fill_random(self._keep["src"].addr, self.nbytes, seed)
             if dst:                        # touch every page before timing
-                view(self._keep["dst"].addr, self.nbytes)[:] = b"\xee" * self.nbytes
+                self._keep["dst"].numpy().fill(0xEE)
             self.base = {k: b.addr for k, b in self._keep.items()}
         for addr in self.base.values():
             store.register_memory(addr, self.nbytes, self.kind)
@@ -125,7 +125,7 @@ class _Buffers:
 
     def close(self) -> None:
         for addr in self.base.values():
-            self._store.engine.deregister_memory(addr)
+            self._store.deregister_memory(addr)
         for b in self._keep.values():
             if isinstance(b, HostBuffer):
                 b.close()
@@ -138,7 +138,7 @@ class _Workload:
     def __init__(self, opts: JobOptions, store: PageStore, bufs: _Buffers, npages: int,
                  gen_write: int, gen_read: int | None, seed: int) -> None:
         self.opts, self.store, self.bufs, self.npages = opts, store, bufs, npages
-        self.batch, self.njobs = opts.batch_size, opts.numjobs
+        self.batch, self.njobs = min(opts.batch_size, npages), opts.numjobs
         self.nb = math.ceil(npages / self.batch)
         self.nios = self.nb * self.njobs
         self.gen_write, self.gen_read = gen_write, gen_read
@@ -324,7 +324,7 @@ class Session:
         entry = self._store(opts, engine, dirs, total, need)
         store = entry.store
         seed = opts.randseed if opts.randseed is not None else 0x5EED
-        bufs = _Buffers(store, opts.mem, opts.geometry, threads * batch, seed,
+        bufs = _Buffers(store, opts.mem, opts.geometry, threads * min(batch, npages), seed,
                         dst=has_reads(opts.rw) or bool(opts.verify))
         label = f"{opts.name} {engine}"
         try:
