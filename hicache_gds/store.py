@@ -251,6 +251,11 @@ class PageStore:
         self._check_open()
         self.engine.register_memory(addr, nbytes, MemKind(kind))
 
+    @property
+    def file_ids(self) -> list[int]:
+        """Engine file ids of the slab files, in `slabs.paths` order (for reads of page ranges)."""
+        return list(self._fids)
+
     def deregister_memory(self, addr: int) -> None:
         """Forget a buffer registered with `register_memory` (before freeing it)."""
         self._check_open()
@@ -325,7 +330,9 @@ class PageStore:
         try:
             slots = np.array([entries[i].slot for i in hits], dtype=np.int64)
             expect = np.array([entries[i].csum for i in hits], dtype=np.int64)
-            status, _ = self._io(Op.READ, pages.select(hits), slots, expect if self.config.verify else None)
+            # Device pages are not hashed on the host, so reads into VRAM are not verified.
+            verify = self.config.verify and pages.kind is MemKind.DRAM
+            status, _ = self._io(Op.READ, pages.select(hits), slots, expect if verify else None)
         finally:
             self.index.unpin(entries[i].slot for i in hits)
         bad = [keys[hits[j]] for j in range(len(hits)) if status[j] == _BADSUM]

@@ -103,3 +103,17 @@ def test_dram_pages_through_gds_engine(gds_dir):
         assert torch.equal(src, dst)
 
 
+
+
+def test_host_written_page_reads_into_vram_with_verify_on(gds_dir):
+    page = 1 << 20
+    src = torch.randint(0, 256, (page,), dtype=torch.uint8).pin_memory()
+    dst = torch.full((page,), 0xEE, dtype=torch.uint8, device="cuda")
+    with PageStore(page, {"mix": 1}, config={"gds_path": gds_dir, "capacity": 8 * page, "verify": True},
+                   mem_kinds=(MemKind.DRAM, MemKind.VRAM)) as s:
+        s.register_tensor(src)
+        s.register_tensor(dst)
+        assert s.put(["k"], Pages.contiguous(src.data_ptr(), page, [0])) == [True]
+        assert s.get(["k"], Pages.contiguous(dst.data_ptr(), page, [0], MemKind.VRAM)) == [True]
+        torch.cuda.synchronize()
+        assert torch.equal(src, dst.cpu()) and s.exists(["k"]) == [True]

@@ -85,12 +85,14 @@ def load_cufile() -> Any:
             import cufile
             return cufile
         except ImportError as exc:
-            raise EngineUnavailable(f"cufile-python is not installed ({exc}); pip install 'hicache-gds[cufile]'") from exc
+            raise EngineUnavailable(f"cufile-python is not installed ({exc}); "
+                                    "pip install 'hicache-gds[cufile]'") from exc
         except OSError:
             pass  # libcufile.so (unversioned) is not on the loader path
         target = _libcufile_path()
         if not target:
-            raise EngineUnavailable("cufile: no libcufile.so.0 found (pip install nvidia-cufile, or install CUDA's GDS)")
+            raise EngineUnavailable("cufile: no libcufile.so.0 found "
+                                    "(pip install nvidia-cufile, or install CUDA's GDS)")
         d = _symlink_dir(target)
         old = os.environ.get("LD_LIBRARY_PATH", "")
         if d not in old.split(":"):

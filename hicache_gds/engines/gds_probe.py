@@ -61,6 +61,9 @@ def require_gpu_for_cufile(engine: str) -> None:
         raise EngineUnavailable(f"{engine}: no CUDA GPU is visible, and cuFile hangs without one")
     if not libcufile_loadable():
         raise EngineUnavailable(f"{engine}: libcufile.so.0 is not installed (pip install nvidia-cufile)")
+    # cuFile's driver open asserts (cufio-plat) in a process with no CUDA context yet.
+    import torch
+    torch.empty(1, device="cuda")
 
 
 @dataclass(frozen=True)

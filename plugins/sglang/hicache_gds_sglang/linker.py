@@ -1,0 +1,499 @@
+"""`GDSLinker`: SGLang's direct L3 path (``UnifiedCacheLinker``) on hicache-gds -- device KV pages
+straight to and from NVMe, no host tier.
+
+Selected with (SGLang 0.5.23; exclusive with ``--enable-hierarchical-cache``)::
+
+    --enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic
+    --unified-cache-external-linker-config '{"linker":"GDSLinker","linker_module_path":"hicache_gds_sglang",
+                                             "linker_extra_config":{"gds_path":"/mnt/nvme0/hicache"}}'
+
+SGLang builds one per worker: ``GDSLinker(server_args, params, components=..., extra_config=...,
+forward_stream=...)``. ``extra_config`` takes every hicache-gds key (``gds_path``, ``enable_gds``,
+``engine``, ``capacity`` ...; over ``ENABLE_GDS`` / ``GDS_PATH`` / ``HICACHE_GDS_*``) plus
+``staging_bytes`` (GPU staging per direction, default 128M) and ``gather_below`` (`GATHER_BELOW`).
+
+Served: the plain MHA (``MHATokenToKVPool``, NHD, unscaled) and MLA (``MLATokenToKVPool``, no DSA)
+device pools, component FULL only, without packed draft KV or DCP; anything else is refused at
+construction with the reason. The pool's per-layer buffers are pages of segments (`gather`); the
+engine comes from ``engines.select`` (``auto``: GDS where a VRAM probe passes, else the bounce
+engine's pinned staging) and `stats()` / the start-up log line say which path runs.
+
+Threads. Scheduler thread: `lookup` (in-memory index), `load` / `cancel_queued_load` (queue),
+`start_layer_wise_loading` (hands the batch to the load thread), `finish_layer_wise_loading`
+(waits for every layer), `offload` (queues), `num_completed_offloads` / `pop_completed_offload`,
+`reset`, `close`. The forward calls ``layer_done_counter.wait_until(layer)`` before it reads a
+layer; the load thread completes layers in order, each once its bytes are in device memory, so
+computing layer i overlaps reading layer i+1 (in layer groups where segments are small). The offload
+thread writes whole pages through `PageStore.put` (crash-safe publish, skip-if-present, eviction).
+Every IO wait is bounded by ``io_timeout``.
+
+On disk. The namespace identity and keys are HiCacheGDS's (`naming`): a stored page is its
+segments in buffer order (MHA ``K_l0..K_lL-1, V_l0..V_lL-1``), the byte order HiCacheGDS calls
+``layer_major`` (host ``layer_first`` / ``page_first_direct`` pools), so the two share pages of one
+model and rank. Two exceptions get namespaces of their own: pages whose size is not a multiple of
+4 KiB are stored padded (cuFile cannot move the unaligned tail), and MLA ranks other than TP 0
+keep their own copy (the core's one-writer lock, and VRAM pages carry no checksum for a reader).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from queue import Empty, Queue
+from types import SimpleNamespace
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+
+from hicache_gds import ConfigError, MemKind, Op, PageStore, Pages, TransferTimeout
+from hicache_gds.config import parse_size
+from hicache_gds.memory import align_up
+
+from .gather import (ALIGN, GATHER_BELOW, DevicePages, choose_impl, gather_pages, page_layout_identity, plan_io,
+                     scatter_pages)
+from .naming import KeyScheme, load_config, namespace_identity
+
+try:  # the real base and counter; without SGLang (GPU machine tests, tools) same-shaped stand-ins
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
+    _KV: Any = PoolName.KV
+except ImportError:
+    from ._linker_compat import LayerWiseLoadCounter, UnifiedCacheLinker  # type: ignore[assignment]
+    _KV = "kv"
+
+__all__ = ["GDSLinker", "page_layout_identity", "LINKER_KEYS"]
+
+log = logging.getLogger("hicache_gds_sglang.linker")
+LINKER_KEYS = ("staging_bytes", "gather_below")
+
+
+@dataclass
+class _Load:
+    rid: str
+    keys: list[str]
+    indices: torch.Tensor
+
+
+def _topology(server_args: Any, params: Any, rank_replicated: bool) -> SimpleNamespace:
+    """Ranks and model name as SGLang's HiCache controller computes them (`_generate_storage_config`),
+    so keys and namespaces match HiCacheGDS's."""
+    tp_rank, tp_size, dp_rank, dcp_size = 0, 1, 0, 1
+    try:
+        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+        from sglang.srt.runtime_context import get_parallel
+        par = get_parallel()
+        if is_dp_attention_enabled():
+            tp_rank, tp_size, dp_rank = par.attn_tp_rank, par.attn_tp_size, par.attn_dp_rank
+        else:
+            tp_rank, tp_size = par.tp_rank, par.tp_size
+        dcp_size = par.attn_dcp_size
+    except Exception:  # noqa: BLE001 -- no SGLang runtime (tests, tools): the TP group, if any
+        group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            tp_rank, tp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    try:
+        from sglang.srt.runtime_context import get_serving
+        model = get_serving().served_model_name
+    except Exception:  # noqa: BLE001
+        model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
+    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, pp_rank=getattr(params, "pp_rank", 0),
+                           pp_size=getattr(params, "pp_size", 1), attn_cp_rank=getattr(params, "attn_cp_rank", 0),
+                           attn_cp_size=getattr(params, "attn_cp_size", 1), is_mla_model=rank_replicated,
+                           model_name=model, dcp_size=dcp_size, dcp_rank=0, logical_page_size=None)
+
+
+def _kv(transfers: Any) -> Any:
+    for t in transfers or ():
+        if str(getattr(t.name, "value", t.name)) == "kv":
+            return t
+    return None
+
+
+class GDSLinker(UnifiedCacheLinker):
+    """Device KV pool <-> NVMe for SGLang's unified radix cache (see the module docstring)."""
+
+    def __init__(self, server_args: Any, params: Any, *, components: Any = None,
+                 extra_config: Optional[Mapping[str, Any]] = None, forward_stream: Any = None,
+                 **kwargs: Any) -> None:
+        self.forward_stream = forward_stream
+        names = {getattr(c, "name", str(c)) for c in (components or ())}
+        if names - {"FULL"}:
+            raise ConfigError(f"GDSLinker stores the full-attention KV only; components {sorted(names - {'FULL'})} "
+                              f"(SWA, Mamba, ...) are not supported yet")
+        if getattr(params, "mtp_draft_device_pools", ()) or getattr(params, "sidecar_draft_device_pools", ()):
+            raise ConfigError("GDSLinker: speculative-decoding draft KV pools are not stored yet")
+        extra = dict(extra_config or {})
+        self.staging_bytes = parse_size(extra.pop("staging_bytes", "128M"), key="staging_bytes")
+        self.gather_below = parse_size(extra.pop("gather_below", GATHER_BELOW), key="gather_below")
+        cfg = load_config(extra)
+        self.page_size = int(params.page_size)
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        self.dev = DevicePages(kvcache, self.page_size)
+        self.kind = MemKind.VRAM if self.dev.device.type == "cuda" else MemKind.DRAM
+        topo = _topology(server_args, params, self.dev.kind == "mla")
+        if topo.dcp_size > 1:
+            raise ConfigError("GDSLinker does not serve decode context parallelism (dcp_size > 1)")
+        self.scheme = KeyScheme.from_storage_config(topo)
+        ident = namespace_identity(self.scheme, topo, "kv", self.dev.geometry)
+        if topo.is_mla_model and topo.tp_rank > 0:
+            ident["replica"] = str(topo.tp_rank)
+        page_bytes = self.dev.table.page_bytes
+        self.store_page_bytes = align_up(page_bytes, ALIGN)
+        if self.store_page_bytes != page_bytes:
+            ident["padded"] = "1"
+        self.store = PageStore(self.store_page_bytes, ident, config=cfg, mem_kinds=(self.kind,))
+        try:
+            self._setup()
+        except BaseException:
+            self.store.close()
+            raise
+        self.pools = {_KV: kvcache}
+        self.layer_done_counter = LayerWiseLoadCounter(self.dev.num_layers)
+        self.pending_loads: dict[str, _Load] = {}
+        self._loadq: Queue = Queue()
+        self._offq: Queue = Queue()
+        self._results: Queue = Queue()
+        self._closed = False
+        work = (("load", self._loadq, self._load_batch), ("offload", self._offq, self._offload))
+        self._threads = [threading.Thread(target=self._loop, args=(q, fn), daemon=True, name=f"hicache-gds-linker-{n}")
+                         for n, q, fn in work]
+        for t in self._threads:
+            t.start()
+        st = self.store.stats()
+        log.info("hicache-gds linker: %s pool, %d layers, %d-token pages of %d bytes (%s); %s: %s; engine %s: %s (%s); "
+                 "namespace %s", self.dev.kind.upper(), self.dev.num_layers, self.page_size, page_bytes,
+                 self.dev.geometry["dtype"], self.plan.mode, self.plan.reason, st["engine"], st["path"],
+                 st["engine_reason"], st["namespace"])
+
+    def _setup(self) -> None:
+        engine = self.store.engine
+        caps = engine.capabilities
+        self.plan = plan_io(self.dev.table, self.dev.bases, gather_below=self.gather_below,
+                            align=max(caps.alignment, 1), max_descs=caps.max_descs)
+        if self.plan.mode == "direct":
+            seen = set()
+            for b in self.dev.buffers:  # the pool's allocations, once each (MHA K/V halves share one)
+                st = b.untyped_storage()
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    self.store.register_memory(st.data_ptr(), st.nbytes(), self.kind)
+        self._fids = np.asarray(getattr(self.store, "file_ids", None) or self.store._fids, dtype=np.uint64)
+        self._stages: dict[str, torch.Tensor] = {}
+        self._graveyard: list[torch.Tensor] = []  # staging a timed-out read may still write: never reused
+        self._streams = {n: torch.cuda.Stream(self.dev.device) if self.kind is MemKind.VRAM else None
+                         for n in ("load", "offload")}
+        self._stats = {"load_batches": 0, "load_pages": 0, "load_failures": 0, "offloads": 0, "offload_pages": 0,
+                       "offload_failures": 0, "load_bytes": 0, "offload_bytes": 0}
+        self._lat = {"load": deque(maxlen=4096), "offload": deque(maxlen=4096)}
+        self._lock = threading.Lock()
+        self.copy_impl = "torch"
+        if self.plan.mode == "gather" and self.kind is MemKind.VRAM:  # compile now, not in the first request
+            shapes = [(self.store.slot_bytes, self.dev.table.offsets, None)]
+            shapes += [(g.stage_bytes, g.stage_offsets, g.segments) for g in self.plan.groups[:1]]
+            self.copy_impl = choose_impl(self.dev.buffers, self.page_size, shapes)
+
+
+    # -- SGLang's calls (scheduler thread) -------------------------------------------------------
+    def lookup(self, rid: str, transfers: list) -> list[int]:
+        """Every restorable prefix length in pages: 1 .. the longest run of stored pages."""
+        kv = _kv(transfers)
+        if kv is None or not kv.keys:
+            return []
+        return list(range(1, self.store.prefix(self.scheme.keys(list(kv.keys))) + 1))
+
+    def load(self, rid: str, transfers: list) -> bool:
+        """Queue a load of the KV transfer; decided on the transfer alone (every rank agrees)."""
+        kv = _kv(transfers)
+        if self._closed or kv is None or not kv.keys or kv.device_indices is None \
+                or kv.device_indices.numel() != len(kv.keys) * self.page_size:
+            return False
+        if rid in self.pending_loads:
+            raise RuntimeError(f"GDSLinker: a load for rid={rid} is already queued")
+        self.pending_loads[rid] = _Load(rid, self.scheme.keys(list(kv.keys)), kv.device_indices)
+        return True
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        return self.pending_loads.pop(rid, None) is not None
+
+    def start_layer_wise_loading(self) -> int:
+        """Start the queued loads; -1 when there are none."""
+        if not self.pending_loads:
+            return -1
+        batch, self.pending_loads = list(self.pending_loads.values()), {}
+        index = self.layer_done_counter.update_producer()
+        ready = None
+        if self.kind is MemKind.VRAM:  # the indices, and the slots' previous users, are ordered before it
+            ready = torch.cuda.Event()
+            ready.record()
+        self._loadq.put((index, batch, ready))
+        return index
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        return self.layer_done_counter.finish(counter_index)
+
+    def offload(self, transfers: list, session_id: Optional[str] = None) -> bool:
+        """Queue the KV pages for writing; one result per accepted offload, in order."""
+        kv = _kv(transfers)
+        if self._closed or kv is None or not kv.keys or kv.device_indices is None:
+            return False
+        events = self.record_offload_ready() if self.kind is MemKind.VRAM else []
+        self._offq.put((self.scheme.keys(list(kv.keys)), kv.device_indices, events))
+        return True
+
+    def num_completed_offloads(self) -> int:
+        return self._results.qsize()
+
+    def pop_completed_offload(self) -> bool:
+        return self._results.get_nowait()
+
+    def reset(self) -> None:
+        """Finish every transfer in flight and drop queued work and results; stored pages stay."""
+        self.pending_loads.clear()
+        self._loadq.join()
+        self._offq.join()
+        while True:
+            try:
+                self._results.get_nowait()
+            except Empty:
+                break
+        self.layer_done_counter.reset()
+
+    def close(self) -> None:
+        """Quiesce, stop the threads, close the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.reset()
+        for q in (self._loadq, self._offq):
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=self.store.config.io_timeout + 10)
+        log.info("hicache-gds linker stats: %s", self.stats())
+        self.store.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, p50/p99 latencies (ms), the IO plan and the engine path that ran."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._stats)
+            for op, lat in self._lat.items():
+                if lat:
+                    v = np.sort(np.fromiter(lat, dtype=np.float64)) * 1e3
+                    out[f"{op}_p50_ms"], out[f"{op}_p99_ms"] = float(v[len(v) // 2]), float(v[int(len(v) * 0.99)])
+        st = self.store.stats()
+        out.update(mode=self.plan.mode, plan=self.plan.reason, layer_groups=len(self.plan.groups),
+                   copies=self.copy_impl, engine=st["engine"], path=st["path"], engine_reason=st["engine_reason"],
+                   namespace=st["namespace"], page_bytes=self.dev.table.page_bytes,
+                   store_page_bytes=self.store_page_bytes)
+        return out
+
+    # -- worker threads --------------------------------------------------------------------------
+    def _loop(self, q: Queue, fn: Any) -> None:
+        if self.kind is MemKind.VRAM:
+            torch.cuda.set_device(self.dev.device)
+        while True:
+            task = q.get()
+            try:
+                if task is None:
+                    return
+                fn(*task)
+            except BaseException:  # noqa: BLE001 -- the task reported its own failure; keep serving
+                log.exception("hicache-gds linker: worker task failed")
+            finally:
+                q.task_done()
+
+    def _stage(self, name: str, nbytes: int, size: int) -> torch.Tensor:
+        """A 4 KiB-aligned staging buffer of >= `size` bytes on the pool's device, registered once."""
+        buf = self._stages.get(name)
+        if buf is None or buf.numel() < nbytes:
+            size = align_up(max(nbytes, size), ALIGN)
+            raw = torch.zeros(size + ALIGN, dtype=torch.uint8, device=self.dev.device)  # no stale bytes in padding
+            off = (-raw.data_ptr()) % ALIGN
+            buf = raw[off:off + size]
+            self.store.register_memory(buf.data_ptr(), buf.numel(), self.kind)
+            old = self._stages.get(name)
+            if old is not None:  # outgrown, and idle (this worker is its only user)
+                self.store.deregister_memory(old.data_ptr())
+            self._stages[name] = buf
+        return buf
+
+    def _post(self, op: Op, mem: np.ndarray, fil: np.ndarray) -> list:
+        """Submit (addr, nbytes) x (file id, offset) rows in requests within the engine's limits."""
+        caps = self.store.engine.capabilities
+        lim = caps.max_desc_bytes
+        if len(mem) and int(mem[:, 1].max()) > lim:  # split long rows
+            pieces = ((mem[:, 1] + np.uint64(lim - 1)) // np.uint64(lim)).astype(np.int64)
+            rep = np.repeat(np.arange(len(mem)), pieces)
+            k = np.arange(len(rep)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+            off = k.astype(np.uint64) * np.uint64(lim)
+            ln = np.minimum(mem[rep, 1] - off, np.uint64(lim))
+            mem = np.stack([mem[rep, 0] + off, ln], axis=1)
+            fil = np.stack([fil[rep, 0], fil[rep, 1] + off], axis=1)
+        cap_bytes = min(caps.max_request_bytes, self.store.config.max_request_bytes or 64 << 20)
+        out, a, n = [], 0, len(mem)
+        try:
+            while a < n:
+                b, total = a, 0
+                while b < n and b - a < caps.max_descs and (b == a or total + int(mem[b, 1]) <= cap_bytes):
+                    total += int(mem[b, 1])
+                    b += 1
+                out.append(self.store.engine.submit(op, self.kind, mem[a:b], fil[a:b]))
+                a = b
+        except BaseException:
+            self._wait(out, time.monotonic() + self.store.config.io_timeout, quiet=True)
+            raise
+        return out
+
+    def _wait(self, transfers: list, deadline: float, quiet: bool = False) -> None:
+        """Wait for every transfer (never past `deadline`); raise the first error unless `quiet`."""
+        first: BaseException | None = None
+        for t in transfers:
+            try:
+                t.wait(max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001
+                first = first or exc
+            finally:
+                t.release()
+        if first is not None and not quiet:
+            raise first
+
+    def _load_batch(self, index: int, batch: list[_Load], ready: Any) -> None:
+        t0 = time.perf_counter()
+        keys = [k for ld in batch for k in ld.keys]
+        pinned: list[int] = []
+        inflight: list = []
+        try:
+            if ready is not None:
+                ready.synchronize()
+            starts = torch.cat([self.dev.starts(ld.indices) for ld in batch])
+            entries = self.store.index.lookup_pin(keys)
+            pinned = [e.slot for e in entries if e is not None]
+            missing = sum(e is None or e.nbytes != self.store_page_bytes for e in entries)
+            if missing:
+                raise LookupError(f"{missing} of {len(keys)} pages are no longer stored (evicted after lookup)")
+            fidx, base = self.store.slabs.place(np.array([e.slot for e in entries], dtype=np.int64))
+            fids = self._fids[fidx]
+            n, steps = len(keys), []
+            for g, grp in enumerate(self.plan.groups):
+                per = max(1, (self.staging_bytes // 2) // max(grp.stage_bytes, 1))
+                steps += [(g, a, min(a + per, n)) for a in range(0, n, per)]
+
+            def landed() -> None:  # before the last layers complete: a caller of finish() sees the stats
+                with self._lock:
+                    self._stats["load_batches"] += 1
+                    self._stats["load_pages"] += n
+                    self._stats["load_bytes"] += n * self.dev.table.page_bytes
+                    self._lat["load"].append(time.perf_counter() - t0)
+
+            prev = None
+            for k, step in enumerate(steps):
+                inflight = self._post_read(step, k % 2, starts, fids, base)
+                if prev is not None:
+                    self._finish_read(index, *prev, starts, n)
+                prev = (step, k % 2, inflight)
+            if prev is not None:
+                self._finish_read(index, *prev, starts, n, landed)
+            inflight = []
+        except BaseException as exc:
+            timed_out = isinstance(exc, TransferTimeout)
+            self._wait(inflight, time.monotonic() + self.store.config.io_timeout, quiet=True)
+            if timed_out:  # the IO may still land in staging: retire it (still registered, never freed)
+                self._graveyard += [self._stages.pop(s) for s in ("load0", "load1") if s in self._stages]
+            with self._lock:
+                self._stats["load_failures"] += 1
+            log.warning("hicache-gds linker: load of %d pages for %s failed: %s: %s", len(keys),
+                        ",".join(ld.rid for ld in batch)[:200], type(exc).__name__, exc)
+            self.layer_done_counter.fail(index, exc)
+        finally:
+            self.store.index.unpin(pinned)
+
+    def _post_read(self, step: tuple[int, int, int], slot: int, starts: torch.Tensor, fids: np.ndarray,
+                   base: np.ndarray) -> list:
+        g, a, b = step
+        grp = self.plan.groups[g]
+        if self.plan.mode == "direct":
+            addrs = self.dev.seg_addrs(starts[a:b], grp.segments)
+            lens = np.broadcast_to(np.array([self.dev.table.seg_bytes[s] for s in grp.segments], dtype=np.uint64),
+                                   addrs.shape)
+            offs = np.array([self.dev.table.offsets[s] for s in grp.segments], dtype=np.uint64)
+        else:
+            stage = self._stage(f"load{slot}", (b - a) * grp.stage_bytes, self.staging_bytes // 2)
+            row = np.arange(b - a, dtype=np.uint64).reshape(-1, 1) * np.uint64(grp.stage_bytes)
+            pos = np.cumsum([0] + [n for _, n in grp.runs[:-1]]).astype(np.uint64)
+            addrs = np.uint64(stage.data_ptr()) + row + pos
+            lens = np.broadcast_to(np.array([n for _, n in grp.runs], dtype=np.uint64), addrs.shape)
+            offs = np.array([o for o, _ in grp.runs], dtype=np.uint64)
+        foff = base[a:b].reshape(-1, 1) + offs
+        mem = np.stack([addrs.ravel(), np.ascontiguousarray(lens).ravel()], axis=1)
+        fil = np.stack([np.repeat(fids[a:b], addrs.shape[1]), foff.ravel()], axis=1)
+        return self._post(Op.READ, mem, fil)
+
+    def _finish_read(self, index: int, step: tuple[int, int, int], slot: int, transfers: list,
+                     starts: torch.Tensor, n: int, landed: Any = None) -> None:
+        g, a, b = step
+        grp = self.plan.groups[g]
+        self._wait(transfers, time.monotonic() + self.store.config.io_timeout)
+        if self.plan.mode == "gather":
+            stage = self._stages[f"load{slot}"][: (b - a) * grp.stage_bytes].view(b - a, grp.stage_bytes)
+            self._copy(scatter_pages, "load", starts[a:b], stage, grp.stage_offsets, grp.segments)
+        if b == n:  # the group's last chunk: its layers are in device memory
+            if landed is not None:
+                landed()
+            for layer in grp.layers:
+                self.layer_done_counter.complete(index, layer)
+
+    def _copy(self, fn: Any, stream: str, starts: torch.Tensor, stage: torch.Tensor, offsets: Any,
+              segments: Any) -> None:
+        s = self._streams[stream]
+        if s is None:
+            fn(self.dev.buffers, starts, self.page_size, stage, offsets, segments, impl=self.copy_impl)
+            return
+        with torch.cuda.stream(s):
+            fn(self.dev.buffers, starts, self.page_size, stage, offsets, segments, impl=self.copy_impl)
+        s.synchronize()  # report (or write) only once the copies are done
+
+    def _offload(self, keys: list[str], indices: torch.Tensor, events: list) -> None:
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            for ev in events:
+                ev.synchronize()
+            starts = self.dev.starts(indices)
+            if len(starts) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(starts)} device pages")
+            todo = [i for i, present in enumerate(self.store.exists(keys)) if not present]
+            ok, table = True, self.dev.table
+            if self.plan.mode == "direct" and todo:
+                segs = tuple(range(len(table.row_bytes)))
+                addrs = self.dev.seg_addrs(starts[todo], segs)
+                lens = np.broadcast_to(np.array(table.seg_bytes, dtype=np.uint64), addrs.shape).copy()
+                ok = all(self.store.put([keys[i] for i in todo], Pages(addrs, lens, self.kind)))
+            elif todo:
+                stride = self.store.slot_bytes
+                per = max(1, self.staging_bytes // stride)
+                for c in range(0, len(todo), per):
+                    idx = todo[c:c + per]
+                    stage = self._stage("offload", len(idx) * stride, self.staging_bytes)
+                    stage = stage[: len(idx) * stride].view(len(idx), stride)
+                    self._copy(gather_pages, "offload", starts[idx], stage, table.offsets, None)
+                    rows = np.arange(len(idx), dtype=np.uint64).reshape(-1, 1)
+                    addrs = np.uint64(stage.data_ptr()) + rows * np.uint64(stride)
+                    lens = np.full_like(addrs, self.store_page_bytes)
+                    ok = all(self.store.put([keys[i] for i in idx], Pages(addrs, lens, self.kind))) and ok
+            with self._lock:
+                self._stats["offloads"] += 1
+                self._stats["offload_pages"] += len(todo)
+                self._stats["offload_bytes"] += len(todo) * table.page_bytes
+                self._stats["offload_failures"] += not ok
+                self._lat["offload"].append(time.perf_counter() - t0)
+        except BaseException as exc:  # noqa: BLE001 -- reported as a failed offload
+            ok = False
+            with self._lock:
+                self._stats["offload_failures"] += 1
+            log.warning("hicache-gds linker: offload of %d pages failed: %s: %s", len(keys), type(exc).__name__, exc)
+        finally:
+            self._results.put(ok)
+
