@@ -16,7 +16,8 @@ drives it:
 Every round writes fresh keys with each backend, drops the page cache (``echo 3 >
 /proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` on the files), reads them back
 into poisoned slots and checks every byte. Rounds rotate the backend order so drift hits all
-columns alike. Prints a markdown table: best GB/s, spread (min-max) and our ratio to each.
+columns alike. Prints a markdown table: best GB/s and spread (min-max) of set, of set + ``os.sync()``
+(HiCacheFile writes into the page cache; the others write O_DIRECT) and of get, and our ratios.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -128,7 +130,13 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=512, help="pages per backend per round (batches of 128)")
     ap.add_argument("--backends", default="gds,file,nixl,fio")
     ap.add_argument("--json", help="write the raw numbers here")
+    ap.add_argument("--report", metavar="JSON", help="only print the tables of an earlier --json file")
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            j = json.load(f)
+        report(j["results"], j["pages"], j["page_bytes"], j["rounds"], j["cold"])
+        return
     which = set(args.backends.split(","))
     import sglang_pools
     root = os.path.abspath(args.dir)
@@ -142,9 +150,9 @@ def main() -> None:
     page_bytes = 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
     src, dst = list(range(n)), list(range(n, 2 * n))
     drivers = make_backends(root, pool, n, args.rounds, which)
-    results = {d.name: {"set": [], "get": []} for d in drivers}
+    results = {d.name: {"set": [], "set+sync": [], "get": []} for d in drivers}
     if "fio" in which:
-        results["fio (libaio, O_DIRECT, QD16)"] = {"set": [], "get": []}
+        results["fio (libaio, O_DIRECT, QD16)"] = {"set": [], "set+sync": [], "get": []}
     how = ""
     for r in range(args.rounds):
         order = drivers[r % len(drivers):] + drivers[:r % len(drivers)] if drivers else []
@@ -153,6 +161,8 @@ def main() -> None:
             t0 = time.perf_counter()
             ok = all(d.set(keys[i:i + 128], src[i:i + 128]) for i in range(0, n, 128))
             t_set = time.perf_counter() - t0
+            os.sync()  # HiCacheFile's pages are still in the page cache when its calls return
+            t_sync = time.perf_counter() - t0
             how = drop_caches(root)
             kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS].fill_(0xA5)
             t0 = time.perf_counter()
@@ -162,12 +172,15 @@ def main() -> None:
             if not (ok and same):
                 raise SystemExit(f"{d.name}: round {r} failed (calls ok={ok}, bytes equal={same})")
             results[d.name]["set"].append(n * page_bytes / t_set / 1e9)
+            results[d.name]["set+sync"].append(n * page_bytes / t_sync / 1e9)
             results[d.name]["get"].append(n * page_bytes / t_get / 1e9)
-            print(f"round {r} {d.name}: set {results[d.name]['set'][-1]:.2f} GB/s, get {results[d.name]['get'][-1]:.2f}"
-                  f" GB/s (cold: {how}), bytes checked", flush=True)
+            print(f"round {r} {d.name}: set {results[d.name]['set'][-1]:.2f} GB/s (with sync "
+                  f"{results[d.name]['set+sync'][-1]:.2f}), get {results[d.name]['get'][-1]:.2f} GB/s (cold: {how}), "
+                  f"bytes checked", flush=True)
         if "fio" in which:
             name = "fio (libaio, O_DIRECT, QD16)"
             results[name]["set"].append(fio(root, "write", n * page_bytes, f"r{r}"))
+            results[name]["set+sync"].append(results[name]["set"][-1])
             drop_caches(root)
             results[name]["get"].append(fio(root, "read", n * page_bytes, f"r{r}"))
             os.unlink(os.path.join(root, f"fio-r{r}.dat"))
@@ -185,17 +198,26 @@ def main() -> None:
 
 
 def report(results, n, page_bytes, rounds, how):
+    ops = ("set", "set+sync", "get")
     ours = results.get("HiCacheGDS")
     print(f"\n{n} pages x {page_bytes >> 20} MiB per backend per round, batches of 128, {rounds} rounds, "
-          f"reads cold ({how}); GB/s = 1e9 B/s\n")
-    print("| backend | set best | set spread | get best | get spread | HiCacheGDS / this, set | get |")
-    print("|---|---|---|---|---|---|---|")
+          f"reads cold ({how}); GB/s = 1e9 B/s: best (min-max), median\n")
+    print("| backend | set | set + sync | get |")
+    print("|---|---|---|---|")
     for name, r in results.items():
-        cells = [f"{max(r[op]):.2f}" if r[op] else "-" for op in ("set", "get")]
-        spread = [f"{min(r[op]):.2f}-{max(r[op]):.2f}" if r[op] else "-" for op in ("set", "get")]
-        ratio = [f"{max(ours[op]) / max(r[op]):.2f}x" if ours and r[op] and name != "HiCacheGDS" else ""
-                 for op in ("set", "get")]
-        print(f"| {name} | {cells[0]} | {spread[0]} | {cells[1]} | {spread[1]} | {ratio[0]} | {ratio[1]} |")
+        cells = [f"{max(r[op]):.2f} ({min(r[op]):.2f}-{max(r[op]):.2f}), {statistics.median(r[op]):.2f}"
+                 if r[op] else "-" for op in ops]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if not ours:
+        return
+    print("\n| HiCacheGDS / this (best / median) | set | set + sync | get |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        if name == "HiCacheGDS":
+            continue
+        cells = [f"{max(ours[op]) / max(r[op]):.2f}x / {statistics.median(ours[op]) / statistics.median(r[op]):.2f}x"
+                 if r[op] else "-" for op in ops]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

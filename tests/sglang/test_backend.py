@@ -328,7 +328,8 @@ def test_bad_calls_and_a_closed_backend_never_raise(gds_dir):
 @pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "page_first_direct"), ("mla", "page_first")])
 def test_aligned_pages_go_straight_from_the_pool_to_disk(gds_dir, kind, layout):
     """Llama/DeepSeek-like geometry: 4 KiB-aligned segments of >= 128 KiB are never staged."""
-    pool = make_pool(kind, layout, pages=24, page_size=16, layer_num=8, head_num=4, head_dim=128 if kind == "mha" else 576)
+    pool = make_pool(kind, layout, pages=24, page_size=16, layer_num=8, head_num=4,
+                     head_dim=128 if kind == "mha" else 576)
     b = attach(storage_config(gds_dir, is_mla_model=kind == "mla"), pool)
     try:
         ks = keys(8)
@@ -402,5 +403,34 @@ def test_pools_we_cannot_serve_are_refused_at_attach(gds_dir, pool, match):
             b.register_mem_pool_host(pool)
         with pytest.raises(ConfigError, match="no KV host pool"):
             b.on_host_pools_registered()
+    finally:
+        b.close()
+
+
+def test_default_capacity_is_split_between_writer_ranks_and_kept_on_restart(gds_dir):
+    extra = {"gds_path": gds_dir, "preallocate": False, "capacity": 0}
+    st = os.statvfs(gds_dir)
+    free = st.f_bavail * st.f_frsize
+    pool = make_pool("mha", "page_first")
+    b = attach(storage_config(gds_dir, extra=dict(extra), tp_size=4, tp_rank=1), pool)
+    kv_bytes = b.stats()["kv"]["slots"] * b.stats()["kv"]["slot_bytes"]
+    b.close()
+    assert abs(kv_bytes - free * 0.5 / 4) < free * 0.02
+    again = attach(storage_config(gds_dir, extra=dict(extra, capacity_fraction=0.1), tp_size=4, tp_rank=1), pool)
+    try:
+        assert again.stats()["kv"]["slots"] * again.stats()["kv"]["slot_bytes"] == kv_bytes
+    finally:
+        again.close()
+
+
+def test_a_new_host_pool_rebinds_the_same_namespace(gds_dir):
+    first, second = make_pool("mla", "page_first", seed=1), make_pool("mla", "page_first", seed=None)
+    b = attach(storage_config(gds_dir, is_mla_model=True), first)
+    try:
+        ks = keys(4)
+        assert b.batch_set_v1(ks, indices(range(4))) == [True] * 4
+        b.register_mem_pool_host(second)
+        assert b.batch_get_v1(ks, indices(range(4))) == [True] * 4
+        assert same_pages(first, list(range(4)), second, list(range(4)))
     finally:
         b.close()

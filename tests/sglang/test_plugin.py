@@ -136,4 +136,5 @@ def test_missing_gds_path_is_a_clear_error(monkeypatch):
 
 def test_dcp_is_refused_at_construction(gds_dir):
     with pytest.raises(ConfigError, match="dcp_size"):
-        HiCacheGDS(storage_config(gds_dir, is_mla_model=True, tp_size=2, dcp_size=2, dcp_rank=0, logical_page_size=16), {})
+        sc = storage_config(gds_dir, is_mla_model=True, tp_size=2, dcp_size=2, dcp_rank=0, logical_page_size=16)
+        HiCacheGDS(sc, {})

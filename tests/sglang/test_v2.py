@@ -31,7 +31,7 @@ class StatePool:
 
 def _setup(gds_dir, tmp_path, mla=False):
     kind = "mla" if mla else "mha"
-    kv, swa, mamba = make_pool(kind, "page_first", pages=64, seed=1), make_pool("mha", "layer_first", seed=2), StatePool()
+    kv, swa, mamba = make_pool(kind, "page_first", seed=1), make_pool("mha", "layer_first", seed=2), StatePool()
     ours = attach(storage_config(gds_dir, is_mla_model=mla), kv)
     ours.register_mem_host_pool_v2(swa, PoolName.SWA)
     ours.register_mem_host_pool_v2(mamba, PoolName.MAMBA)

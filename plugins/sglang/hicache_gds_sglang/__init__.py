@@ -15,11 +15,14 @@ from .plugin import dynamic_command, register
 
 __version__ = "0.1.0"
 
-__all__ = ["HiCacheGDS", "register", "dynamic_command", "__version__"]
+__all__ = ["HiCacheGDS", "GDSLinker", "register", "dynamic_command", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "HiCacheGDS":
         from .backend import HiCacheGDS
         return HiCacheGDS
+    if name == "GDSLinker":
+        from .linker import GDSLinker
+        return GDSLinker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

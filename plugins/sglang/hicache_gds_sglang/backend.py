@@ -36,8 +36,9 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 
 from hicache_gds import ConfigError, PageStore
 from hicache_gds.memory import align_up
+from hicache_gds.slabs import SlabSet
 
-from .naming import KeyScheme, load_config, namespace_identity
+from .naming import KeyScheme, load_config, namespace_identity, store_dirs
 from .pools import PoolBinding, describe_pool
 from .shared_reader import SharedReader
 
@@ -90,9 +91,15 @@ class HiCacheGDS(HiCacheStorage):
         if getattr(sc, "should_split_heads", False):
             raise ConfigError("hicache-gds does not serve heterogeneous-TP split heads (page_head with "
                               "tp_lcm_size); use --hicache-storage-backend mooncake")
+        extra = sc.extra_config or {}
+        if "module_path" in extra and not extra.get("interface_v1"):
+            log.warning("hicache-gds: loaded as `dynamic` without \"interface_v1\": 1, so SGLang will use its copy "
+                        "path (get_data_page / set_from_flat_data_page) instead of zero-copy; add it")
         self.scheme = KeyScheme.from_storage_config(sc)
         self.is_mla = bool(sc.is_mla_model)
         self.is_writer = bool(sc.is_storage_writer)
+        # namespaces of this server that preallocate slabs: one per writing rank
+        self._writers = max(1, sc.pp_size * sc.attn_cp_size * (1 if self.is_mla else sc.tp_size))
         self.mem_pool_host = None
         self.registered_pools: dict = {}
         self._bindings: Dict[str, PoolBinding] = {}
@@ -104,16 +111,24 @@ class HiCacheGDS(HiCacheStorage):
             self.register_mem_pool_host(mem_pool_host)
 
     # -- attach (scheduler thread) ----------------------------------------------------------------
-    def _store_config(self, name: str, page_bytes: int):
-        """Sidecars without an explicit capacity get as many slots as KV, within capacity_fraction of free space."""
+    def _store_config(self, name: str, ident: dict, page_bytes: int):
+        """Capacity when none is configured: this server's writer ranks split `capacity_fraction` of
+        the free space evenly; a sidecar gets as many slots as KV within that share. An existing
+        namespace keeps the size chosen when it was created (the core's rule for capacity 0)."""
+        cfg = self.config
+        if cfg.capacity:
+            return cfg
+        _, dirs, _ = store_dirs(cfg, ident, page_bytes)
+        if os.path.exists(os.path.join(dirs[0], SlabSet.FILE_NAME)):
+            return cfg
+        free = min(os.statvfs(r).f_bavail * os.statvfs(r).f_frsize for r in cfg.gds_path) * len(cfg.gds_path)
+        sc = self.storage_config
+        writers = sc.pp_size * sc.attn_cp_size * sc.tp_size if name == "mamba" else self._writers  # per-rank state
+        share = int(free * cfg.capacity_fraction) // writers
         kv = self._bindings.get("kv")
-        if name == "kv" or self.config.capacity or kv is None or not isinstance(kv.store, PageStore):
-            return self.config
-        root = self.config.gds_path[0]
-        st = os.statvfs(root)
-        free = int(st.f_bavail * st.f_frsize * self.config.capacity_fraction)
-        want = int(kv.store.stats()["slots"]) * align_up(page_bytes)
-        return self.config.replace(capacity=max(align_up(page_bytes), min(want, free)))
+        if name != "kv" and kv is not None and isinstance(kv.store, PageStore):
+            share = min(share, int(kv.store.stats()["slots"]) * align_up(page_bytes))
+        return cfg.replace(capacity=max(align_up(page_bytes) * len(cfg.gds_path), share))
 
     def _bind(self, name: str, pool: Any) -> PoolBinding:
         geo = describe_pool(pool, name)
@@ -121,7 +136,7 @@ class HiCacheGDS(HiCacheStorage):
         if self.is_mla and not self.is_writer and name != "mamba":
             store: Any = SharedReader(self.config, ident, geo.page_bytes)
         else:
-            store = PageStore(geo.page_bytes, ident, config=self._store_config(name, geo.page_bytes))
+            store = PageStore(geo.page_bytes, ident, config=self._store_config(name, ident, geo.page_bytes))
         try:
             binding = PoolBinding(name, pool, geo, store, self.scheme)
         except BaseException:
@@ -140,10 +155,10 @@ class HiCacheGDS(HiCacheStorage):
             old = self._bindings.get(name)
             if old is not None and old.pool is pool:
                 return
-            new = self._bind(name, pool)
-            self._bindings[name] = new
-            if old is not None:
+            if old is not None:  # first: a new pool of the same geometry reopens the same namespace
+                del self._bindings[name]
                 old.close()
+            self._bindings[name] = self._bind(name, pool)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Bind the KV anchor pool: its own namespace, its kv_buffer registered once."""

@@ -88,28 +88,44 @@ def _kind(pool: Any) -> str | None:
     return None
 
 
-def _element_addresses(t: torch.Tensor) -> np.ndarray:
-    """Byte address of every element of `t`, in the order `t.flatten()` visits them."""
-    addr = np.full((1,) * t.dim(), t.data_ptr(), dtype=np.int64)
-    for k, (n, stride) in enumerate(zip(t.shape, t.stride())):
-        shape = [1] * t.dim()
-        shape[k] = n
-        addr = addr + (np.arange(n, dtype=np.int64) * (stride * t.element_size())).reshape(shape)
-    return addr.ravel()
+def _merge(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """(start, length) runs with adjacent ones joined: a canonical form of a byte address sequence."""
+    ends = starts + lens
+    cut = np.ones(len(starts), dtype=bool)
+    cut[1:] = starts[1:] != ends[:-1]
+    first = np.flatnonzero(cut)
+    last = np.append(first[1:], len(starts)) - 1
+    return np.stack([starts[first], ends[last] - starts[first]], axis=1)
+
+
+def _view_runs(t: torch.Tensor) -> np.ndarray:
+    """The bytes `t.flatten()` visits, in order, as merged (address, length) runs."""
+    it, shape, stride = t.element_size(), list(t.shape), list(t.stride())
+    run, k = it, t.dim()
+    while k > 0 and (shape[k - 1] == 1 or stride[k - 1] * it == run):  # fold contiguous inner dims
+        run *= shape[k - 1]
+        k -= 1
+    starts = np.full((1,) * max(k, 1), t.data_ptr(), dtype=np.int64)
+    for d in range(k):
+        view_shape = [1] * k
+        view_shape[d] = shape[d]
+        starts = starts + (np.arange(shape[d], dtype=np.int64) * (stride[d] * it)).reshape(view_shape)
+    starts = starts.ravel()
+    return _merge(starts, np.full(len(starts), run, dtype=np.int64))
 
 
 def _same_bytes(pool: Any, page: int, perm: tuple[int, ...] | None) -> bool:
     """Proof, from addresses alone (no data read or written), that the flat page of `page` is
     its meta segments in `perm` order: what makes the copy and zero-copy paths byte-identical."""
     view_ = pool.get_data_page(page * pool.page_size, flat=False)
-    if not isinstance(view_, torch.Tensor):
+    if not isinstance(view_, torch.Tensor) or view_.numel() == 0:
         return False
     ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page * pool.page_size, (page + 1) * pool.page_size))
-    order = perm if perm is not None else range(len(ptrs))
-    it = view_.element_size()
-    want = np.concatenate([np.arange(int(ptrs[i]), int(ptrs[i]) + int(sizes[i]), it, dtype=np.int64) for i in order])
-    got = _element_addresses(view_)
-    return got.shape == want.shape and bool(np.array_equal(got, want))
+    order = list(perm) if perm is not None else list(range(len(ptrs)))
+    segs = _merge(np.asarray([int(ptrs[i]) for i in order], dtype=np.int64),
+                  np.asarray([int(sizes[i]) for i in order], dtype=np.int64))
+    got = _view_runs(view_)
+    return got.shape == segs.shape and bool(np.array_equal(got, segs))
 
 
 def describe_pool(pool: Any, name: str) -> PoolGeometry:
@@ -127,7 +143,7 @@ def describe_pool(pool: Any, name: str) -> PoolGeometry:
             and not (kind == "mla" and layout == "page_head"):
         geo = _zero_copy_geometry(pool, kind, layout, page_size)
         pages = max(1, min(2, int(getattr(pool, "page_num", 2))))
-        if all(_same_bytes(pool, p, geo.perm) for p in range(pages)):
+        if geo is not None and all(_same_bytes(pool, p, geo.perm) for p in range(pages)):
             return geo
         log.warning("hicache-gds: %s (%s, %s): get_page_buffer_meta and get_data_page disagree on the page's "
                     "bytes; serving pool %r through the copy path", type(pool).__name__, kind, layout, name)
@@ -143,7 +159,8 @@ def describe_pool(pool: Any, name: str) -> PoolGeometry:
     return PoolGeometry("flat", layout, page_size, nbytes, 0, None, dummy.dtype, ident)
 
 
-def _zero_copy_geometry(pool: Any, kind: str, layout: str, page_size: int) -> PoolGeometry:
+def _zero_copy_geometry(pool: Any, kind: str, layout: str, page_size: int) -> PoolGeometry | None:
+    """The segment geometry an MHA / MLA pool of `layout` must have; None when its meta differs."""
     L = int(pool.layer_num)
     itemsize = pool.dtype.itemsize
     if kind == "mha":
@@ -161,11 +178,9 @@ def _zero_copy_geometry(pool: Any, kind: str, layout: str, page_size: int) -> Po
     dummy = pool.get_dummy_flat_data_page()
     got = dummy.numel() * dummy.element_size()
     if len(ptrs) != segs or any(int(s) != seg_bytes for s in sizes) or got != page_bytes:
-        raise ConfigError(f"hicache-gds: {type(pool).__name__} ({kind}, {layout}) describes a page as "
-                          f"{len(ptrs)} segments of {sorted(set(int(s) for s in sizes))} bytes and a flat page of "
-                          f"{got} bytes; expected {segs} x {seg_bytes} = {page_bytes}. Refusing rather than "
-                          f"storing pages in an unknown byte order")
-    ident = {"kind": kind, "page_order": _PAGE_ORDER[layout], "dtype": str(pool.dtype), "layer_num": L, "page_size": page_size,
+        return None
+    ident = {"kind": kind, "page_order": _PAGE_ORDER[layout], "dtype": str(pool.dtype), "layer_num": L,
+             "page_size": page_size,
              **geo}
     return PoolGeometry(kind, layout, page_size, page_bytes, segs, perm, dummy.dtype, ident)
 
@@ -321,6 +336,6 @@ class PoolBinding:
     def close(self) -> None:
         with self._lock:
             free, self._free = self._free, []
+        self.store.close()  # deregisters the staging buffers with the engine before they are unmapped
         for b in free:
             b.close()
-        self.store.close()

@@ -29,7 +29,9 @@ from typing import Any, Mapping, Sequence
 import xxhash
 
 from hicache_gds import Config, Pages
+from hicache_gds.index import INDEX_FILE
 from hicache_gds.memory import view
+from hicache_gds.slabs import SlabSet
 
 from .naming import store_dirs
 
@@ -54,7 +56,7 @@ class SharedReader:
     def __init__(self, config: Config, identity: Mapping[str, Any], page_bytes: int, threads: int = 4) -> None:
         self.page_bytes = page_bytes
         self.namespace, self.dirs, self.slot_bytes = store_dirs(config, identity, page_bytes)
-        self._db_path = os.path.join(self.dirs[0], "index.sqlite3")
+        self._db_path = os.path.join(self.dirs[0], INDEX_FILE)
         self._db: sqlite3.Connection | None = None
         self._db_ino = -1
         self._fds: dict[int, int] = {}
@@ -123,7 +125,7 @@ class SharedReader:
         with self._lock:
             fd = self._fds.get(i)
             if fd is None:
-                fd = os.open(os.path.join(self.dirs[i], "slab.bin"), os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(os.path.join(self.dirs[i], SlabSet.FILE_NAME), os.O_RDONLY | os.O_CLOEXEC)
                 self._fds[i] = fd
             return fd
 
