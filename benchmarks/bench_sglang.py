@@ -31,10 +31,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests")]
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests"), HERE]
 
 PAGE_TOKENS, LAYERS, HEADS, HEAD_DIM = 16, 32, 8, 128
 
@@ -128,7 +129,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/work/bench-sglang", help="on the disk to measure (not tmpfs)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", type=int, default=512, help="pages per backend per round (batches of 128)")
-    ap.add_argument("--backends", default="gds,file,nixl,fio")
+    ap.add_argument("--backends", default="gds,file,nixl,fio", help="any of gds,file,nixl,fio,raw")
     ap.add_argument("--json", help="write the raw numbers here")
     ap.add_argument("--report", metavar="JSON", help="only print the tables of an earlier --json file")
     args = ap.parse_args()
@@ -153,6 +154,13 @@ def main() -> None:
     results = {d.name: {"set": [], "set+sync": [], "get": []} for d in drivers}
     if "fio" in which:
         results["fio (libaio, O_DIRECT, QD16)"] = {"set": [], "set+sync": [], "get": []}
+    raw = None
+    if "raw" in which:  # the disk's limit where fio is not installed: O_DIRECT pwrite/pread, QD16
+        from bench_core import Raw
+        from hicache_gds.memory import HostBuffer
+        raw, raw_buf = Raw(root, n * page_bytes, 16), HostBuffer(n * page_bytes)
+        raw_buf.numpy()[:] = np.random.default_rng(0).integers(0, 256, n * page_bytes, dtype=np.uint8)
+        results["raw O_DIRECT (2 MiB IOs, QD16)"] = {"set": [], "set+sync": [], "get": []}
     how = ""
     for r in range(args.rounds):
         order = drivers[r % len(drivers):] + drivers[:r % len(drivers)] if drivers else []
@@ -177,6 +185,14 @@ def main() -> None:
             print(f"round {r} {d.name}: set {results[d.name]['set'][-1]:.2f} GB/s (with sync "
                   f"{results[d.name]['set+sync'][-1]:.2f}), get {results[d.name]['get'][-1]:.2f} GB/s (cold: {how}), "
                   f"bytes checked", flush=True)
+        if raw is not None:
+            name = "raw O_DIRECT (2 MiB IOs, QD16)"
+            results[name]["set"].append(raw.run(True, raw_buf, page_bytes, n))
+            results[name]["set+sync"].append(results[name]["set"][-1])
+            drop_caches(root)
+            results[name]["get"].append(raw.run(False, raw_buf, page_bytes, n))
+            print(f"round {r} raw: set {results[name]['set'][-1]:.2f} GB/s, get {results[name]['get'][-1]:.2f} GB/s",
+                  flush=True)
         if "fio" in which:
             name = "fio (libaio, O_DIRECT, QD16)"
             results[name]["set"].append(fio(root, "write", n * page_bytes, f"r{r}"))
@@ -189,6 +205,8 @@ def main() -> None:
     for d in drivers:
         if hasattr(d.b, "close"):
             d.b.close()
+    if raw is not None:
+        raw.close()
     report(results, n, page_bytes, args.rounds, how)
     if args.json:
         with open(args.json, "w") as f:
