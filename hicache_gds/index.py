@@ -16,6 +16,7 @@ next write transaction rather than on every read.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sqlite3
@@ -23,6 +24,8 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
 
 __all__ = ["Entry", "Index", "read_keys", "INDEX_FILE"]
 
@@ -61,8 +64,11 @@ class Entry(NamedTuple):
 class Index:
     """Thread-safe key -> `Entry` map over `nslots` slots, persisted at `db_path`."""
 
-    def __init__(self, db_path: str, nslots: int, meta: dict[str, str]) -> None:
+    def __init__(self, db_path: str, nslots: int, meta: dict[str, str], existing: bool = False) -> None:
+        """`existing`: the namespace holds slots from an earlier run, so a database without our
+        settings means the index was lost (emptied, deleted, or its WAL removed before a checkpoint)."""
         self.db_path = db_path
+        self._existing = existing
         self.nslots = nslots
         self._lock = threading.Lock()
         self._map: OrderedDict[str, Entry] = OrderedDict()  # oldest first
@@ -95,6 +101,9 @@ class Index:
                 os.chmod(self.db_path + suffix, 0o600)
         stored = dict(db.execute("SELECT name, value FROM meta"))
         want = dict(meta, schema=str(SCHEMA))
+        if not stored and self._existing:
+            log.warning("index %s was lost (empty, deleted, or its WAL removed before a checkpoint) while the "
+                        "namespace's slab file remains; starting the namespace empty", self.db_path)
         if stored and any(stored.get(k) != v for k, v in want.items() if k != "nslots"):
             changed = sorted(k for k, v in want.items() if k != "nslots" and stored.get(k) != v)
             log.warning("index %s was written with other settings (%s); starting the namespace empty",
@@ -108,13 +117,24 @@ class Index:
         return db
 
     def _load(self) -> None:
-        rows = self._db.execute("SELECT key, slot, nbytes, csum, atime FROM pages ORDER BY atime").fetchall()
-        self._map = OrderedDict((k, Entry(s, n, c)) for k, s, n, c, _ in rows)
-        self._clock = rows[-1][4] + 1 if rows else 1
-        used = bytearray(self.nslots)
-        for e in self._map.values():
-            used[e.slot] = 1
-        self._free = [s for s in range(self.nslots - 1, -1, -1) if not used[s]]
+        # Millions of rows: no ORDER BY (a temp B-tree in SQLite; numpy sorts faster), no cyclic-GC
+        # passes over the growing map, Entry built without its Python-level __new__.
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            rows = self._db.execute("SELECT key, slot, nbytes, csum, atime FROM pages").fetchall()
+            n = len(rows)
+            atime = np.fromiter((r[4] for r in rows), dtype=np.int64, count=n)
+            new = tuple.__new__
+            self._map = OrderedDict([(r[0], new(Entry, r[1:4]))
+                                     for r in map(rows.__getitem__, np.argsort(atime, kind="stable").tolist())])
+            self._clock = int(atime.max()) + 1 if n else 1
+            used = np.zeros(self.nslots, dtype=bool)
+            used[np.fromiter((r[1] for r in rows), dtype=np.int64, count=n)] = True
+            self._free = np.flatnonzero(~used)[::-1].tolist()
+        finally:
+            if was:
+                gc.enable()
 
     def _reset_damaged(self, exc: Exception, meta: dict[str, str]) -> None:
         bad = f"{self.db_path}.damaged-{int(time.time())}"
@@ -136,12 +156,14 @@ class Index:
                 self._db.executemany(sql, rows)
             self._flush_touches()
             self._db.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except BaseException as exc:  # any exception: never leave the transaction open
             try:
                 self._db.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            raise OSError(f"index {self.db_path}: write failed: {exc}") from exc
+            if isinstance(exc, sqlite3.Error):
+                raise OSError(f"index {self.db_path}: write failed: {exc}") from exc
+            raise
 
     # -- queries ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -250,11 +272,11 @@ class Index:
     def drop(self, keys: Iterable[str]) -> int:
         """Remove keys (deleted, or failed their checksum). Returns how many were present."""
         with self._lock:
-            gone = [(k, self._map[k]) for k in keys if k in self._map]
+            gone = {k: self._map[k] for k in keys if k in self._map}  # a key named twice is dropped once
             if not gone:
                 return 0
-            self._txn(("DELETE FROM pages WHERE key = ?", [(k,) for k, _ in gone]))
-            for k, e in gone:
+            self._txn(("DELETE FROM pages WHERE key = ?", [(k,) for k in gone]))
+            for k, e in gone.items():
                 del self._map[k]
                 self._touched.pop(k, None)
                 if e.slot in self._pins:

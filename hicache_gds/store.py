@@ -46,6 +46,7 @@ _PIPELINE_PARTS = 8
 _PIPELINE_MIN_BYTES = 8 << 20
 _MIN_DIRECT_SEGMENT = 128 << 10  # smaller segments are gathered into one aligned IO per page
 _OK, _FAIL, _TIMEOUT, _BADSUM = 1, 0, 2, 3
+_MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at most
 
 
 def _csum(segments: Iterable[tuple[int, int]]) -> int:
@@ -145,10 +146,12 @@ class PageStore:
             self.engine = engine
             self._write_meta()
             nslots = self._nslots(cfg)
+            slab0 = os.path.join(self.dirs[0], SlabSet.FILE_NAME)
+            had_slots = os.path.exists(slab0) and os.path.getsize(slab0) > 0
             self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate)
             self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots,
                                {"slot_bytes": str(self.slot_bytes), "page_bytes": str(page_bytes),
-                                "ndirs": str(len(self.dirs))})
+                                "ndirs": str(len(self.dirs))}, existing=had_slots)
             self._fids = [engine.open_file(p) for p in self.slabs.paths]
             self._sync_fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in self.slabs.paths] if cfg.sync else []
         except BaseException:
@@ -215,6 +218,10 @@ class PageStore:
                 raise TypeError(f"key {i} is {type(k).__name__}, not str")
             if not k or len(k) > MAX_KEY_BYTES or "\x00" in k:
                 raise ValueError(f"key {i} is empty, longer than {MAX_KEY_BYTES} characters, or contains NUL")
+            try:
+                k.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"key {i} is not UTF-8 text (it holds a lone surrogate)") from None
         return list(keys)
 
     def _check_pages(self, keys: list[str], pages: Pages) -> None:
@@ -333,9 +340,10 @@ class PageStore:
             # Device pages are not hashed on the host, so reads into VRAM are not verified.
             verify = self.config.verify and pages.kind is MemKind.DRAM
             status, _ = self._io(Op.READ, pages.select(hits), slots, expect if verify else None)
+            gone = self._recover_failed_reads(pages.select(hits), slots, expect if verify else None, status)
         finally:
             self.index.unpin(entries[i].slot for i in hits)
-        bad = [keys[hits[j]] for j in range(len(hits)) if status[j] == _BADSUM]
+        bad = [keys[hits[j]] for j in range(len(hits)) if status[j] == _BADSUM or gone[j]]
         if bad:
             log.warning("hicache-gds: %d page(s) failed their checksum in %s and were dropped", len(bad),
                         self.namespace)
@@ -351,6 +359,37 @@ class PageStore:
                         timeouts=int((status == _TIMEOUT).sum()))
         self._stats.batch(False, time.perf_counter_ns() - t0)
         return result
+
+    def _recover_failed_reads(self, pages: Pages, slots: np.ndarray, expect: np.ndarray | None,
+                              status: np.ndarray) -> np.ndarray:
+        """After a READ, for pages that failed (not timed out): a slot past the end of its slab file
+        (truncated under the store) re-extends the file and marks the page gone, to be dropped and
+        written again; the others are re-read one request each, so a bad page cannot fail its whole
+        request (engines without per-descriptor results fail every page of it)."""
+        gone = np.zeros(len(status), dtype=bool)
+        fail = np.flatnonzero(status == _FAIL)
+        if not fail.size:
+            return gone
+        fidx, off = self.slabs.place(slots[fail])
+        for i, path in enumerate(self.slabs.paths):
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                continue
+            short = (fidx == i) & (off + np.uint64(self.slot_bytes) > np.uint64(size))
+            if short.any():
+                gone[fail[short]] = True
+                log.error("hicache-gds: slab file %s is %d bytes, shorter than its %d bytes of slots (truncated "
+                          "under the store?); extended it back, its pages past the old end are dropped",
+                          path, size, self.slabs.file_bytes[i])
+                os.truncate(path, self.slabs.file_bytes[i])
+        retry = [int(j) for j in fail if not gone[j]]
+        if len(retry) < len(status):  # pages of a request that others made fail: one request each
+            for j in retry[:_MAX_SINGLE_RETRIES]:
+                st, _ = self._io(Op.READ, pages.select([j]), slots[j:j + 1],
+                                 None if expect is None else expect[j:j + 1])
+                status[j] = st[0]
+        return gone
 
     def _io(self, op: Op, pages: Pages, slots: np.ndarray, expect: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Move pages to/from slots. Returns (status per page, checksum per page for writes)."""

@@ -243,7 +243,9 @@ class TransferEngine(ABC):
         idx = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
         ok = idx >= 0
         safe = np.where(ok, idx, 0)
-        ok &= addr + nbytes <= ends[safe]
+        end = ends[safe]
+        # Never addr + nbytes: it wraps in uint64 near 2**64 and would pass the check.
+        ok &= (nbytes > 0) & (addr <= end) & (nbytes <= end - np.minimum(addr, end))
         if not ok.all():
             bad = int(np.flatnonzero(~ok)[0])
             raise RegionError(f"{self.name}: descriptor {bad} ({int(addr[bad]):#x}, {int(nbytes[bad])} bytes) "

@@ -32,9 +32,10 @@ class Client:
     def __init__(self, target: str, gds_path: str, *, page: int = 64 << 10, slots: int = 1024,
                  engine: str = "nixl-posix", pages: int = 64, shape: int = 0, identity: Mapping[str, Any] | None = None,
                  config: Mapping[str, Any] | None = None, sglang: Mapping[str, Any] | None = None,
-                 engine_obj: Any = None) -> None:
+                 engine_obj: Any = None, salt: str = "") -> None:
         self.target = target
         self.pages = pages
+        self.salt = salt
         extra = dict(config or {})
         if engine_obj is None:
             extra.setdefault("engine", engine)
@@ -73,52 +74,59 @@ class Client:
         return self.binding.skeys(list(keys)) if self.backend is not None else list(keys)
 
     # -- data path ---------------------------------------------------------------------------
-    def put(self, keys: Sequence[str], data: Sequence[bytes] | None = None) -> list[bool]:
-        """Write pages whose bytes derive from their keys (or `data`); per-page results."""
+    def expected(self, key: str) -> bytes:
+        """The bytes page `key` must have (derived from the key and this client's salt)."""
+        return expected(self.salt + key, self.page)
+
+    def put(self, keys: Sequence[str], data: Sequence[bytes] | None = None, *, at: int = 0) -> list[bool]:
+        """Write pages whose bytes derive from their keys (or `data`); per-page results.
+
+        `at`: first host page to use (threads sharing one client use disjoint lanes)."""
         out: list[bool] = []
         keys = list(keys)
-        for a in range(0, max(len(keys), 1), self.pages):
-            chunk = keys[a:a + self.pages]
-            if not chunk:
-                break
-            blobs = [page_bytes_of(k, self.page) if data is None else np.frombuffer(data[a + j], dtype=np.uint8)
-                     for j, k in enumerate(chunk)]
-            out.extend(self._put(chunk, blobs))
+        step = self.pages - at
+        for a in range(0, len(keys), step):
+            chunk = keys[a:a + step]
+            blobs = [page_bytes_of(self.salt + k, self.page) if data is None
+                     else np.frombuffer(data[a + j], dtype=np.uint8) for j, k in enumerate(chunk)]
+            out.extend(self._put(chunk, blobs, at))
         return out
 
-    def _put(self, keys: list[str], blobs: list[np.ndarray]) -> list[bool]:
+    def _put(self, keys: list[str], blobs: list[np.ndarray], at: int) -> list[bool]:
         if self.backend is None:
             from hicache_gds import Pages
             arr = self.buf.numpy()
             for j, blob in enumerate(blobs):
-                arr[j * self.page:(j + 1) * self.page] = blob
-            return self.store.put(keys, Pages.contiguous(self.buf.addr, self.page, range(len(keys))))
+                arr[(at + j) * self.page:(at + j + 1) * self.page] = blob
+            return self.store.put(keys, Pages.contiguous(self.buf.addr, self.page, range(at, at + len(keys))))
         from . import sglang_harness as h
         for j, blob in enumerate(blobs):
-            h.set_page(self.pool, j, blob)
-        return self.backend.batch_set_v1(keys, h.host_indices(self.pool, range(len(keys))))
+            h.set_page(self.pool, at + j, blob)
+        return self.backend.batch_set_v1(keys, h.host_indices(self.pool, range(at, at + len(keys))))
 
-    def read(self, keys: Sequence[str]) -> list[bytes | None]:
+    def read(self, keys: Sequence[str], *, at: int = 0) -> list[bytes | None]:
         """Page bytes per key; None for a miss or a failed read."""
         out: list[bytes | None] = []
         keys = list(keys)
-        for a in range(0, len(keys), self.pages):
-            out.extend(self._read(keys[a:a + self.pages]))
+        step = self.pages - at
+        for a in range(0, len(keys), step):
+            out.extend(self._read(keys[a:a + step], at))
         return out
 
-    def _read(self, keys: list[str]) -> list[bytes | None]:
+    def _read(self, keys: list[str], at: int) -> list[bytes | None]:
         if self.backend is None:
             from hicache_gds import Pages
             arr = self.buf.numpy()
-            arr[:len(keys) * self.page] = 0xEE
-            res = self.store.get(keys, Pages.contiguous(self.buf.addr, self.page, range(len(keys))))
-            return [arr[j * self.page:(j + 1) * self.page].tobytes() if ok else None for j, ok in enumerate(res)]
+            arr[at * self.page:(at + len(keys)) * self.page] = 0xEE
+            res = self.store.get(keys, Pages.contiguous(self.buf.addr, self.page, range(at, at + len(keys))))
+            return [arr[(at + j) * self.page:(at + j + 1) * self.page].tobytes() if ok else None
+                    for j, ok in enumerate(res)]
         from . import sglang_harness as h
         poison = np.full(self.page, 0xEE, dtype=np.uint8)
         for j in range(len(keys)):
-            h.set_page(self.pool, j, poison)
-        res = self.backend.batch_get_v1(keys, h.host_indices(self.pool, range(len(keys))))
-        return [h.page_bytes(self.pool, j) if ok else None for j, ok in enumerate(res)]
+            h.set_page(self.pool, at + j, poison)
+        res = self.backend.batch_get_v1(keys, h.host_indices(self.pool, range(at, at + len(keys))))
+        return [h.page_bytes(self.pool, at + j) if ok else None for j, ok in enumerate(res)]
 
     def verify(self, keys: Sequence[str]) -> dict[str, int]:
         """Read `keys`: how many came back byte-exact, missed, or came back wrong."""
@@ -126,7 +134,7 @@ class Client:
         for k, got in zip(keys, self.read(keys)):
             if got is None:
                 miss += 1
-            elif got == expected(k, self.page):
+            elif got == self.expected(k):
                 good += 1
             else:
                 wrong += 1

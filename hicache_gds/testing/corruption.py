@@ -186,9 +186,9 @@ def _run_case(root: str, target: str, engine: str, name: str, state: str, seed: 
                 except Exception as exc:  # noqa: BLE001
                     case.problems.append(f"close raised {type(exc).__name__}: {exc}")
     text = logs.text()
-    if name.startswith("index") and state == "closed":
+    if (name.startswith("index") or name == "wal-delete") and state == "closed":
         said = "damaged" in text or "starting the namespace empty" in text
-        case.check(said, "the index was damaged but no log line says so")
+        case.check(said, "the index was damaged or lost but no log line says so")
     case.outcome = _outcome(case, name, state, text)
     return case
 
@@ -241,16 +241,20 @@ def _expected(key: str, n: int) -> bytes:
 
 def _outcome(case: Case, name: str, state: str, logs: str) -> str:
     bits = []
-    if case.injected:
-        bits.append(f"{case.caught}/{case.injected} damaged pages read as misses")
-    if case.stale_present:
-        bits.append(f"{case.stale_present} of them reported present until read")
-    if case.served_total:
-        bits.append(f"{case.served_ok}/{case.served_total} untouched served")
-    if name.startswith("index") or name in ("wal-delete", "shm-delete"):
-        bits.append(f"{case.caught} of {_NPAGES} pages lost from the index")
+    if name.startswith("slab"):
+        if case.injected:
+            bits.append(f"{case.caught}/{case.injected} damaged pages read as misses")
+        if case.stale_present:
+            bits.append(f"{case.stale_present} of them reported present until read")
+        if case.served_total:
+            bits.append(f"{case.served_ok}/{case.served_total} untouched served")
+    else:
+        bits.append(f"{case.caught} of {_NPAGES} pages lost with the index (misses), {_NPAGES - case.caught} still "
+                    f"served")
         if "damaged" in logs:
             bits.append("index moved aside and reset (logged)")
+        elif "lost" in logs:
+            bits.append("index loss logged")
     bits.append(f"wrong bytes {case.wrong_bytes}, exceptions {case.exceptions}")
     return "; ".join(bits)
 

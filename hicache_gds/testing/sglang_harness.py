@@ -39,9 +39,9 @@ def _tests_dir() -> str:
 def why_unavailable() -> str:
     """'' when SGLang, the plugin and the mimic pools import; else the reason."""
     try:
+        import hicache_gds_sglang.backend  # noqa: F401
         import sglang.srt.mem_cache.hicache_storage  # noqa: F401
         import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401
-        import hicache_gds_sglang.backend  # noqa: F401
     except Exception as exc:  # noqa: BLE001 -- any import failure means "not this environment"
         return f"SGLang or hicache_gds_sglang is not importable ({type(exc).__name__}: {exc}); use .venv-sgl"
     try:

@@ -46,8 +46,6 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
 from .clients import Client, expected
 
 __all__ = ["Plan", "run_torture", "recovery_at_scale", "fork_call"]
@@ -455,6 +453,7 @@ def _build_index(gds_path: str, n: int, page: int, batch: int) -> dict[str, Any]
 
 def _open_timed(gds_path: str, n: int, page: int, kill_after_publish: int) -> dict[str, Any]:
     from hicache_gds import PageStore
+
     from .invariants import index_problems
     t0 = time.perf_counter()
     s = PageStore(page, {"model": "recovery-scale"},

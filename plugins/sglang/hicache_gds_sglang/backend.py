@@ -201,7 +201,11 @@ class HiCacheGDS(HiCacheStorage):
         return self._bindings.get("kv"), key
 
     def _io(self, op: str, binding: PoolBinding | None, keys: List[str], host_indices: Any, write: bool) -> List[bool]:
-        n = len(keys)
+        try:
+            n = len(keys)
+        except TypeError:
+            self._fail(op, f"keys must be a list of str, got {type(keys).__name__}")
+            return []
         try:
             if binding is None:
                 self._fail(op, "no host pool is registered for it")
@@ -351,10 +355,13 @@ class HiCacheGDS(HiCacheStorage):
 
     def _batch_v2(self, op: str, transfers: List[PoolTransfer], write: bool) -> dict:
         out = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            out[t.name] = self._io(f"{op}[{_pool_name(t.name)}]", self._bindings.get(_pool_name(t.name)), keys,
-                                   t.host_indices, write)
+        try:
+            for t in transfers:
+                keys = list(t.keys or [])
+                out[t.name] = self._io(f"{op}[{_pool_name(t.name)}]", self._bindings.get(_pool_name(t.name)), keys,
+                                       t.host_indices, write)
+        except Exception as exc:  # noqa: BLE001 -- a malformed transfer list: never raise into SGLang
+            self._fail(op, exc)
         return out
 
     def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Any = None) -> dict:
