@@ -214,8 +214,9 @@ class TieredStore:
         with self._clock:
             out: dict[str, Any] = dict(self._counts)
         names = [s.engine.name for s in (self.local, self.remote) if s is not None]
+        ns = (self.local or self.remote).stats().get("namespace", "")  # type: ignore[union-attr]
         out.update(engine="tiered", mode=self.mode, write=self.write, promote=self.promote,
-                   path=" + ".join(names), page_bytes=self.page_bytes,
+                   path=" + ".join(names), page_bytes=self.page_bytes, namespace=ns,
                    writeback_pending=self._wb_q.qsize())
         if self.local is not None:
             out["local"] = self.local.stats()

@@ -135,6 +135,10 @@ class HiCacheGDS(HiCacheStorage):
         ident = namespace_identity(self.scheme, self.storage_config, name, geo.identity)
         if self.is_mla and not self.is_writer and name != "mamba":
             store: Any = SharedReader(self.config, ident, geo.page_bytes)
+        elif self.config.remote_url:
+            # A remote memory tier is configured: NVMe and page servers' DRAM behind one API.
+            from hicache_gds.remote import TieredStore
+            store = TieredStore(geo.page_bytes, ident, config=self._store_config(name, ident, geo.page_bytes))
         else:
             store = PageStore(geo.page_bytes, ident, config=self._store_config(name, ident, geo.page_bytes))
         try:
