@@ -305,7 +305,7 @@ def render(R: dict, command: str) -> str:
           "outside. The parent directory of GDS_PATH is snapshotted before and after (modes, sizes, mtimes, "
           "contents): nothing outside GDS_PATH may change.")
     table("6. Privacy", prv)
-    L.append("## Bugs found (fixes: benchmarks/reliability-core-fixes.patch)\n")
+    L.append("## Bugs found by these runs (fixed in commit a95dda0 unless the status says otherwise)\n")
     tagged = {b for c in cases if c["bug"] for b in c["bug"].split("+")}
     for bid, b in BUGS.items():
         if bid == "B6":

@@ -15,6 +15,7 @@ Thread-safe: SGLang calls exists, get and put from three threads at once.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -56,6 +57,14 @@ def _csum(segments: Iterable[tuple[int, int]]) -> int:
     d = h.intdigest()
     # SQLite integers are signed 64-bit; 0 means "not recorded" (VRAM pages).
     return (d - (1 << 64) if d >= 1 << 63 else d) or 1
+
+
+def _refuse_link(exc: OSError) -> ConfigError | None:
+    """A symlink planted where the store keeps a file (O_NOFOLLOW gives ELOOP): a clear refusal."""
+    if exc.errno != errno.ELOOP:
+        return None
+    return ConfigError(f"GDS_PATH: {exc.filename} is a symbolic link; the store never follows links "
+                       f"inside its namespace (remove it)")
 
 
 class _Staging:
@@ -133,7 +142,10 @@ class PageStore:
         self.identity = ident
         self.namespace = namespace_id(ident)
         self.dirs = [private_dir(r, self.namespace) for r in roots]
-        self._lock_fd = self._lock_namespace(self.dirs[0])
+        try:
+            self._lock_fd = self._lock_namespace(self.dirs[0])
+        except OSError as exc:
+            raise _refuse_link(exc) or exc
         self._closed = False
         own_engine = engine is None
         try:
@@ -154,10 +166,13 @@ class PageStore:
                                 "ndirs": str(len(self.dirs))}, existing=had_slots)
             self._fids = [engine.open_file(p) for p in self.slabs.paths]
             self._sync_fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in self.slabs.paths] if cfg.sync else []
-        except BaseException:
+        except BaseException as exc:
             if own_engine and engine is not None:
                 engine.close()
             self._unlock()
+            link = _refuse_link(exc) if isinstance(exc, OSError) else None
+            if link is not None:
+                raise link from exc
             raise
         self._staging = _Staging(engine)
         self._stats = StoreStats()

@@ -409,3 +409,17 @@ def test_no_evict_mode_fails_puts_into_a_full_store(gds_dir):
         src, _, _ = buffers(s, n=6)
         assert s.put(keys(6), Pages.contiguous(src.addr, P, range(6))) == [True] * 4 + [False] * 2
         assert s.stats()["evictions"] == 0 and s.exists(keys(4)) == [True] * 4
+
+
+@pytest.mark.parametrize("name", ["slab.bin", "index.sqlite3", "lock"])
+def test_planted_symlink_is_refused_with_a_config_error(gds_dir, tmp_path, name):
+    with open_store(gds_dir) as s:
+        ns_dir = s.dirs[0]
+    target = tmp_path / "outside"
+    target.write_bytes(b"x")
+    path = os.path.join(ns_dir, name)
+    os.unlink(path)
+    os.symlink(target, path)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        open_store(gds_dir)
+    assert target.read_bytes() == b"x"  # nothing written through the link

@@ -1,8 +1,7 @@
 """Known bugs the reliability runs demonstrate, each with the case that shows it and the fix proposed.
 
 A case tagged with a bug id xfails in the tests while the bug reproduces and passes once the fix is
-in; RELIABILITY.md says which. `benchmarks/reliability-core-fixes.patch` holds the fixes as one diff
-(against the core and plugin of commit 655d851).
+in; RELIABILITY.md says which. The fixes landed in commit a95dda0 (all but B6's structural part).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """kill -9 torture at scale, through the PageStore and through SGLang's backend (`HiCacheGDS`).
 
     python -m hicache_gds.testing.torture --gds-path DIR --target store --mode put --rounds 100
-    python -m hicache_gds.testing.torture --gds-path DIR --target sglang --mode evict --rounds 50
+    python -m hicache_gds.testing.torture --gds-path DIR --target sglang --mode evict,clear --rounds 50
     python -m hicache_gds.testing.torture --gds-path DIR --recovery-pages 1000000
 
 Extends `hicache_gds.testing.crash` (same page bytes, derived from each key, and the same rules)
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gds-path", required=True)
     ap.add_argument("--target", choices=TARGETS, default="store")
-    ap.add_argument("--mode", choices=MODES, default="put")
+    ap.add_argument("--mode", default="put", help="put, evict or clear, or several comma-separated")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--page", type=int, default=64 << 10)
@@ -514,11 +514,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.recovery_pages:
         print(json.dumps(recovery_at_scale(args.gds_path, args.recovery_pages)))
         return
-    plan = Plan(target=args.target, mode=args.mode, rounds=args.rounds, batch=args.batch, page=args.page,
-                capacity_pages=args.capacity_pages, max_delay=args.max_delay, aimed=args.aimed,
-                engine=args.engine, seed=args.seed)
     say = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    print(json.dumps(run_torture(args.gds_path, plan, say)))
+    out = []
+    for mode in args.mode.split(","):  # several modes: one interpreter start (SGLang takes ~10 s to import)
+        plan = Plan(target=args.target, mode=mode, rounds=args.rounds, batch=args.batch, page=args.page,
+                    capacity_pages=args.capacity_pages, max_delay=args.max_delay, aimed=args.aimed,
+                    engine=args.engine, seed=args.seed)
+        out.append(run_torture(args.gds_path, plan, say))
+    print(json.dumps(out[0] if len(out) == 1 else out))
 
 
 if __name__ == "__main__":
