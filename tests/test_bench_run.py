@@ -118,6 +118,7 @@ def test_time_based_ramp_and_layer_first_pages(capsys, gds_dir):
 
 
 def test_sweep_plot_and_table(capsys, gds_dir, tmp_path):
+    pytest.importorskip("matplotlib")  # --plot needs the [plot] extra
     png = tmp_path / "bw.png"
     rc, doc, _ = bench_json(capsys, "--bs=64k,128k", "--batch=2,4", "--size=512k", "--rw=write", "--fio=0",
                             "--engine=bounce", f"--directory={gds_dir}", f"--plot={png}")
