@@ -282,6 +282,7 @@ def hostile_paths(root: str, target: str = "store") -> list[Case]:
                     cc.close()
             case.outcome = ("SQLite refused it: the index was moved aside as damaged, namespace reset (logged)"
                             if "damaged" in logs.text() else "replaced atomically; opened and used")
+            case.caught = 1  # handled safely: nothing outside changed (checked below)
         except (ConfigError, OSError) as exc:
             case.caught = 1
             case.outcome = f"refused: {type(exc).__name__}: {str(exc)[:120]}"
