@@ -17,7 +17,8 @@ every column alike, and every load is checked byte for byte.
 
 Engines: ``auto`` (what a deployment gets: GDS where the VRAM probe passes -- cuFile compat mode on
 the VM) and ``bounce`` (pinned host staging, CUDA copies overlapped with O_DIRECT IO); add
-``kvikio`` / ``cufile`` with --engines. Prints a markdown table.
+``kvikio`` / ``cufile`` with --engines. An engine may carry linker keys to compare settings in one
+run: ``--engines auto,auto:depth=2:read_run=256K:staging_bytes=128M``. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def pct(xs: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under .)")
-    ap.add_argument("--engines", default="auto,bounce")
+    ap.add_argument("--engines", default="auto,bounce", help="engine[:key=value...] per column, comma-separated")
     ap.add_argument("--tokens", default="16,64", help="tokens per page (Llama-3-8B: 16 -> 2 MiB, 64 -> 8 MiB)")
     ap.add_argument("--total", type=int, default=1024, help="MiB per case")
     ap.add_argument("--rounds", type=int, default=3)
@@ -97,7 +98,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--gather-below", default="", help="linker gather_below override (bytes), e.g. to force direct IO")
-    ap.add_argument("--staging", default="128M", help="linker staging_bytes")
+    ap.add_argument("--staging", default="256M", help="linker staging_bytes")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only checks the script (host engines)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -119,15 +120,17 @@ def main() -> None:
         hsrc.numpy()[:] = np.resize(chunk, n * page)
         raw = Raw(base, n * page, args.qd)
         linkers = {}
-        for e in engines:
-            d = os.path.join(base, f"{e}-{tokens}")
+        for i, e in enumerate(engines):
+            name, *opts = e.split(":")
+            d = os.path.join(base, f"{i}-{name}-{tokens}")
             os.makedirs(d, exist_ok=True)
-            extra = {"gds_path": d, "engine": resolved.get(e, e), "capacity": (n + 16) * page, "io_timeout": 120,
-                     "staging_bytes": args.staging}
+            extra = {"gds_path": d, "engine": resolved.get(name, name), "capacity": (n + 16) * page,
+                     "io_timeout": 120, "staging_bytes": args.staging}
             if args.gather_below:
                 extra["gather_below"] = args.gather_below
+            extra.update(o.split("=", 1) for o in opts)
             linkers[e] = GDSLinker(lh.server_args("bench/llama-3-8b"), lh.make_params(pool), extra_config=extra)
-            resolved[e] = linkers[e].stats()["engine"]  # later cases skip auto's probe: same choice
+            resolved[name] = linkers[e].stats()["engine"]  # later cases skip auto's probe: same choice
         r: dict = {"raw_w": [], "raw_r": []}
         for rnd in range(args.rounds):
             keys = keys_for(f"r{rnd}", n)
@@ -152,7 +155,8 @@ def main() -> None:
                 p50, p99 = ((st.get("offload_p50_ms", 0.0), st.get("offload_p99_ms", 0.0)) if op == "w"
                             else (pct(r[f"{e}_lat"], 0.5), pct(r[f"{e}_lat"], 0.99)))
                 rows.append((case, e, name, max(got), statistics.median(got), p50, p99, rawm,
-                             statistics.median(got) / rawm, f"{st['mode']}, {len(lk.plan.groups)} group(s)",
+                             statistics.median(got) / rawm,
+                             f"{st['mode']}, {len(lk.plan.groups)} group(s), depth {lk.depth}",
                              st["path"]))
             lk.close()
         raw.close()

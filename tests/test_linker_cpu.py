@@ -71,8 +71,21 @@ def test_direct_needs_size_alignment_and_descriptor_room(why, kwargs):
 
 def test_deepseek_mla_groups_allow_a_short_last_group():
     t = _mla_table(61, 576, 2, 64)  # 72 KiB segments
-    plan = plan_io(t, [0] * 61)
+    plan = plan_io(t, [0] * 61, read_run=256 * KiB)
     assert plan.mode == "gather" and [len(g.layers) for g in plan.groups] == [4] * 15 + [1]
+    assert all(o % 4096 == 0 and n % 4096 == 0 for g in plan.groups for o, n in g.runs)
+    plan = plan_io(t, [0] * 61)  # grown towards 1 MiB runs: 15 layers x 72 KiB
+    assert [len(g.layers) for g in plan.groups] == [15] * 4 + [1]
+
+
+def test_64_token_pages_read_1_mib_runs_in_four_groups():
+    t = _mha_table(32, 8, 128, 2, 64)  # 128 KiB segments, 8 MiB pages
+    plan = plan_io(t, [0] * 64)
+    assert plan.mode == "gather" and [len(g.layers) for g in plan.groups] == [8] * 4
+    assert plan.groups[0].runs == ((0, 1024 * KiB), (32 * 128 * KiB, 1024 * KiB))
+    # never fewer than MIN_GROUPS groups for the sake of longer runs; never below gather_below
+    assert len(plan_io(t, [0] * 64, read_run=64 << 20).groups) == 4
+    assert [len(g.layers) for g in plan_io(t, [0] * 64, read_run=0).groups] == [2] * 16
     assert all(o % 4096 == 0 and n % 4096 == 0 for g in plan.groups for o, n in g.runs)
 
 

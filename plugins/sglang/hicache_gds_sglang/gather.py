@@ -30,7 +30,7 @@ import torch
 
 from hicache_gds import ConfigError
 
-__all__ = ["GATHER_BELOW", "ALIGN", "SegmentTable", "LayerGroup", "IOPlan", "DevicePages", "page_layout_identity",
+__all__ = ["GATHER_BELOW", "READ_RUN", "MIN_GROUPS", "ALIGN", "SegmentTable", "LayerGroup", "IOPlan", "DevicePages", "page_layout_identity",
            "plan_io", "gather_pages", "scatter_pages", "triton_available", "choose_impl"]
 
 log = logging.getLogger("hicache_gds_sglang.gather")
@@ -42,6 +42,11 @@ ALIGN = 4096
 # bandwidth. benchmarks/bench_linker.py --gather-below measures the crossover on a machine;
 # override per deployment with the linker's "gather_below" key.
 GATHER_BELOW = 256 << 10
+# Read groups grow towards runs of this size while MIN_GROUPS groups remain: in cuFile compat mode
+# every descriptor holds one bounce buffer of its slab class (1 MiB for 4 KiB < n <= 1 MiB), so
+# 256 KiB runs leave three quarters of each buffer idle and cap the bytes in flight.
+READ_RUN = 1 << 20
+MIN_GROUPS = 4
 
 
 def _align_up(n: int, a: int = ALIGN) -> int:
@@ -127,12 +132,15 @@ def _group(table: SegmentTable, layers: Sequence[int], align: int, merge: bool) 
 
 
 def plan_io(table: SegmentTable, base_addrs: Sequence[int], *, gather_below: int = GATHER_BELOW,
-            align: int = ALIGN, max_descs: int = 1 << 16) -> IOPlan:
-    """Direct per-segment IO, or gather through staging with the smallest layer groups that work.
+            align: int = ALIGN, max_descs: int = 1 << 16, read_run: int = READ_RUN,
+            min_groups: int = MIN_GROUPS) -> IOPlan:
+    """Direct per-segment IO, or gather through staging in layer groups sized for the engine.
 
     `base_addrs` are the buffers' first-row addresses (direct IO needs them aligned too);
     `max_descs` is the engine's descriptor limit per request (a direct write puts a whole page,
-    all its segments, in one request).
+    all its segments, in one request). Read groups are the fewest layers whose file runs reach
+    `gather_below`, grown towards runs of `read_run` bytes while at least `min_groups` groups
+    remain (layer-wise loading keeps something to overlap).
     """
     nl = len(table.layers)
     sizes = table.seg_bytes
@@ -147,13 +155,32 @@ def plan_io(table: SegmentTable, base_addrs: Sequence[int], *, gather_below: int
     why = (f"segments of {min(sizes)} B < {gather_below} B" if small else
            f"segments or buffers not {align}-byte aligned" if misaligned else
            f"{len(sizes)} segments per page exceed the engine's {max_descs} descriptors per request")
-    for size in range(1, nl + 1):
+
+    def grouped(size: int) -> tuple[list[LayerGroup], int] | None:
         groups = [_group(table, range(a, min(a + size, nl)), align, merge=True) for a in range(0, nl, size)]
         if any(g is None for g in groups):
-            continue
+            return None
         full = groups[:-1] if len(groups) > 1 and nl % size else groups  # a short last group may be smaller
-        if size == nl or min(n for g in full for _, n in g.runs) >= gather_below:  # type: ignore[union-attr]
-            return IOPlan("gather", tuple(groups), f"{why}; reads in groups of {size} layer(s)")  # type: ignore
+        return groups, min(n for g in full for _, n in g.runs)  # type: ignore[union-attr]
+
+    best: tuple[int, list[LayerGroup]] | None = None
+    cap = nl
+    for size in range(1, nl + 1):
+        if size > cap:
+            break
+        got = grouped(size)
+        if got is None:
+            continue
+        groups, shortest = got
+        if best is None:
+            if size < nl and shortest < gather_below:
+                continue
+            cap = max(size, nl // max(min_groups, 1))  # the smallest groups that work, grown up to here
+        best = size, groups
+        if shortest >= read_run:
+            break
+    if best is not None:
+        return IOPlan("gather", tuple(best[1]), f"{why}; reads in groups of {best[0]} layer(s)")
     whole = LayerGroup(tuple(range(nl)), tuple(range(len(sizes))), ((0, _align_up(table.page_bytes, align)),),
                        table.offsets)
     return IOPlan("gather", (whole,), f"{why}; reads whole slots (layer ranges cannot be aligned)")

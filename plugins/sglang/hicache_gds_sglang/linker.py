@@ -10,7 +10,9 @@ Selected with (SGLang 0.5.23; exclusive with ``--enable-hierarchical-cache``)::
 SGLang builds one per worker: ``GDSLinker(server_args, params, components=..., extra_config=...,
 forward_stream=...)``. ``extra_config`` takes every hicache-gds key (``gds_path``, ``enable_gds``,
 ``engine``, ``capacity`` ...; over ``ENABLE_GDS`` / ``GDS_PATH`` / ``HICACHE_GDS_*``) plus
-``staging_bytes`` (GPU staging per direction, default 128M) and ``gather_below`` (`GATHER_BELOW`).
+``staging_bytes`` (GPU staging per direction, default 256M, split over ``depth`` buffers),
+``depth`` (IO steps in flight per direction, default 4), ``gather_below`` (`GATHER_BELOW`) and
+``read_run`` (`READ_RUN`).
 
 Served: the plain MHA (``MHATokenToKVPool``, NHD, unscaled) and MLA (``MLATokenToKVPool``, no DSA)
 device pools, component FULL only, without packed draft KV or DCP; anything else is refused at
@@ -41,6 +43,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from queue import Empty, Queue
 from types import SimpleNamespace
@@ -53,7 +56,7 @@ from hicache_gds import ConfigError, MemKind, Op, PageStore, Pages, TransferTime
 from hicache_gds.config import parse_size
 from hicache_gds.memory import align_up
 
-from .gather import (ALIGN, GATHER_BELOW, DevicePages, choose_impl, gather_pages, page_layout_identity, plan_io,
+from .gather import (ALIGN, GATHER_BELOW, READ_RUN, DevicePages, choose_impl, gather_pages, page_layout_identity, plan_io,
                      scatter_pages)
 from .naming import KeyScheme, load_config, namespace_identity
 
@@ -68,7 +71,7 @@ except ImportError:
 __all__ = ["GDSLinker", "page_layout_identity", "LINKER_KEYS"]
 
 log = logging.getLogger("hicache_gds_sglang.linker")
-LINKER_KEYS = ("staging_bytes", "gather_below")
+LINKER_KEYS = ("staging_bytes", "gather_below", "read_run", "depth")
 
 
 @dataclass
@@ -127,8 +130,13 @@ class GDSLinker(UnifiedCacheLinker):
         if getattr(params, "mtp_draft_device_pools", ()) or getattr(params, "sidecar_draft_device_pools", ()):
             raise ConfigError("GDSLinker: speculative-decoding draft KV pools are not stored yet")
         extra = dict(extra_config or {})
-        self.staging_bytes = parse_size(extra.pop("staging_bytes", "128M"), key="staging_bytes")
+        self.staging_bytes = parse_size(extra.pop("staging_bytes", "256M"), key="staging_bytes")
         self.gather_below = parse_size(extra.pop("gather_below", GATHER_BELOW), key="gather_below")
+        self.read_run = parse_size(extra.pop("read_run", READ_RUN), key="read_run")
+        depth = extra.pop("depth", 4)
+        if isinstance(depth, bool) or not str(depth).isdigit() or not 1 <= int(depth) <= 16:
+            raise ConfigError(f"GDSLinker: depth={depth!r}: expected an integer from 1 to 16 (IO steps in flight)")
+        self.depth = int(depth)
         cfg = load_config(extra)
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
@@ -173,7 +181,7 @@ class GDSLinker(UnifiedCacheLinker):
         engine = self.store.engine
         caps = engine.capabilities
         self.plan = plan_io(self.dev.table, self.dev.bases, gather_below=self.gather_below,
-                            align=max(caps.alignment, 1), max_descs=caps.max_descs)
+                            align=max(caps.alignment, 1), max_descs=caps.max_descs, read_run=self.read_run)
         if self.plan.mode == "direct":
             seen = set()
             for b in self.dev.buffers:  # the pool's allocations, once each (MHA K/V halves share one)
@@ -183,6 +191,7 @@ class GDSLinker(UnifiedCacheLinker):
                     self.store.register_memory(st.data_ptr(), st.nbytes(), self.kind)
         self._fids = np.asarray(getattr(self.store, "file_ids", None) or self.store._fids, dtype=np.uint64)
         self._stages: dict[str, torch.Tensor] = {}
+        self._putter = ThreadPoolExecutor(self.depth, thread_name_prefix="hicache-gds-linker-put")
         self._graveyard: list[torch.Tensor] = []  # staging a timed-out read may still write: never reused
         self._streams = {n: torch.cuda.Stream(self.dev.device) if self.kind is MemKind.VRAM else None
                          for n in ("load", "offload")}
@@ -273,6 +282,7 @@ class GDSLinker(UnifiedCacheLinker):
         for t in self._threads:
             t.join(timeout=self.store.config.io_timeout + 10)
         log.info("hicache-gds linker stats: %s", self.stats())
+        self._putter.shutdown(wait=True)
         self.store.close()
 
     def stats(self) -> dict[str, Any]:
@@ -378,7 +388,7 @@ class GDSLinker(UnifiedCacheLinker):
             fids = self._fids[fidx]
             n, steps = len(keys), []
             for g, grp in enumerate(self.plan.groups):
-                per = max(1, (self.staging_bytes // 2) // max(grp.stage_bytes, 1))
+                per = max(1, (self.staging_bytes // self.depth) // max(grp.stage_bytes, 1))
                 steps += [(g, a, min(a + per, n)) for a in range(0, n, per)]
 
             def landed() -> None:  # before the last layers complete: a caller of finish() sees the stats
@@ -388,20 +398,26 @@ class GDSLinker(UnifiedCacheLinker):
                     self._stats["load_bytes"] += n * self.dev.table.page_bytes
                     self._lat["load"].append(time.perf_counter() - t0)
 
-            prev = None
+            # A ring of `depth` steps in flight: step k reuses step k - depth's staging buffer, so
+            # that step is finished (its bytes scattered) before step k is posted.
+            ring: deque = deque()
             for k, step in enumerate(steps):
-                inflight = self._post_read(step, k % 2, starts, fids, base)
-                if prev is not None:
-                    self._finish_read(index, *prev, starts, n)
-                prev = (step, k % 2, inflight)
-            if prev is not None:
-                self._finish_read(index, *prev, starts, n, landed)
+                if len(ring) == self.depth:
+                    done = ring.popleft()
+                    inflight = [t for _, _, ts in ring for t in ts]  # `done` is waited (and released) below
+                    self._finish_read(index, *done, starts, n)
+                ring.append((step, k % self.depth, self._post_read(step, k % self.depth, starts, fids, base)))
+                inflight = [t for _, _, ts in ring for t in ts]
+            while ring:
+                done = ring.popleft()
+                inflight = [t for _, _, ts in ring for t in ts]
+                self._finish_read(index, *done, starts, n, None if ring else landed)
             inflight = []
         except BaseException as exc:
             timed_out = isinstance(exc, TransferTimeout)
             self._wait(inflight, time.monotonic() + self.store.config.io_timeout, quiet=True)
             if timed_out:  # the IO may still land in staging: retire it (still registered, never freed)
-                self._graveyard += [self._stages.pop(s) for s in ("load0", "load1") if s in self._stages]
+                self._graveyard += [self._stages.pop(f"load{i}") for i in range(self.depth) if f"load{i}" in self._stages]
             with self._lock:
                 self._stats["load_failures"] += 1
             log.warning("hicache-gds linker: load of %d pages for %s failed: %s: %s", len(keys),
@@ -420,7 +436,7 @@ class GDSLinker(UnifiedCacheLinker):
                                    addrs.shape)
             offs = np.array([self.dev.table.offsets[s] for s in grp.segments], dtype=np.uint64)
         else:
-            stage = self._stage(f"load{slot}", (b - a) * grp.stage_bytes, self.staging_bytes // 2)
+            stage = self._stage(f"load{slot}", (b - a) * grp.stage_bytes, self.staging_bytes // self.depth)
             row = np.arange(b - a, dtype=np.uint64).reshape(-1, 1) * np.uint64(grp.stage_bytes)
             pos = np.cumsum([0] + [n for _, n in grp.runs[:-1]]).astype(np.uint64)
             addrs = np.uint64(stage.data_ptr()) + row + pos
@@ -455,6 +471,36 @@ class GDSLinker(UnifiedCacheLinker):
             fn(self.dev.buffers, starts, self.page_size, stage, offsets, segments, impl=self.copy_impl)
         s.synchronize()  # report (or write) only once the copies are done
 
+    def _offload_staged(self, keys: list[str], starts: torch.Tensor, todo: list[int]) -> bool:
+        """Gather pages into `depth` staging buffers in turn, each written by its own `put`, so the
+        disk always has the next chunk queued while one finishes (a lone put drains at its end)."""
+        stride, table = self.store.slot_bytes, self.dev.table
+        per = max(1, (self.staging_bytes // self.depth) // stride)
+        wait_s = self.store.config.io_timeout * 2 + 30  # put bounds its own IO; this bounds the thread
+        futs: deque = deque()
+        ok = True
+        try:
+            for c, a in enumerate(range(0, len(todo), per)):
+                if len(futs) == self.depth:  # the buffer about to be refilled is free once its put returns
+                    ok = futs.popleft().result(timeout=wait_s) and ok
+                idx = todo[a:a + per]
+                stage = self._stage(f"offload{c % self.depth}", len(idx) * stride, self.staging_bytes // self.depth)
+                stage = stage[: len(idx) * stride].view(len(idx), stride)
+                self._copy(gather_pages, "offload", starts[idx], stage, table.offsets, None)
+                rows = np.arange(len(idx), dtype=np.uint64).reshape(-1, 1)
+                addrs = np.uint64(stage.data_ptr()) + rows * np.uint64(stride)
+                lens = np.full_like(addrs, self.store_page_bytes)
+                futs.append(self._putter.submit(
+                    lambda k, p: all(self.store.put(k, p)), [keys[i] for i in idx], Pages(addrs, lens, self.kind)))
+        finally:
+            while futs:  # never leave a put reading a buffer we may refill
+                try:
+                    ok = futs.popleft().result(timeout=wait_s) and ok
+                except Exception as exc:  # noqa: BLE001 -- that chunk failed; the others still count
+                    log.warning("hicache-gds linker: offload chunk failed: %s: %s", type(exc).__name__, exc)
+                    ok = False
+        return ok
+
     def _offload(self, keys: list[str], indices: torch.Tensor, events: list) -> None:
         t0 = time.perf_counter()
         ok = False
@@ -472,17 +518,7 @@ class GDSLinker(UnifiedCacheLinker):
                 lens = np.broadcast_to(np.array(table.seg_bytes, dtype=np.uint64), addrs.shape).copy()
                 ok = all(self.store.put([keys[i] for i in todo], Pages(addrs, lens, self.kind)))
             elif todo:
-                stride = self.store.slot_bytes
-                per = max(1, self.staging_bytes // stride)
-                for c in range(0, len(todo), per):
-                    idx = todo[c:c + per]
-                    stage = self._stage("offload", len(idx) * stride, self.staging_bytes)
-                    stage = stage[: len(idx) * stride].view(len(idx), stride)
-                    self._copy(gather_pages, "offload", starts[idx], stage, table.offsets, None)
-                    rows = np.arange(len(idx), dtype=np.uint64).reshape(-1, 1)
-                    addrs = np.uint64(stage.data_ptr()) + rows * np.uint64(stride)
-                    lens = np.full_like(addrs, self.store_page_bytes)
-                    ok = all(self.store.put([keys[i] for i in idx], Pages(addrs, lens, self.kind))) and ok
+                ok = self._offload_staged(keys, starts, todo)
             with self._lock:
                 self._stats["offloads"] += 1
                 self._stats["offload_pages"] += len(todo)
