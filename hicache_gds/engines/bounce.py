@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
-import numpy as np
-
-from ..errors import TransferTimeout
 from ..memory import Cudart, HostBuffer, view
-from .base import Capabilities, EngineOptions, MemKind, Op, Transfer, TransferEngine
+from .base import Capabilities, EngineOptions, MemKind, Op
+from .per_descriptor import ThreadPoolEngine
 
 __all__ = ["BounceEngine"]
 
@@ -37,46 +34,13 @@ def _pio(op: Op, fd: int, mv: memoryview, offset: int) -> None:
         done += k
 
 
-class _FutureTransfer(Transfer):
-    def __init__(self, engine: str, op: Op, nbytes: int, what: str, futures: list[Future]) -> None:
-        super().__init__(engine, op, nbytes, what)
-        self._futures = futures
-
-    def _poll(self) -> bool:
-        if all(f.done() for f in self._futures):
-            for f in self._futures:
-                exc = f.exception()
-                if exc is not None:
-                    raise exc
-            return True
-        return False
-
-    def ok_mask(self):
-        """Per descriptor: did it complete without error (only once every descriptor finished)."""
-        if not all(f.done() for f in self._futures):
-            return None
-        return np.array([f.exception() is None for f in self._futures], dtype=bool)
-
-    def wait(self, timeout: float | None = None) -> int:
-        # docstring inherited
-        if self.finished is None and self._error is None:
-            _, pending = wait(self._futures, timeout=timeout, return_when=FIRST_EXCEPTION)
-            if pending and not any(f.done() and f.exception() for f in self._futures):
-                self._error = TransferTimeout(f"{self.engine}: {self.op.value} of {self.what} did not complete "
-                                              f"in {timeout:.1f} s")
-                raise self._error
-        return super().wait(timeout)
-
-
-class BounceEngine(TransferEngine):
+class BounceEngine(ThreadPoolEngine):
     """Thread-pool O_DIRECT IO; pinned host staging for VRAM."""
 
     name = "bounce"
 
     def __init__(self, options: EngineOptions) -> None:
-        super().__init__(options)
-        self._pool = ThreadPoolExecutor(max_workers=options.io_threads, thread_name_prefix="hicache-gds-io")
-        self._files: dict[int, str] = {}
+        super().__init__(options, "hicache-gds-io")
         self._tls = threading.local()
         self._cudart: Cudart | None = None
         kinds = {MemKind.DRAM}
@@ -88,10 +52,6 @@ class BounceEngine(TransferEngine):
             path=f"{'O_DIRECT ' if options.direct_io else ''}pread/pwrite on {options.io_threads} threads"
                  + (" (VRAM through pinned host staging)" if MemKind.VRAM in kinds else " from host memory"))
 
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
     def _register(self, addr: int, nbytes: int, kind: MemKind) -> None:
         if kind is MemKind.VRAM and self._cudart is None:
             self._cudart = Cudart(self.options.device)
@@ -99,15 +59,13 @@ class BounceEngine(TransferEngine):
     def _deregister(self, addr: int, nbytes: int, kind: MemKind) -> None:
         pass
 
-    def open_file(self, path: str) -> int:
+    def _open(self, path: str) -> tuple[int, int]:
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.options.direct_io else 0)
         fd = os.open(path, flags)
-        self._files[fd] = path
-        return fd
+        return fd, fd  # the handle is the fd itself
 
-    def close_file(self, file_id: int) -> None:
-        if self._files.pop(file_id, None) is not None:
-            os.close(file_id)
+    def _close_handle(self, fd: int) -> None:
+        os.close(fd)
 
     def _staging(self) -> tuple[HostBuffer, int]:
         tls = self._tls
@@ -117,7 +75,7 @@ class BounceEngine(TransferEngine):
             tls.stream = self._cudart.new_stream()
         return tls.buf, tls.stream
 
-    def _one(self, op: Op, kind: MemKind, addr: int, nbytes: int, fd: int, offset: int) -> None:
+    def _one(self, op: Op, kind: MemKind, fd: int, path: str, addr: int, nbytes: int, offset: int) -> None:
         if kind is MemKind.DRAM:
             _pio(op, fd, view(addr, nbytes), offset)
             return
@@ -133,18 +91,6 @@ class BounceEngine(TransferEngine):
             else:
                 _pio(op, fd, mv, offset + piece)
                 cud.copy(addr + piece, buf.addr, n, Cudart.H2D, stream)
-
-    def _submit(self, op: Op, kind: MemKind, mem: np.ndarray, file: np.ndarray) -> Transfer:
-        futures = [self._pool.submit(self._one, op, kind, int(a), int(n), int(fd), int(off))
-                   for (a, n), (fd, off) in zip(mem.tolist(), file.tolist())]
-        nbytes = int(mem[:, 1].sum())
-        names = ", ".join(sorted({self._files.get(int(fd), f"fd {fd}") for fd in np.unique(file[:, 0])[:3]}))
-        return _FutureTransfer(self.name, op, nbytes, f"{len(mem)} regions / {nbytes} bytes with {names}", futures)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for fd in list(self._files):
-            self.close_file(fd)
 
 
 def _gpu() -> bool:

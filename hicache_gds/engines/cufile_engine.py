@@ -26,15 +26,12 @@ import os
 import stat
 import tempfile
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-import numpy as np
-
 from ..errors import EngineUnavailable, TransferError
-from .base import Capabilities, EngineOptions, MemKind, Op, Transfer, TransferEngine
-from .bounce import _FutureTransfer
+from .base import Capabilities, EngineOptions, MemKind, Op
 from .gds_probe import libcufile_loadable, require_gpu_for_cufile
+from .per_descriptor import ThreadPoolEngine
 
 __all__ = ["CuFileEngine", "load_cufile"]
 
@@ -118,7 +115,7 @@ def _signed(n: int) -> int:
     return n - (1 << 64) if n >= 1 << 63 else n
 
 
-class CuFileEngine(TransferEngine):
+class CuFileEngine(ThreadPoolEngine):
     """VRAM <-> file through cuFile (cufile-python); GPUDirect Storage, or cuFile's compat mode."""
 
     name = "cufile"
@@ -126,7 +123,7 @@ class CuFileEngine(TransferEngine):
 
     def __init__(self, options: EngineOptions) -> None:
         require_gpu_for_cufile(self.name)  # cuFileDriverOpen spins forever without a GPU driver
-        super().__init__(options)
+        super().__init__(options, "hicache-gds-cufile")
         if options.cufile_json and "CUFILE_ENV_PATH_JSON" not in os.environ:
             os.environ["CUFILE_ENV_PATH_JSON"] = options.cufile_json
         self._cufile = load_cufile()
@@ -136,13 +133,7 @@ class CuFileEngine(TransferEngine):
             self._driver = self._cufile.CuFileDriver()  # cuFileDriverOpen, once per process
         except Exception as exc:  # noqa: BLE001
             raise EngineUnavailable(f"cufile: cuFileDriverOpen failed ({exc})") from exc
-        dev = options.device
-        self._pool = ThreadPoolExecutor(max_workers=options.io_threads, thread_name_prefix="hicache-gds-cufile",
-                                        initializer=torch.cuda.set_device, initargs=(dev,))
-        self._files: dict[int, tuple[str, Any]] = {}
         self._bufs: set[int] = set()
-        self._inflight: set[Future] = set()
-        self._lock = threading.Lock()
         compat = not os.path.exists("/proc/driver/nvidia-fs/devcount")
         self._caps = Capabilities(
             mem_kinds=frozenset({MemKind.VRAM}), max_descs=1 << 16, max_request_bytes=64 * _GiB, max_desc_bytes=_GiB,
@@ -150,9 +141,9 @@ class CuFileEngine(TransferEngine):
             path=("cufile-python (cuFile compat mode: no nvidia-fs, POSIX IO through cuFile's bounce buffers)"
                   if compat else "cufile-python (GPUDirect Storage via nvidia-fs)") + f", {options.io_threads} threads")
 
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
+    def _thread_init(self) -> None:
+        import torch
+        torch.cuda.set_device(self.options.device)
 
     def _register(self, addr: int, nbytes: int, kind: MemKind) -> None:
         try:
@@ -167,24 +158,15 @@ class CuFileEngine(TransferEngine):
             self._bufs.discard(addr)
             self._cufile.bindings.cuFileBufDeregister(ctypes.c_void_p(addr))
 
-    def open_file(self, path: str) -> int:
+    def _open(self, path: str) -> tuple[int, Any]:
         f = self._cufile.CuFile(path, "r+", use_direct_io=self.options.direct_io)
         try:
             f.open()  # os.open + cuFileHandleRegister
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"{self.name}: opening {path} failed: {exc}") from exc
-        fid = int(f.get_handle())
-        with self._lock:
-            self._files[fid] = (path, f)
-        return fid
+        return int(f.get_handle()), f
 
-    def close_file(self, file_id: int) -> None:
-        with self._lock:
-            entry = self._files.pop(file_id, None)
-        if entry is not None:
-            entry[1].close()
-
-    def _one(self, op: Op, f: Any, path: str, addr: int, n: int, off: int) -> None:
+    def _one(self, op: Op, kind: MemKind, f: Any, path: str, addr: int, n: int, off: int) -> None:
         call = f.write if op is Op.WRITE else f.read
         got = _signed(int(call(ctypes.c_void_p(addr), n, file_offset=off, dev_offset=0)))
         if got < 0:
@@ -193,41 +175,3 @@ class CuFileEngine(TransferEngine):
         if got != n:
             raise OSError(f"short {'write' if op is Op.WRITE else 'read'} at offset {off} of {path}: {got} of {n} bytes"
                           + (" (past end of file)" if got == 0 else ""))
-
-    def _submit(self, op: Op, kind: MemKind, mem: np.ndarray, file: np.ndarray) -> Transfer:
-        futures = []
-        for (addr, n), (fid, off) in zip(mem.tolist(), file.tolist()):
-            entry = self._files.get(int(fid))
-            if entry is None:
-                fut: Future = Future()
-                fut.set_exception(TransferError(f"{self.name}: file id {fid} is not open"))
-            else:
-                fut = self._pool.submit(self._one, op, entry[1], entry[0], int(addr), int(n), int(off))
-                with self._lock:
-                    self._inflight.add(fut)
-                fut.add_done_callback(self._done)
-            futures.append(fut)
-        nbytes = int(mem[:, 1].sum())
-        names = ", ".join(sorted({self._files.get(int(fd), (f"fd {fd}",))[0] for fd in np.unique(file[:, 0])[:3]}))
-        return _FutureTransfer(self.name, op, nbytes, f"{len(mem)} regions / {nbytes} bytes of VRAM with {names}",
-                               futures)
-
-    def _done(self, fut: Future) -> None:
-        with self._lock:
-            self._inflight.discard(fut)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            running = list(self._inflight)
-        _, stuck = wait(running, timeout=30.0)
-        if stuck:  # a cuFile call that never returns: closing its file under it would be worse than a leak
-            log.error("cufile: %d IOs still running after 30 s; leaving their files open", len(stuck))
-            return
-        for fid in list(self._files):
-            try:
-                self.close_file(fid)
-            except Exception:  # noqa: BLE001
-                pass
-        for addr in list(self._bufs):
-            self.deregister_memory(addr)

@@ -18,15 +18,13 @@ constructor checks for a GPU (`require_gpu_for_cufile`) before ``import kvikio``
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
-
-import numpy as np
 
 from ..errors import EngineUnavailable, TransferError
 from ..memory import view
-from .base import Capabilities, EngineOptions, MemKind, Op, Transfer, TransferEngine
+from .base import Capabilities, EngineOptions, MemKind, Op
 from .gds_probe import require_gpu_for_cufile
+from .per_descriptor import DescriptorEngine
 
 __all__ = ["KvikioEngine"]
 
@@ -41,28 +39,37 @@ class _DeviceSpan:
                                          "strides": None, "version": 3}
 
 
-class _KvikioTransfer(Transfer):
-    """One request: kvikio IOFutures, each checked for its full byte count."""
+_UNSET: Any = object()
 
-    def __init__(self, engine: str, op: Op, nbytes: int, what: str, futures: list[tuple[Any, int]],
-                 keep: list[Any], error: BaseException | None = None) -> None:
-        super().__init__(engine, op, nbytes, what)
-        self._futures = futures
-        self._keep = keep  # the spans/views must outlive the IO
-        self._post_error = error
 
-    def _poll(self) -> bool:
-        if not all(f.done() for f, _ in self._futures):
-            return False
-        if self._post_error is not None:
-            raise self._post_error
-        for i, (f, want) in enumerate(self._futures):
-            got = int(f.get())
-            if got != want:
-                raise TransferError(f"{self.engine}: short {self.op.value.lower()} in {self.what}: descriptor {i} "
-                                    f"moved {got} of {want} bytes")
-        self._keep = []
-        return True
+class _IOFuture:
+    """A kvikio IOFuture as `FutureTransfer` wants it: ``exception()`` is None only when the
+    descriptor moved all its bytes. Holds the buffer the IO reads or writes, which must outlive it."""
+
+    __slots__ = ("_buf", "_exc", "_future", "_nbytes", "_where")
+
+    def __init__(self, future: Any, buf: Any, nbytes: int, where: tuple[str, Op, int, str]) -> None:
+        self._future = future
+        self._buf = buf
+        self._nbytes = nbytes
+        self._where = where  # (engine, op, file offset, path), for the error text
+        self._exc: BaseException | None = _UNSET
+
+    def done(self) -> bool:
+        return bool(self._future.done())
+
+    def exception(self) -> BaseException | None:
+        if self._exc is _UNSET:  # get() once: kvikio's future holds one result
+            try:
+                got = int(self._future.get())
+            except Exception as exc:  # noqa: BLE001 -- kvikio raises RuntimeError with its own text
+                self._exc = exc
+            else:
+                engine, op, offset, path = self._where
+                self._exc = None if got == self._nbytes else TransferError(
+                    f"{engine}: short {op.value.lower()} at offset {offset} of {path}: {got} of {self._nbytes} bytes")
+            self._buf = None
+        return self._exc
 
 
 def _compat_mode_name(value: Any) -> str:
@@ -75,7 +82,7 @@ def _compat_mode_name(value: Any) -> str:
         return str(value).upper()
 
 
-class KvikioEngine(TransferEngine):
+class KvikioEngine(DescriptorEngine):
     """DRAM or VRAM <-> file through kvikio (cuFile or kvikio's POSIX compat path)."""
 
     name = "kvikio"
@@ -115,12 +122,6 @@ class KvikioEngine(TransferEngine):
             mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), max_descs=1 << 16, max_request_bytes=64 * _GiB,
             max_desc_bytes=_GiB, alignment=4096 if options.direct_io else 1, direct_io=options.direct_io,
             gpu_direct=not posix, path=path + f", {max(options.io_threads, int(d.get('num_threads')))} threads")
-        self._files: dict[int, tuple[str, Any]] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
 
     def _register(self, addr: int, nbytes: int, kind: MemKind) -> None:
         pass  # kvikio needs no registration; unregistered buffers go through cuFile's bounce buffers
@@ -128,49 +129,18 @@ class KvikioEngine(TransferEngine):
     def _deregister(self, addr: int, nbytes: int, kind: MemKind) -> None:
         pass
 
-    def open_file(self, path: str) -> int:
+    def _open(self, path: str) -> tuple[int, Any]:
         try:
             f = self._kvikio.CuFile(path, "r+")
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"{self.name}: opening {path} failed: {type(exc).__name__}: {exc}") from exc
-        fid = int(f.fileno())
-        with self._lock:
-            self._files[fid] = (path, f)
-        return fid
+        return int(f.fileno()), f
 
-    def close_file(self, file_id: int) -> None:
-        with self._lock:
-            entry = self._files.pop(file_id, None)
-        if entry is not None:
-            entry[1].close()
-
-    def _submit(self, op: Op, kind: MemKind, mem: np.ndarray, file: np.ndarray) -> Transfer:
-        futures: list[tuple[Any, int]] = []
-        keep: list[Any] = []
-        error: BaseException | None = None
-        nbytes = int(mem[:, 1].sum())
-        names = ", ".join(sorted({self._files.get(int(fd), (f"fd {fd}",))[0] for fd in np.unique(file[:, 0])[:3]}))
-        what = f"{len(mem)} regions / {nbytes} bytes of {kind.value} with {names}"
-        for (addr, n), (fid, off) in zip(mem.tolist(), file.tolist()):
-            entry = self._files.get(int(fid))
-            if entry is None:
-                error = TransferError(f"{self.name}: file id {fid} is not open")
-                break
-            buf = _DeviceSpan(addr, n) if kind is MemKind.VRAM else view(addr, n)
-            keep.append(buf)
-            try:
-                fut = (entry[1].pwrite if op is Op.WRITE else entry[1].pread)(buf, n, off)
-            except Exception as exc:  # noqa: BLE001 -- kvikio raises RuntimeError with its own text
-                error = TransferError(f"{self.name}: posting {op.value} of {n} bytes at offset {off} of {entry[0]} "
-                                      f"failed: {exc}")
-                break
-            futures.append((fut, n))
-        # A failed post still waits for what was posted before it (done() polls them all).
-        return _KvikioTransfer(self.name, op, nbytes, what, futures, keep, error)
-
-    def close(self) -> None:
-        for fid in list(self._files):
-            try:
-                self.close_file(fid)
-            except Exception:  # noqa: BLE001
-                pass
+    def _post(self, op: Op, kind: MemKind, f: Any, path: str, addr: int, nbytes: int, offset: int) -> _IOFuture:
+        buf = _DeviceSpan(addr, nbytes) if kind is MemKind.VRAM else view(addr, nbytes)
+        try:
+            fut = (f.pwrite if op is Op.WRITE else f.pread)(buf, nbytes, offset)
+        except Exception as exc:  # kvikio raises RuntimeError with its own text
+            raise TransferError(f"{self.name}: posting {op.value} of {nbytes} bytes at offset {offset} of {path} "
+                                f"failed: {exc}") from exc
+        return _IOFuture(fut, buf, nbytes, (self.name, op, offset, path))

@@ -8,6 +8,7 @@ NIXL_THREAD_SYNC_RW (the default sync mode corrupts the heap with several thread
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -19,9 +20,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .._nixl import new_agent, nixl_api
-from ..errors import EngineUnavailable, TransferError
-from .base import Capabilities, EngineOptions, MemKind, Op, Transfer, TransferEngine
+from ..errors import TransferError
+from .base import Capabilities, EngineOptions, MemKind, Op, Transfer
+from .nixl_agent import NixlAgentEngine, NixlTransfer
 
 __all__ = ["NixlPosixEngine", "NixlGdsEngine", "NixlGdsMtEngine", "cufile_bounce_pool", "gds_compat_mode"]
 
@@ -100,88 +101,17 @@ class _DescBudget:
             self.cv.notify_all()
 
 
-class _NixlTransfer(Transfer):
-    def __init__(self, engine: "_NixlFileEngine", handle: Any, op: Op, nbytes: int, what: str,
-                 budget: _DescBudget | None, need: list[int]) -> None:
-        super().__init__(engine.name, op, nbytes, what)
-        self._engine = engine
-        self._handle = handle
-        self._budget = budget
-        self._need = need
-        self._lock = threading.Lock()
-        self._post()
-
-    def _post(self) -> None:
-        # Posted at submit, not at the first wait: a batch's requests must all be in flight.
-        try:
-            state = self._engine.agent.transfer(self._handle)
-        except Exception as exc:  # noqa: BLE001
-            self._finish()
-            self._error = self._fail(exc)
-            return
-        if state == "DONE":
-            self._finish()
-            self.finished = time.perf_counter_ns()
-
-    def _poll(self) -> bool:
-        with self._lock:
-            if self._handle is None:
-                return True
-            try:
-                state = self._engine.agent.check_xfer_state(self._handle)
-            except Exception:
-                self._finish()
-                raise
-            if state == "ERR":
-                self._finish()
-                raise TransferError(f"{self.engine}: {self.op.value} of {self.what} reported ERR")
-            if state == "DONE":
-                self._finish()
-                return True
-            return False
-
-    def _finish(self) -> None:
-        if self._handle is not None:
-            try:
-                self._engine.agent.release_xfer_handle(self._handle)
-            except Exception:  # noqa: BLE001 -- a failed handle may refuse release; the agent stays usable
-                pass
-            self._handle = None
-        if self._budget is not None:
-            self._budget.release(self._need)
-            self._budget = None
-
-    # release() stays the inherited no-op: a finished or failed request was released in
-    # _finish, and a request still in flight (timed out) keeps its handle and its bounce budget,
-    # because the IO may land later and reusing either would corrupt memory or hang cuFile.
-
-
-class _NixlFileEngine(TransferEngine):
-    plugin: ClassVar[str] = ""
+class _NixlFileEngine(NixlAgentEngine):
     _mem_kinds: ClassVar[frozenset[MemKind]] = frozenset({MemKind.DRAM})
 
     def __init__(self, options: EngineOptions) -> None:
         super().__init__(options)
-        api = nixl_api()
-        self._api = api
-        self.agent = new_agent(self.name.replace("nixl-", ""), enable_prog_thread=False)
-        params = self._init_params()
-        try:
-            self.agent.create_backend(self.plugin, params)
-        except Exception as exc:  # noqa: BLE001
-            raise EngineUnavailable(f"{self.name}: NIXL could not create the {self.plugin} backend "
-                                    f"({type(exc).__name__}); {self._unavailable_hint()}") from exc
-        self._regs: dict[int, Any] = {}
         self._files: dict[int, tuple[str, Any]] = {}
         self._budget = self._make_budget()
-        self._inflight: weakref.WeakSet[_NixlTransfer] = weakref.WeakSet()
+        self._inflight: weakref.WeakSet[NixlTransfer] = weakref.WeakSet()
         self._caps = self._make_caps()
-        self._lock = threading.Lock()
 
     # -- per-plugin hooks ----------------------------------------------------------------------
-    def _init_params(self) -> dict[str, str]:
-        return {}
-
     def _unavailable_hint(self) -> str:
         return "is the plugin installed?"
 
@@ -192,23 +122,6 @@ class _NixlFileEngine(TransferEngine):
         raise NotImplementedError
 
     # -- engine ----------------------------------------------------------------------------------
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._caps
-
-    def _register(self, addr: int, nbytes: int, kind: MemKind) -> None:
-        dev = self.options.device if kind is MemKind.VRAM else 0
-        try:
-            self._regs[addr] = self.agent.register_memory([(addr, nbytes, dev, "")], kind.value)
-        except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"{self.name}: registering {nbytes} bytes of {kind.value} at {addr:#x} "
-                                f"failed: {type(exc).__name__}") from exc
-
-    def _deregister(self, addr: int, nbytes: int, kind: MemKind) -> None:
-        reg = self._regs.pop(addr, None)
-        if reg is not None:
-            self.agent.deregister_memory(reg)
-
     def open_file(self, path: str) -> int:
         # cuFile refuses handles whose open flags include O_NOFOLLOW (err 5019), so the symlink
         # check is an lstat before and an inode comparison after (Python adds O_CLOEXEC itself).
@@ -240,33 +153,27 @@ class _NixlFileEngine(TransferEngine):
             os.close(file_id)
 
     def _submit(self, op: Op, kind: MemKind, mem: np.ndarray, file: np.ndarray) -> Transfer:
-        n = len(mem)
-        dev = self.options.device if kind is MemKind.VRAM else 0
-        local = np.empty((n, 3), dtype=np.uint64)
-        local[:, 0] = mem[:, 0]
-        local[:, 1] = mem[:, 1]
-        local[:, 2] = dev
-        remote = np.empty((n, 3), dtype=np.uint64)
-        remote[:, 0] = file[:, 1]
-        remote[:, 1] = mem[:, 1]
-        remote[:, 2] = file[:, 0]
         nbytes = int(mem[:, 1].sum())
         fds = np.unique(file[:, 0])
         names = ", ".join(self._files.get(int(fd), ("fd %d" % fd,))[0] for fd in fds[:3])
-        what = f"{n} regions / {nbytes} bytes of {kind.value} with {names}"
-        need = self._budget.need(mem[:, 1]) if self._budget is not None else []
-        if self._budget is not None and not self._budget.acquire(need, 60.0, self._progress):
+        what = f"{len(mem)} regions / {nbytes} bytes of {kind.value} with {names}"
+        budget = self._budget
+        if budget is None:
+            handle = self._prepare(op, kind, mem, file[:, 1], file[:, 0], "FILE", self.agent.name, what)
+            return NixlTransfer(self, handle, op, nbytes, what, post_now=True)
+        # A request holds its bounce-pool budget until it finishes; one still in flight after a
+        # timeout keeps it, because cuFile may still be using those buffers.
+        need = budget.need(mem[:, 1])
+        if not budget.acquire(need, 60.0, self._progress):
             raise TransferError(f"{self.name}: cuFile's bounce pool stayed busy for 60 s ({what})")
         try:
-            handle = self.agent.initialize_xfer(op.value, self.agent.get_xfer_descs(local, kind.value),
-                                                self.agent.get_xfer_descs(remote, "FILE"), self.agent.name)
-        except Exception as exc:  # noqa: BLE001
-            if self._budget is not None:
-                self._budget.release(need)
-            raise TransferError(f"{self.name}: preparing {op.value} of {what} failed: {type(exc).__name__}") from exc
-        t = _NixlTransfer(self, handle, op, nbytes, what, self._budget, need)
-        if self._budget is not None:
-            self._inflight.add(t)
+            handle = self._prepare(op, kind, mem, file[:, 1], file[:, 0], "FILE", self.agent.name, what)
+        except TransferError:
+            budget.release(need)
+            raise
+        t = NixlTransfer(self, handle, op, nbytes, what, post_now=True,
+                         on_finish=functools.partial(budget.release, need))
+        self._inflight.add(t)
         return t
 
     def _progress(self) -> None:
@@ -283,8 +190,7 @@ class _NixlFileEngine(TransferEngine):
                 self.close_file(fd)
             except Exception:  # noqa: BLE001
                 pass
-        for addr in list(self._regs):
-            self.deregister_memory(addr)
+        super().close()
 
 
 class NixlPosixEngine(_NixlFileEngine):
