@@ -18,7 +18,7 @@ every column alike, and every load is checked byte for byte.
 Engines: ``auto`` (what a deployment gets: GDS where the VRAM probe passes -- cuFile compat mode on
 the VM) and ``bounce`` (pinned host staging, CUDA copies overlapped with O_DIRECT IO); add
 ``kvikio`` / ``cufile`` with --engines. An engine may carry linker keys to compare settings in one
-run: ``--engines auto,auto:depth=2:read_run=256K:staging_bytes=128M``. Prints a markdown table.
+run: ``--engines auto,auto:depth=3:read_run=1M:staging_bytes=256M``. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--gather-below", default="", help="linker gather_below override (bytes), e.g. to force direct IO")
-    ap.add_argument("--staging", default="256M", help="linker staging_bytes")
+    ap.add_argument("--staging", default="128M", help="linker staging_bytes")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only checks the script (host engines)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()

@@ -91,12 +91,15 @@ class Driver:
 
 def make_backends(root, pool, npages, rounds, which):
     out = []
-    if "gds" in which:
+    for i, spec in enumerate(w for w in which if w.split(":")[0] == "gds"):
+        # "gds" is the default setup; "gds:engine=bounce:nixl_queue=uring" adds a column with those keys
         from hicache_gds_sglang import HiCacheGDS
-        d = os.path.join(root, "gds")
+        opts = dict(o.split("=", 1) for o in spec.split(":")[1:])
+        d = os.path.join(root, f"gds{i}")
         os.makedirs(d, exist_ok=True)
-        b = HiCacheGDS(storage_config({"gds_path": d, "capacity": (rounds + 1) * npages * (2 << 20)}), pool)
-        out.append(Driver("HiCacheGDS", b, pool, True))
+        b = HiCacheGDS(storage_config({"gds_path": d, "capacity": (rounds + 1) * npages * (2 << 20), **opts}), pool)
+        name = "HiCacheGDS" + (f" ({', '.join(f'{k}={v}' for k, v in opts.items())})" if opts else "")
+        out.append(Driver(name, b, pool, True))
     if "file" in which:
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile
         b = HiCacheFile(storage_config({"file_storage_path": os.path.join(root, "file")}))
@@ -109,7 +112,20 @@ def make_backends(root, pool, npages, rounds, which):
         sys.modules.setdefault("nixl._api", nixl_cu13._api)
         os.environ["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] = os.path.join(root, "nixl")
         os.environ.setdefault("SGLANG_HICACHE_NIXL_BACKEND_PLUGIN", "POSIX")
-        from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
+        try:
+            from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
+        except ModuleNotFoundError as exc:
+            # hicache_nixl imports pool_host only for the HostKVCache type hint; pool_host pulls the
+            # quantization stack (compressed_tensors, transformers ...), which a GPU machine without a
+            # package index may lack. Stand in for the hint alone; HiCacheNixl's code is unchanged.
+            import types
+            print(f"note: {exc}; sglang.srt.mem_cache.pool_host stubbed (HostKVCache type hint only)", flush=True)
+            for m in [k for k in sys.modules if k.startswith("sglang.srt.mem_cache.pool_host")]:
+                del sys.modules[m]
+            stub = types.ModuleType("sglang.srt.mem_cache.pool_host")
+            stub.HostKVCache = object
+            sys.modules["sglang.srt.mem_cache.pool_host"] = stub
+            from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
         b = HiCacheNixl(storage_config({"l3_cleaner_enabled": False}))
         b.register_mem_pool_host(pool)
         out.append(Driver(f"HiCacheNixl ({os.environ['SGLANG_HICACHE_NIXL_BACKEND_PLUGIN']})", b, pool, True))
@@ -129,7 +145,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/work/bench-sglang", help="on the disk to measure (not tmpfs)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", type=int, default=512, help="pages per backend per round (batches of 128)")
-    ap.add_argument("--backends", default="gds,file,nixl,fio", help="any of gds,file,nixl,fio,raw")
+    ap.add_argument("--backends", default="gds,file,nixl,fio",
+                    help="any of gds,file,nixl,fio,raw; gds:key=value:... adds a HiCacheGDS column with those keys")
     ap.add_argument("--json", help="write the raw numbers here")
     ap.add_argument("--report", metavar="JSON", help="only print the tables of an earlier --json file")
     args = ap.parse_args()
@@ -138,7 +155,7 @@ def main() -> None:
             j = json.load(f)
         report(j["results"], j["pages"], j["page_bytes"], j["rounds"], j["cold"])
         return
-    which = set(args.backends.split(","))
+    which = list(dict.fromkeys(args.backends.split(",")))
     import sglang_pools
     root = os.path.abspath(args.dir)
     if os.path.exists(root):

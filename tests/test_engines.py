@@ -75,3 +75,26 @@ def test_bounce_budget_counts_descriptors_per_slab_class():
     assert not b.acquire([0, 1, 0], 0.05, progress=lambda: calls.append(1))
     assert calls  # waiting polls the requests in flight, whose completion frees buffers
     assert b.acquire([0, 1, 0], 1.0, progress=lambda: b.release([0, 1, 0]))
+
+
+def test_gds_batches_and_the_process_wide_bounce_budget():
+    import threading
+
+    import numpy as np
+    from hicache_gds.engines.nixl_file import _DescBudget, _gds_batches, _process_budget
+    mib = 1 << 20
+    # NIXL's GDS plugin splits IOs at 16 MiB and packs up to 128 of them per cuFile batch
+    assert _gds_batches(np.array([mib] * 128, dtype=np.uint64), 16 * mib, 128) == 1
+    assert _gds_batches(np.array([mib] * 129, dtype=np.uint64), 16 * mib, 128) == 2
+    assert _gds_batches(np.array([40 * mib], dtype=np.uint64), 16 * mib, 2) == 2  # 3 parts
+    # every engine of a process shares one bounce budget (cuFile has one pool per process)
+    pool = [(4096, 3), (mib, 5)]
+    a, ia = _process_budget(pool)
+    b, ib = _process_budget(list(pool))
+    assert a is b and ia is ib
+    assert _process_budget([(4096, 3), (mib, 6)])[0] is not a
+    # batches: a post waits for a batch to come back rather than failing
+    batches = _DescBudget([(1 << 62, 2)])
+    assert batches.acquire([2], 0.1)
+    threading.Timer(0.05, batches.release, args=([1],)).start()
+    assert batches.acquire([1], 2.0) and not batches.acquire([1], 0.02)

@@ -71,16 +71,17 @@ def test_direct_needs_size_alignment_and_descriptor_room(why, kwargs):
 
 def test_deepseek_mla_groups_allow_a_short_last_group():
     t = _mla_table(61, 576, 2, 64)  # 72 KiB segments
-    plan = plan_io(t, [0] * 61, read_run=256 * KiB)
+    plan = plan_io(t, [0] * 61)
     assert plan.mode == "gather" and [len(g.layers) for g in plan.groups] == [4] * 15 + [1]
     assert all(o % 4096 == 0 and n % 4096 == 0 for g in plan.groups for o, n in g.runs)
-    plan = plan_io(t, [0] * 61)  # grown towards 1 MiB runs: 15 layers x 72 KiB
+    plan = plan_io(t, [0] * 61, read_run=1 << 20)  # grown towards 1 MiB runs: 15 layers x 72 KiB
     assert [len(g.layers) for g in plan.groups] == [15] * 4 + [1]
 
 
-def test_64_token_pages_read_1_mib_runs_in_four_groups():
+def test_read_run_grows_64_token_groups_to_1_mib_runs_keeping_four_groups():
     t = _mha_table(32, 8, 128, 2, 64)  # 128 KiB segments, 8 MiB pages
-    plan = plan_io(t, [0] * 64)
+    assert [len(g.layers) for g in plan_io(t, [0] * 64).groups] == [2] * 16  # default: 256 KiB runs
+    plan = plan_io(t, [0] * 64, read_run=1 << 20)
     assert plan.mode == "gather" and [len(g.layers) for g in plan.groups] == [8] * 4
     assert plan.groups[0].runs == ((0, 1024 * KiB), (32 * 128 * KiB, 1024 * KiB))
     # never fewer than MIN_GROUPS groups for the sake of longer runs; never below gather_below

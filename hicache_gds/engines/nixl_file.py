@@ -60,7 +60,8 @@ def cufile_bounce_pool(cufile_json: str = "") -> list[tuple[int, int]]:
 
 
 class _DescBudget:
-    """Process-wide cap on descriptors in flight per cuFile bounce-slab class.
+    """Counted resources a request holds while in flight: descriptors per cuFile bounce-slab class,
+    or NIXL GDS batches (one class).
 
     cuFile's compat-mode bounce pool is per process. A request holding more descriptors of a
     class than that class has buffers waits forever inside cuFile, and two requests that each
@@ -101,14 +102,36 @@ class _DescBudget:
             self.cv.notify_all()
 
 
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict[tuple, tuple[_DescBudget, "weakref.WeakSet[NixlTransfer]"]] = {}
+
+
+def _process_budget(pool: list[tuple[int, int]]) -> tuple[_DescBudget, "weakref.WeakSet[NixlTransfer]"]:
+    """The process's bounce-pool budget and the requests holding it, shared by every engine
+    instance (cuFile has one bounce pool per process, however many agents use it)."""
+    with _SHARED_LOCK:
+        key = tuple(pool)
+        if key not in _SHARED:
+            _SHARED[key] = (_DescBudget(pool), weakref.WeakSet())
+        return _SHARED[key]
+
+
+def _gds_batches(lens: np.ndarray, max_request: int, batch_limit: int) -> int:
+    """cuFile batches NIXL's GDS plugin takes for a request: descriptors split at `max_request`
+    bytes, up to `batch_limit` of those per batch."""
+    parts = int(((lens + np.uint64(max_request - 1)) // np.uint64(max_request)).sum())
+    return -(-parts // batch_limit)
+
+
 class _NixlFileEngine(NixlAgentEngine):
     _mem_kinds: ClassVar[frozenset[MemKind]] = frozenset({MemKind.DRAM})
 
     def __init__(self, options: EngineOptions) -> None:
         super().__init__(options)
         self._files: dict[int, tuple[str, Any]] = {}
-        self._budget = self._make_budget()
         self._inflight: weakref.WeakSet[NixlTransfer] = weakref.WeakSet()
+        self._budget = self._make_budget()
+        self._batches = self._make_batch_budget()
         self._caps = self._make_caps()
 
     # -- per-plugin hooks ----------------------------------------------------------------------
@@ -117,6 +140,12 @@ class _NixlFileEngine(NixlAgentEngine):
 
     def _make_budget(self) -> _DescBudget | None:
         return None
+
+    def _make_batch_budget(self) -> _DescBudget | None:
+        return None
+
+    def _batches_needed(self, lens: np.ndarray) -> int:
+        return 0
 
     def _make_caps(self) -> Capabilities:
         raise NotImplementedError
@@ -157,24 +186,36 @@ class _NixlFileEngine(NixlAgentEngine):
         fds = np.unique(file[:, 0])
         names = ", ".join(self._files.get(int(fd), ("fd %d" % fd,))[0] for fd in fds[:3])
         what = f"{len(mem)} regions / {nbytes} bytes of {kind.value} with {names}"
-        budget = self._budget
-        if budget is None:
-            handle = self._prepare(op, kind, mem, file[:, 1], file[:, 0], "FILE", self.agent.name, what)
-            return NixlTransfer(self, handle, op, nbytes, what, post_now=True)
-        # A request holds its bounce-pool budget until it finishes; one still in flight after a
-        # timeout keeps it, because cuFile may still be using those buffers.
-        need = budget.need(mem[:, 1])
-        if not budget.acquire(need, 60.0, self._progress):
-            raise TransferError(f"{self.name}: cuFile's bounce pool stayed busy for 60 s ({what})")
+        held: list[tuple[_DescBudget, list[int]]] = []  # what this request holds until it finishes
+        if self._batches is not None:  # NIXL's GDS plugin fails a post when its batch pool is empty
+            need = [self._batches_needed(mem[:, 1])]
+            if not self._batches.acquire(need, 60.0, self._progress):
+                raise TransferError(f"{self.name}: NIXL's GDS batch pool stayed busy for 60 s ({what})")
+            held.append((self._batches, need))
+        if self._budget is not None:
+            # The bounce-pool budget; a request still in flight after a timeout keeps it, because
+            # cuFile may still be using those buffers.
+            need = self._budget.need(mem[:, 1])
+            if not self._budget.acquire(need, 60.0, self._progress):
+                self._give_back(held)
+                raise TransferError(f"{self.name}: cuFile's bounce pool stayed busy for 60 s ({what})")
+            held.append((self._budget, need))
         try:
             handle = self._prepare(op, kind, mem, file[:, 1], file[:, 0], "FILE", self.agent.name, what)
         except TransferError:
-            budget.release(need)
+            self._give_back(held)
             raise
+        if not held:
+            return NixlTransfer(self, handle, op, nbytes, what, post_now=True)
         t = NixlTransfer(self, handle, op, nbytes, what, post_now=True,
-                         on_finish=functools.partial(budget.release, need))
+                         on_finish=functools.partial(self._give_back, held))
         self._inflight.add(t)
         return t
+
+    @staticmethod
+    def _give_back(held: list[tuple[_DescBudget, list[int]]]) -> None:
+        for budget, need in held:
+            budget.release(need)
 
     def _progress(self) -> None:
         """Poll every request in flight: NIXL advances them, and hands bounce buffers back, only when polled."""
@@ -239,10 +280,29 @@ class NixlGdsEngine(_NixlFileEngine):
     def _pool(self) -> list[tuple[int, int]]:
         return cufile_bounce_pool(self.options.cufile_json)
 
+    # NIXL GDS plugin settings (its defaults: 16 batches of up to 128 IOs, IOs split at 16 MiB).
+    # A post that finds the batch pool empty fails ("GDS batch pool exhausted"), so requests take
+    # their batches from a budget of the same size first.
+    BATCH_POOL = 64
+    BATCH_LIMIT = 128
+    MAX_REQUEST = 16 << 20
+
+    def _init_params(self) -> dict[str, str]:
+        return {"batch_pool_size": str(self.BATCH_POOL), "batch_limit": str(self.BATCH_LIMIT),
+                "max_request_size": str(self.MAX_REQUEST)}
+
+    def _make_batch_budget(self) -> _DescBudget | None:
+        return _DescBudget([(1 << 62, self.BATCH_POOL)])
+
+    def _batches_needed(self, lens: np.ndarray) -> int:
+        return _gds_batches(lens, self.MAX_REQUEST, self.BATCH_LIMIT)
+
     def _make_budget(self) -> _DescBudget | None:
         if not self.compat:
             return None
-        return _DescBudget(self._pool())
+        budget, inflight = _process_budget(self._pool())
+        self._inflight = inflight  # progress polls every request holding the process's bounce pool
+        return budget
 
     def _make_caps(self) -> Capabilities:
         pool = self._pool()
@@ -266,3 +326,6 @@ class NixlGdsMtEngine(NixlGdsEngine):
 
     def _init_params(self) -> dict[str, str]:
         return {"thread_count": str(min(self.options.io_threads, 64))}
+
+    def _make_batch_budget(self) -> _DescBudget | None:
+        return None  # GDS_MT issues synchronous cuFile IO from its threads: no batch pool

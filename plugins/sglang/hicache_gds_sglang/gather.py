@@ -42,10 +42,11 @@ ALIGN = 4096
 # bandwidth. benchmarks/bench_linker.py --gather-below measures the crossover on a machine;
 # override per deployment with the linker's "gather_below" key.
 GATHER_BELOW = 256 << 10
-# Read groups grow towards runs of this size while MIN_GROUPS groups remain: in cuFile compat mode
-# every descriptor holds one bounce buffer of its slab class (1 MiB for 4 KiB < n <= 1 MiB), so
-# 256 KiB runs leave three quarters of each buffer idle and cap the bytes in flight.
-READ_RUN = 1 << 20
+# Read groups may grow towards runs of READ_RUN bytes while MIN_GROUPS groups remain (the linker's
+# "read_run" key). Larger runs use more of each cuFile compat bounce buffer (1 MiB slabs for
+# 4 KiB < n <= 1 MiB), but on the H100 VM (benchmarks/results/gpu-h100-linker-sweep.md) 1 MiB runs
+# measured no better than 256 KiB ones, so the default keeps the finest groups that reach GATHER_BELOW.
+READ_RUN = GATHER_BELOW
 MIN_GROUPS = 4
 
 

@@ -10,8 +10,8 @@ Selected with (SGLang 0.5.23; exclusive with ``--enable-hierarchical-cache``)::
 SGLang builds one per worker: ``GDSLinker(server_args, params, components=..., extra_config=...,
 forward_stream=...)``. ``extra_config`` takes every hicache-gds key (``gds_path``, ``enable_gds``,
 ``engine``, ``capacity`` ...; over ``ENABLE_GDS`` / ``GDS_PATH`` / ``HICACHE_GDS_*``) plus
-``staging_bytes`` (GPU staging per direction, default 256M, split over ``depth`` buffers),
-``depth`` (IO steps in flight per direction, default 4), ``gather_below`` (`GATHER_BELOW`) and
+``staging_bytes`` (GPU staging per direction, default 128M, split over ``depth`` buffers),
+``depth`` (IO steps in flight per direction, default 2), ``gather_below`` (`GATHER_BELOW`) and
 ``read_run`` (`READ_RUN`).
 
 Served: the plain MHA (``MHATokenToKVPool``, NHD, unscaled) and MLA (``MLATokenToKVPool``, no DSA)
@@ -130,10 +130,10 @@ class GDSLinker(UnifiedCacheLinker):
         if getattr(params, "mtp_draft_device_pools", ()) or getattr(params, "sidecar_draft_device_pools", ()):
             raise ConfigError("GDSLinker: speculative-decoding draft KV pools are not stored yet")
         extra = dict(extra_config or {})
-        self.staging_bytes = parse_size(extra.pop("staging_bytes", "256M"), key="staging_bytes")
+        self.staging_bytes = parse_size(extra.pop("staging_bytes", "128M"), key="staging_bytes")
         self.gather_below = parse_size(extra.pop("gather_below", GATHER_BELOW), key="gather_below")
         self.read_run = parse_size(extra.pop("read_run", READ_RUN), key="read_run")
-        depth = extra.pop("depth", 4)
+        depth = extra.pop("depth", 2)
         if isinstance(depth, bool) or not str(depth).isdigit() or not 1 <= int(depth) <= 16:
             raise ConfigError(f"GDSLinker: depth={depth!r}: expected an integer from 1 to 16 (IO steps in flight)")
         self.depth = int(depth)
