@@ -299,7 +299,7 @@ def render(R: dict, command: str) -> str:
                  "has one writer: the second `PageStore` (or HiCacheGDS attach) on it raises `StoreLockedError` "
                  "naming the holder's pid. Give each process its own identity (TP rank, model, ...) or "
                  "HICACHE_GDS_NAMESPACE. (MLA reader ranks read the writer's namespace without the lock: "
-                 "SharedReader.)")
+                 "`PageReader`.)")
     L.append("")
     table("5. Hostile input and fuzz", hos + fz, "Every entry point: keys of the wrong type, empty, huge, with "
           "`../` or NUL; mismatched batch lengths; regions outside registered buffers; host indices out of range; "

@@ -7,6 +7,8 @@ hicache-gds still handles them sensibly (`OSError` for IO, `ValueError` for bad 
 
 from __future__ import annotations
 
+import io
+
 __all__ = [
     "HiCacheGDSError",
     "ConfigError",
@@ -16,6 +18,7 @@ __all__ = [
     "TransferTimeout",
     "StoreFullError",
     "StoreLockedError",
+    "ReadOnlyError",
     "RegionError",
     "DirectoryUnavailable",
     "PeerDisconnected",
@@ -56,6 +59,14 @@ class StoreFullError(HiCacheGDSError, OSError):
 
 class StoreLockedError(HiCacheGDSError, OSError):
     """Another process holds the namespace open for writing."""
+
+
+class ReadOnlyError(HiCacheGDSError, io.UnsupportedOperation):
+    """A write (`put`, `delete`, `clear`) on a namespace opened read-only (`PageReader`).
+
+    Subclasses `io.UnsupportedOperation` (an `OSError` and a `ValueError`), what Python raises for
+    a write to a file opened for reading.
+    """
 
 
 class RegionError(HiCacheGDSError, ValueError):

@@ -1,4 +1,4 @@
-"""Page regions and namespaces: pure functions, no IO.
+"""Page regions and namespaces: pure functions, no IO (`namespace_location` resolves paths).
 
 A batch of pages is `Pages`: P pages of S segments each, as (P, S) arrays of addresses and
 lengths. A page's bytes on disk are its segments concatenated in order. SGLang's
@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from .engines.base import MemKind
 from .errors import RegionError
+from .memory import align_up
 
-__all__ = ["Pages", "namespace_id", "page_bytes_for"]
+if TYPE_CHECKING:
+    from .config import Config
+
+__all__ = ["NamespaceLocation", "Pages", "namespace_id", "namespace_location", "page_bytes_for"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +105,31 @@ def namespace_id(identity: Mapping[str, Any]) -> str:
     """
     canon = json.dumps({str(k): str(v) for k, v in identity.items()}, sort_keys=True, separators=(",", ":"))
     return "ns-" + hashlib.blake2b(canon.encode(), digest_size=10).hexdigest()
+
+
+class NamespaceLocation(NamedTuple):
+    """Where one namespace lives; see `namespace_location`."""
+
+    identity: dict[str, str]
+    """The caller's identity plus page size, tenant and directory count: what the name hashes."""
+    namespace: str
+    dirs: list[str]
+    """One directory per `GDS_PATH` entry (real paths); the index lives in the first."""
+    slot_bytes: int
+    """`page_bytes` rounded up to 4 KiB: the stride of slots in the slab files."""
+
+    @property
+    def index_meta(self) -> dict[str, str]:
+        """The settings the index records, so that a namespace reopened differently is never misread."""
+        return {"slot_bytes": str(self.slot_bytes), "page_bytes": self.identity["page_bytes"],
+                "ndirs": str(len(self.dirs))}
+
+
+def namespace_location(page_bytes: int, identity: Mapping[str, Any] | None, config: Config) -> NamespaceLocation:
+    """The namespace `PageStore(page_bytes, identity, config=config)` opens, computed without creating
+    or checking anything -- the one rule writers (`PageStore`) and readers (`PageReader`) share."""
+    roots = [os.path.realpath(p) for p in config.gds_path]
+    ident = {str(k): str(v) for k, v in (identity or {}).items()}
+    ident.update(page_bytes=str(page_bytes), tenant=config.namespace, ndirs=str(len(roots)))
+    name = namespace_id(ident)
+    return NamespaceLocation(ident, name, [os.path.join(r, name) for r in roots], align_up(page_bytes))

@@ -19,13 +19,17 @@ from .errors import ConfigError, StoreFullError
 __all__ = ["SlabSet", "prepare_root", "private_dir"]
 
 
-def prepare_root(path: str) -> str:
-    """Check one `GDS_PATH` entry: an existing, writable directory. Returns its real path."""
+def prepare_root(path: str, writable: bool = True) -> str:
+    """Check one `GDS_PATH` entry: an existing directory, writable unless `writable=False` (readers).
+    Returns its real path."""
     if not os.path.lexists(path):
         raise ConfigError(f"GDS_PATH: {path} does not exist; create it (one directory per NVMe drive)")
     if not os.path.isdir(path):
         raise ConfigError(f"GDS_PATH: {path} is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
+    if not writable:
+        if not os.access(path, os.X_OK):
+            raise ConfigError(f"GDS_PATH: {path} cannot be searched by this process")
+    elif not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"GDS_PATH: {path} is not writable by this process")
     return os.path.realpath(path)
 
@@ -59,7 +63,10 @@ class SlabSet:
 
     FILE_NAME = "slab.bin"
 
-    def __init__(self, dirs: list[str], slot_bytes: int, nslots: int, preallocate: bool = True) -> None:
+    def __init__(self, dirs: list[str], slot_bytes: int, nslots: int, preallocate: bool = True,
+                 create: bool = True) -> None:
+        """`create=False` describes files another process owns (a `PageReader`'s view: paths and
+        placement) and touches nothing; `nslots` and `file_bytes` are then the caller's guess."""
         if slot_bytes % 4096:
             raise ValueError("slot_bytes must be a multiple of 4096")
         self.dirs = dirs
@@ -69,7 +76,8 @@ class SlabSet:
         nd = len(dirs)
         self.file_bytes = [((nslots - i + nd - 1) // nd) * slot_bytes for i in range(nd)]
         for path, size in zip(self.paths, self.file_bytes):
-            self._create(path, size, preallocate)
+            if create:
+                self._create(path, size, preallocate)
 
     @staticmethod
     def _create(path: str, size: int, preallocate: bool) -> None:

@@ -32,7 +32,7 @@ from .engines.base import MemKind, Op, Transfer, TransferEngine, split_batches
 from .engines.select import choose_engine
 from .errors import ConfigError, RegionError, StoreLockedError, TransferError, TransferTimeout
 from .index import INDEX_FILE, Index
-from .layout import Pages, namespace_id
+from .layout import Pages, namespace_location
 from .memory import HostBuffer, align_up, view
 from .slabs import SlabSet, prepare_root, private_dir
 from .stats import StoreStats
@@ -57,6 +57,17 @@ def _csum(segments: Iterable[tuple[int, int]]) -> int:
     d = h.intdigest()
     # SQLite integers are signed 64-bit; 0 means "not recorded" (VRAM pages).
     return (d - (1 << 64) if d >= 1 << 63 else d) or 1
+
+
+def _checked_config(page_bytes: int, config: Config | Mapping[str, Any] | None) -> Config:
+    """The `Config` a `PageStore` or `PageReader` opens with; `ConfigError` for a bad page size or no GDS_PATH."""
+    cfg = config if isinstance(config, Config) else Config.load(config)
+    if not isinstance(page_bytes, int) or page_bytes <= 0:
+        raise ConfigError(f"page_bytes must be a positive integer, got {page_bytes!r}")
+    if not cfg.gds_path:
+        raise ConfigError("GDS_PATH is not set: give one directory, or comma-separated directories "
+                          "(one per NVMe drive), in the GDS_PATH environment variable or the gds_path key")
+    return cfg
 
 
 def _refuse_link(exc: OSError) -> ConfigError | None:
@@ -124,23 +135,17 @@ class PageStore:
     rounded up to 4 KiB), so callers that must agree on a page count can size it exactly.
     """
 
+    read_only = False  # True for `PageReader`, the lock-free read-only view of a namespace
+
     def __init__(self, page_bytes: int, identity: Mapping[str, Any] | None = None, *,
                  config: Config | Mapping[str, Any] | None = None,
                  mem_kinds: Iterable[MemKind] = (MemKind.DRAM,), engine: TransferEngine | None = None) -> None:
-        cfg = config if isinstance(config, Config) else Config.load(config)
-        if not isinstance(page_bytes, int) or page_bytes <= 0:
-            raise ConfigError(f"page_bytes must be a positive integer, got {page_bytes!r}")
-        if not cfg.gds_path:
-            raise ConfigError("GDS_PATH is not set: give one directory, or comma-separated directories "
-                              "(one per NVMe drive), in the GDS_PATH environment variable or the gds_path key")
+        cfg = _checked_config(page_bytes, config)
         self.config = cfg
         self.page_bytes = page_bytes
-        self.slot_bytes = align_up(page_bytes)
         roots = [prepare_root(p) for p in cfg.gds_path]
-        ident = {str(k): str(v) for k, v in (identity or {}).items()}
-        ident.update(page_bytes=str(page_bytes), tenant=cfg.namespace, ndirs=str(len(roots)))
-        self.identity = ident
-        self.namespace = namespace_id(ident)
+        loc = namespace_location(page_bytes, identity, cfg)
+        self.identity, self.namespace, self.slot_bytes = loc.identity, loc.namespace, loc.slot_bytes
         self.dirs = [private_dir(r, self.namespace) for r in roots]
         try:
             self._lock_fd = self._lock_namespace(self.dirs[0])
@@ -161,9 +166,7 @@ class PageStore:
             slab0 = os.path.join(self.dirs[0], SlabSet.FILE_NAME)
             had_slots = os.path.exists(slab0) and os.path.getsize(slab0) > 0
             self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate)
-            self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots,
-                               {"slot_bytes": str(self.slot_bytes), "page_bytes": str(page_bytes),
-                                "ndirs": str(len(self.dirs))}, existing=had_slots)
+            self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots, loc.index_meta, existing=had_slots)
             self._fids = [engine.open_file(p) for p in self.slabs.paths]
             self._sync_fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in self.slabs.paths] if cfg.sync else []
         except BaseException as exc:

@@ -14,9 +14,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
 
-from hicache_gds import ConfigError, PageStore
+from hicache_gds import ConfigError, PageReader
 from hicache_gds_sglang import HiCacheGDS
-from hicache_gds_sglang.naming import store_dirs
 from sgl_helpers import (KINDS, LAYOUTS, attach, generic_get, generic_set, hicache_file, indices, keys, leading,
                          make_pool, page_bytes, poison, same_pages, storage_config)
 
@@ -271,13 +270,25 @@ def test_mla_reader_never_returns_bytes_of_a_reused_slot(gds_dir):
         writer.close()
 
 
-def test_reader_mirrors_the_page_store_namespace(gds_dir):
-    from hicache_gds_sglang.naming import load_config
-    cfg = load_config({"gds_path": gds_dir, "capacity": "8M", "namespace": "t1"})
-    ident = {"model": "m", "pool": "kv", "x": 1}
-    with PageStore(12345, ident, config=cfg) as s:
-        ns, dirs, slot = store_dirs(cfg, ident, 12345)
-        assert (ns, dirs, slot) == (s.namespace, s.dirs, s.slot_bytes)
+def test_mla_reader_is_the_core_read_only_store_and_writes_nothing(gds_dir):
+    rpool, wpool = make_pool("mla", "page_first", seed=None), make_pool("mla", "page_first", seed=7)
+    reader = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=1, tp_size=2), rpool)
+    try:
+        store = reader._bindings["kv"].store
+        assert isinstance(store, PageReader) and reader.stats()["kv"]["read_only"] is True
+        ks = keys(4)
+        assert reader.batch_set_v1(ks, indices(range(4))) == [True] * 4 and reader.batch_set(ks[:1], [None]) is True
+        assert reader.clear() is True  # the writer's job: nothing to do, not a failure
+        assert os.listdir(gds_dir) == []  # no namespace directory, no lock, no index
+        writer = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=0, tp_size=2), wpool)
+        try:
+            assert writer._bindings["kv"].store.namespace == store.namespace
+            assert writer.batch_set_v1(ks, indices(range(4))) == [True] * 4
+            assert reader.clear() is True and reader.batch_exists(ks) == 4  # a reader's clear drops nothing
+        finally:
+            writer.close()
+    finally:
+        reader.close()
 
 
 def test_failure_injector_never_raises_and_hits_stay_correct(gds_dir, monkeypatch):

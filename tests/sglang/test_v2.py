@@ -124,7 +124,7 @@ def test_mla_sidecars_follow_sglang_writers(gds_dir):
             tr = [PoolTransfer(name=PoolName.SWA, host_indices=indices(range(4)), keys=ks),
                   PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(4), keys=ks)]
             assert b.batch_set_v2(tr) == {PoolName.SWA: [True] * 4, PoolName.MAMBA: [True] * 4}
-        assert r.stats()["swa"]["engine"] == "shared-reader" and r.stats()["mamba"]["engine"] != "shared-reader"
+        assert r.stats()["swa"]["read_only"] is True and r.stats()["mamba"]["read_only"] is False  # PageReader
         r_swa, r_mamba = pools[1][1], pools[1][2]
         tr = [PoolTransfer(name=PoolName.SWA, host_indices=indices(range(8, 12)), keys=ks),
               PoolTransfer(name=PoolName.MAMBA, host_indices=torch.arange(8, 12), keys=ks)]

@@ -18,7 +18,8 @@ pools with HiCacheFile's hit semantics. None of them raises: a failure is logged
 miss (False / 0 / None).
 
 MLA: one rank writes (``is_storage_writer``); the others skip writes (True, as SGLang expects)
-and read the writer's namespace through `SharedReader` (``shared_reader``).
+and read the writer's namespace through the core's read-only `PageReader` (no lock, nothing
+written, every page checked against its checksum).
 """
 
 from __future__ import annotations
@@ -34,13 +35,12 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, PoolHitPolicy,
                                                   PoolName, PoolTransfer, PoolTransferResult)
 
-from hicache_gds import ConfigError, PageStore
+from hicache_gds import ConfigError, PageReader, PageStore, namespace_location
 from hicache_gds.memory import align_up
 from hicache_gds.slabs import SlabSet
 
-from .naming import KeyScheme, load_config, namespace_identity, store_dirs
+from .naming import KeyScheme, load_config, namespace_identity
 from .pools import PoolBinding, describe_pool
-from .shared_reader import SharedReader
 
 __all__ = ["HiCacheGDS"]
 
@@ -118,7 +118,7 @@ class HiCacheGDS(HiCacheStorage):
         cfg = self.config
         if cfg.capacity:
             return cfg
-        _, dirs, _ = store_dirs(cfg, ident, page_bytes)
+        dirs = namespace_location(page_bytes, ident, cfg).dirs
         if os.path.exists(os.path.join(dirs[0], SlabSet.FILE_NAME)):
             return cfg
         free = min(os.statvfs(r).f_bavail * os.statvfs(r).f_frsize for r in cfg.gds_path) * len(cfg.gds_path)
@@ -126,7 +126,7 @@ class HiCacheGDS(HiCacheStorage):
         writers = sc.pp_size * sc.attn_cp_size * sc.tp_size if name == "mamba" else self._writers  # per-rank state
         share = int(free * cfg.capacity_fraction) // writers
         kv = self._bindings.get("kv")
-        if name != "kv" and kv is not None and isinstance(kv.store, PageStore):
+        if name != "kv" and kv is not None and isinstance(kv.store, PageStore) and not kv.read_only:
             share = min(share, int(kv.store.stats()["slots"]) * align_up(page_bytes))
         return cfg.replace(capacity=max(align_up(page_bytes) * len(cfg.gds_path), share))
 
@@ -134,7 +134,7 @@ class HiCacheGDS(HiCacheStorage):
         geo = describe_pool(pool, name)
         ident = namespace_identity(self.scheme, self.storage_config, name, geo.identity)
         if self.is_mla and not self.is_writer and name != "mamba":
-            store: Any = SharedReader(self.config, ident, geo.page_bytes)
+            store: Any = PageReader(geo.page_bytes, ident, config=self.config)
         elif self.config.remote_url:
             # A remote memory tier is configured: NVMe and page servers' DRAM behind one API.
             from hicache_gds.remote import TieredStore
@@ -146,7 +146,7 @@ class HiCacheGDS(HiCacheStorage):
         except BaseException:
             store.close()
             raise
-        binding.read_only = isinstance(store, SharedReader)
+        binding.read_only = bool(getattr(store, "read_only", False))
         log.info("hicache-gds: pool %s (%s, %s, %d bytes/page, %s) -> namespace %s%s", name, type(pool).__name__,
                  geo.layout, geo.page_bytes, "zero-copy" if geo.zero_copy else "copy path", store.stats()["namespace"],
                  " (read-only: the MLA storage writer is another rank)" if binding.read_only else "")
@@ -380,7 +380,7 @@ class HiCacheGDS(HiCacheStorage):
     def clear(self) -> bool:
         """Drop every page of this rank's namespaces (MLA readers: nothing; the writer clears)."""
         try:
-            n = sum(b.store.clear() for b in list(self._bindings.values()))
+            n = sum(b.store.clear() for b in list(self._bindings.values()) if not b.read_only)
             log.info("hicache-gds: cleared %d pages", n)
             return True
         except Exception as exc:  # noqa: BLE001

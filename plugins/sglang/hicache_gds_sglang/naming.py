@@ -20,14 +20,12 @@ Three rules live here and nowhere else:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hicache_gds import Config, ConfigError, namespace_id
-from hicache_gds.memory import align_up
+from hicache_gds import Config, ConfigError
 
-__all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity", "store_dirs"]
+__all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity"]
 
 SCHEMA = "hicache-gds-sglang/1"
 
@@ -105,15 +103,3 @@ def namespace_identity(scheme: KeyScheme, sc: Any, pool: str, geometry: Mapping[
     ident.update(geometry)
     return {str(k): str(v) for k, v in ident.items()}
 
-
-def store_dirs(cfg: Config, identity: Mapping[str, Any], page_bytes: int) -> tuple[str, list[str], int]:
-    """(namespace id, directories, slot bytes) that `PageStore(page_bytes, identity, config=cfg)` uses.
-
-    Mirrors `PageStore.__init__` without creating anything, for the read-only MLA reader; a test
-    checks the two agree. Remove with the reader once the core has a read-only mode.
-    """
-    roots = [os.path.realpath(p) for p in cfg.gds_path]
-    ident = {str(k): str(v) for k, v in identity.items()}
-    ident.update(page_bytes=str(page_bytes), tenant=cfg.namespace, ndirs=str(len(roots)))
-    ns = namespace_id(ident)
-    return ns, [os.path.join(r, ns) for r in roots], align_up(page_bytes)

@@ -1,0 +1,233 @@
+"""`PageReader`: read-only access to a namespace another process writes.
+
+    reader = PageReader(page_bytes, identity, config={...})   # the writer's PageStore arguments
+    reader.register_memory(buf_addr, buf_nbytes)              # once
+    reader.get(keys, pages) -> [True, False, ...]   # False: miss, failed IO, or rewritten while read
+    reader.exists(keys) / reader.prefix(keys) / stats / close
+    reader.put(...) / delete(...) / clear()  -> ReadOnlyError
+
+A namespace has one writer, the `PageStore` holding its lock; any number of processes may read it
+at the same time through a `PageReader` (SGLang's MLA ranks that are not the storage writer).
+The on-disk format stays the store's: the same namespace rule (`namespace_location`), index
+(`IndexReader`), slot placement (`SlabSet`), engines, IO path and checksum.
+
+The read-only contract:
+
+* **Nothing is written.** No lock is taken; no directory, file, index row or slot is created,
+  changed, truncated or evicted under `GDS_PATH`, SQLite's -wal/-shm files included
+  (`IndexReader` says how). The one exception is the engine choice with ``ENABLE_GDS=1``, whose
+  GPU-direct probe writes and removes a temporary file in the first `GDS_PATH` directory, as it
+  does for the writer. Reads do not refresh the writer's LRU order.
+* **Every call looks its keys up in the writer's index** (no copy in memory): pages the writer
+  publishes are hits from the next call on, pages it evicts or deletes are misses.
+* **Every page is verified.** Another process's slots cannot be pinned, so the writer may evict a
+  page and reuse its slot while it is being read. Each page read is checked against the xxh3
+  checksum of its index row, whatever `verify` says; a reused, torn or vanished page fails it and
+  reads as a miss (counted in `checksum_mismatches`), never as wrong bytes. Its destination may
+  then hold any bytes. Pages written without a host checksum (from VRAM) are misses, and reads go
+  to host memory only (`RegionError` for VRAM pages).
+* **A namespace no writer has opened yet is empty**, not an error: every key is a miss and the
+  reader creates nothing; pages appear once a writer publishes them. A `GDS_PATH` entry that is
+  missing or not a directory is a `ConfigError`, as for the store, and so is a symbolic link
+  where the namespace keeps a directory or file.
+* **Writes raise `ReadOnlyError`** (an `io.UnsupportedOperation`: `OSError` and `ValueError`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .config import Config
+from .engines.base import MemKind, Op, TransferEngine
+from .engines.select import choose_engine
+from .errors import ConfigError, ReadOnlyError, RegionError
+from .index import INDEX_FILE
+from .index_reader import IndexReader
+from .layout import Pages, namespace_location
+from .slabs import SlabSet, prepare_root
+from .stats import StoreStats
+from .store import _BADSUM, _FAIL, _MAX_SINGLE_RETRIES, _OK, _TIMEOUT, PageStore, _Staging, _checked_config
+
+__all__ = ["PageReader"]
+
+log = logging.getLogger("hicache_gds.reader")
+
+
+class PageReader(PageStore):
+    """The read half of `PageStore` over a namespace another process writes (module docstring).
+
+    Takes the writer's `page_bytes`, `identity` and `config` (the same values name the same
+    namespace); `engine` as for `PageStore`. Thread-safe. `file_ids` is empty until the first
+    hit has opened the writer's slab files.
+    """
+
+    read_only = True
+
+    def __init__(self, page_bytes: int, identity: Mapping[str, Any] | None = None, *,
+                 config: Config | Mapping[str, Any] | None = None, engine: TransferEngine | None = None) -> None:
+        # PageStore.__init__ is not called: it locks, creates and sizes the namespace.
+        cfg = _checked_config(page_bytes, config)
+        roots = [prepare_root(p, writable=False) for p in cfg.gds_path]
+        loc = namespace_location(page_bytes, identity, cfg)
+        self.config = cfg
+        self.page_bytes = page_bytes
+        self.identity, self.namespace, self.dirs, self.slot_bytes = loc
+        self._lock_fd = -1
+        self._closed = False
+        self._sync_fds: list[int] = []
+        self._fids: list[int] = []
+        self._slab_ids: list[tuple[int, int, int]] = []  # (st_dev, st_ino, st_size) of the files `_fids` are open on
+        self._opens = 0  # times the slab files were (re)opened
+        self._slab_gen = -1  # `index.generation` the slab files were last checked at
+        self._retired: list[int] = []  # ids of replaced files: other threads may still read through them
+        self._files_lock = threading.Lock()
+        if engine is None:
+            choice = choose_engine(cfg, roots[0], frozenset({MemKind.DRAM}))
+            engine, self.engine_reason = choice.engine, choice.reason
+        else:
+            self.engine_reason = f"{engine.name}: given by the caller"
+        self.engine = engine
+        self.slabs = SlabSet(self.dirs, self.slot_bytes, 0, create=False)
+        self.index = IndexReader(os.path.join(self.dirs[0], INDEX_FILE), loc.index_meta)
+        self._staging = _Staging(engine)
+        self._stats = StoreStats()
+        log.info("hicache-gds reader of %s (%s, read-only); engine %s", self.namespace, ",".join(self.dirs),
+                 self.engine_reason)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def _refuse(self, op: str) -> ReadOnlyError:
+        return ReadOnlyError(f"{op}: namespace {self.namespace} is open read-only (PageReader); only the "
+                             f"process holding its PageStore writes it")
+
+    def put(self, keys: Sequence[str], pages: Pages) -> list[bool]:
+        """Refused: raises `ReadOnlyError`."""
+        raise self._refuse("put")
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Refused: raises `ReadOnlyError`."""
+        raise self._refuse("delete")
+
+    def clear(self) -> int:
+        """Refused: raises `ReadOnlyError`."""
+        raise self._refuse("clear")
+
+    # -- reads -----------------------------------------------------------------------------------
+    # exists / prefix: inherited, answered by `IndexReader` from the writer's database.
+
+    def get(self, keys: Sequence[str], pages: Pages) -> list[bool]:
+        """Read pages into host memory; False per page missing, failed, or not matching its checksum."""
+        self._check_open()
+        keys = self._check_keys(keys)
+        if isinstance(pages, Pages) and pages.kind is not MemKind.DRAM:
+            raise RegionError("a PageReader verifies every page on the host, so it reads into host (DRAM) "
+                              "memory only")
+        self._check_pages(keys, pages)
+        t0 = time.perf_counter_ns()
+        entries = self.index.lookup(keys)
+        hits = [i for i, e in enumerate(entries) if e is not None]
+        # csum 0: written from VRAM without a host checksum, so it cannot be verified.
+        todo = [i for i in hits if entries[i].csum and entries[i].nbytes == self.page_bytes]
+        status = np.full(len(todo), _FAIL, dtype=np.int8)
+        if todo and self._open_files():
+            slots = np.array([entries[i].slot for i in todo], dtype=np.int64)
+            expect = np.array([entries[i].csum for i in todo], dtype=np.int64)
+            todo_pages = pages.select(todo)
+            status, _ = self._io(Op.READ, todo_pages, slots, expect)
+            self._recover(todo_pages, slots, expect, status)
+        result = [False] * len(keys)
+        for j, i in enumerate(todo):
+            result[i] = bool(status[j] == _OK)
+        nr, bad = sum(result), int((status == _BADSUM).sum())
+        if bad:
+            log.debug("hicache-gds: %d page(s) of %s changed while read (evicted by the writer): misses", bad,
+                      self.namespace)
+        self._stats.add(hits=len(hits), misses=len(keys) - len(hits), pages_read=nr, bytes_read=nr * self.page_bytes,
+                        get_failed=len(hits) - nr - bad, checksum_mismatches=bad,
+                        timeouts=int((status == _TIMEOUT).sum()))
+        self._stats.batch(False, time.perf_counter_ns() - t0)
+        return result
+
+    def _recover(self, pages: Pages, slots: np.ndarray, expect: np.ndarray, status: np.ndarray) -> None:
+        """After a READ with failed pages: slab files that changed since they were opened (the writer
+        grew or shrank them, or they were replaced) are opened again, since an engine may have
+        registered the old size; pages whose slot lies past the end of its file stay failed (unlike
+        the store, a reader never extends the writer's file); the others are re-read one request
+        each when some pages succeeded or the files changed (engines without per-descriptor
+        results fail a whole request for one bad slot)."""
+        fail = np.flatnonzero(status == _FAIL)
+        if not fail.size:
+            return
+        opened = self._opens
+        if not self._open_files(force=True):
+            return
+        fidx, off = self.slabs.place(slots[fail])
+        ends = np.asarray([size for _, _, size in self._slab_ids], dtype=np.uint64)[fidx]
+        retry = fail[off + np.uint64(self.slot_bytes) <= ends]
+        if self._opens != opened or len(retry) < len(status):
+            for j in retry[:_MAX_SINGLE_RETRIES].tolist():
+                st, _ = self._io(Op.READ, pages.select([j]), slots[j:j + 1], expect[j:j + 1])
+                status[j] = st[0]
+
+    def _open_files(self, force: bool = False) -> bool:
+        """Engine file ids for the writer's slab files, opened once they exist and checked again
+        (identity and size) each time the index reader reopens the database, or when `force`;
+        False while one is missing. Replaced ids stay open until `close`: other threads may still
+        be reading through them."""
+        gen = self.index.generation
+        with self._files_lock:
+            if self._fids and gen == self._slab_gen and not force:
+                return True
+            ids = []
+            for d, path in zip(self.dirs, self.slabs.paths):
+                try:
+                    dst, st = os.lstat(d), os.lstat(path)
+                except FileNotFoundError:
+                    return False
+                if not stat.S_ISDIR(dst.st_mode) or not stat.S_ISREG(st.st_mode):
+                    raise ConfigError(f"GDS_PATH: {d} or its {SlabSet.FILE_NAME} is a symbolic link or of the "
+                                      f"wrong type; a reader never follows links inside a namespace (remove it)")
+                ids.append((st.st_dev, st.st_ino, st.st_size))
+            if ids != self._slab_ids:
+                fids: list[int] = []
+                try:
+                    for path in self.slabs.paths:
+                        fids.append(self.engine.open_file(path))
+                except BaseException:
+                    for fid in fids:
+                        self.engine.close_file(fid)
+                    raise
+                self._retired.extend(self._fids)
+                self._fids, self._slab_ids = fids, ids
+                self._opens += 1
+            self._slab_gen = gen
+            return True
+
+    # -- the rest --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters, latency histograms, the engine and the path that ran, and the writer's page count now."""
+        out = self._stats.snapshot()
+        out.update(self.engine.info())
+        out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
+                   page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, read_only=True)
+        out.update(self.index.stats())
+        return out
+
+    def close(self) -> None:
+        """Release files, buffers and the index connection. Idempotent."""
+        if self._closed:
+            return
+        try:
+            with self._files_lock:
+                retired, self._retired = self._retired, []
+            for fid in retired:
+                self.engine.close_file(fid)
+        finally:
+            super().close()
