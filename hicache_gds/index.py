@@ -12,27 +12,66 @@ page whose `put` returned True is there. WAL with synchronous=NORMAL survives pr
 
 LRU order survives restarts through a logical clock stored per row (`atime`), flushed with the
 next write transaction rather than on every read.
+
+Open is quick at any size: the constructor opens the database (SQLite replays its WAL after a
+crash) and returns; an index of `Index.BACKGROUND_ROWS` rows or more loads its in-memory map in a
+background thread. Until the map is in place:
+
+* lookups (`contains`, `prefix_len`, `lookup_pin`) are answered from SQLite by primary key under
+  the lock; pins are counted as usual, and hits are replayed as LRU touches when the map arrives;
+* writes (`reserve`, `publish`, `drop`, `clear`, ...) wait for the map (`LOAD_WAIT_S` at most,
+  then `OSError`), so the loader reads a database nobody changes and the swap loses nothing;
+* the loader only reads, so a kill -9 during the load leaves the index as it was.
+
+`recovery_s` is open until lookups are served; `loaded_s` is open until the map is in place.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import sqlite3
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Iterable, NamedTuple, Sequence
+from contextlib import contextmanager
+from itertools import repeat
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Entry", "Index", "read_keys", "INDEX_FILE"]
+__all__ = ["Entry", "Index", "read_keys", "INDEX_FILE", "LOAD_WAIT_S"]
 
 INDEX_FILE = "index.sqlite3"
+LOAD_WAIT_S = 120.0
+"""How long a write waits for a background load before it fails with `OSError`."""
 
 log = logging.getLogger("hicache_gds.index")
 SCHEMA = 1
+# Rows per read step (one SQL aggregate, most of it without the GIL) and per build step (holds the
+# GIL: about 10 ms, so lookups in other threads wait no longer than that while the map loads).
+_READ_ROWS = 65536
+_BUILD_ROWS = 8192
+_LOOKUP_SQL = ("SELECT json_group_array(json_array(key, slot, nbytes, csum)) FROM pages "
+               "WHERE key IN (SELECT value FROM json_each(?))")
+_CHUNK_SQL = ("SELECT count(*), group_concat(key, char(0)), group_concat(slot), group_concat(nbytes), "
+              "group_concat(csum), group_concat(atime) FROM pages WHERE rowid >= ? AND rowid < ?")
+
+
+def _sqlite_has_json() -> bool:
+    db = sqlite3.connect(":memory:")
+    try:
+        db.execute("SELECT json_group_array(1)")
+        return True
+    except sqlite3.Error:  # built without JSON: lookups cannot be answered from SQLite, so load in place
+        return False
+    finally:
+        db.close()
+
+
+_HAS_JSON = _sqlite_has_json()
 
 
 def read_keys(namespace_dir: str) -> list[str]:
@@ -61,33 +100,89 @@ class Entry(NamedTuple):
     csum: int
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic-GC passes over a map growing by a million entries (they double the build time).
+
+    Counted, so loads in several threads restore the collector only when the last one ends."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+class _Closing(Exception):
+    """The index was closed while its map was loading."""
+
+
 class Index:
     """Thread-safe key -> `Entry` map over `nslots` slots, persisted at `db_path`."""
 
-    def __init__(self, db_path: str, nslots: int, meta: dict[str, str], existing: bool = False) -> None:
+    BACKGROUND_ROWS = 50_000
+    """Indexes with at least this many rows load their map in a background thread; smaller ones
+    (tens of milliseconds) before the constructor returns."""
+    _load_hook: Callable[[Index], None] | None = None
+    """Tests: called in the loader thread with the map built, just before it is put in place."""
+
+    def __init__(self, db_path: str, nslots: int, meta: dict[str, str], existing: bool = False,
+                 gone: Iterable[tuple[int, int]] = (), background: bool = True) -> None:
         """`existing`: the namespace holds slots from an earlier run, so a database without our
-        settings means the index was lost (emptied, deleted, or its WAL removed before a checkpoint)."""
+        settings means the index was lost (emptied, deleted, or its WAL removed before a checkpoint).
+        `gone`: (first, step) pairs naming slots whose bytes no longer exist (slab files found short
+        at open): their rows are deleted. `background`: allow the background load."""
         self.db_path = db_path
         self._existing = existing
         self.nslots = nslots
         self._lock = threading.Lock()
         self._map: OrderedDict[str, Entry] = OrderedDict()  # oldest first
+        self._free: list[int] = []
+        self._clock = 1
         self._pins: Counter[int] = Counter()
         self._doomed: set[int] = set()  # dropped while pinned: freed on unpin
         self._lost: set[int] = set()  # written by a timed-out request: never reused in this process
         self._touched: dict[str, int] = {}
+        self._ready = False  # the map is in place (until then lookups go to SQLite)
+        self._loaded = threading.Event()  # the load ended, in place or failed (`_load_error`)
+        self._load_error: BaseException | None = None
+        self._early: dict[str, None] = {}  # keys hit while loading, oldest first: LRU touches to replay
+        self._rows = 0  # rows at open: the page count while loading
+        self._loader: threading.Thread | None = None
+        self._loader_db: sqlite3.Connection | None = None
+        self._closing = False
+        self._db: sqlite3.Connection | None = None
         self.evictions = 0
         self.recovery_s = 0.0
-        t0 = time.perf_counter()
+        self.loaded_s: float | None = None
+        self._t0 = time.perf_counter()
         try:
-            self._db = self._open(meta)
-            self._load()
+            self._db = self._open(meta, gone)
+            self._rows = self._db.execute("SELECT count(*) FROM pages").fetchone()[0]
+            if background and self._rows >= self.BACKGROUND_ROWS and _HAS_JSON:
+                self._loader = threading.Thread(target=self._load_in_background, args=(meta,),
+                                                name="hicache-gds-index-load", daemon=True)
+                self._loader.start()
+            else:
+                self._install(*self._build(*self._read(self._db)))
         except sqlite3.DatabaseError as exc:
             self._reset_damaged(exc, meta)
-        self.recovery_s = time.perf_counter() - t0
+        self.recovery_s = time.perf_counter() - self._t0
 
     # -- open / recover --------------------------------------------------------------------------
-    def _open(self, meta: dict[str, str]) -> sqlite3.Connection:
+    def _open(self, meta: dict[str, str], gone: Iterable[tuple[int, int]]) -> sqlite3.Connection:
         fd = os.open(self.db_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.close(fd)
         db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None, timeout=30)
@@ -113,40 +208,156 @@ class Index:
         db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", want.items())
         # Fewer slots than last time: the pages beyond the end are gone.
         db.execute("DELETE FROM pages WHERE slot >= ?", (self.nslots,))
+        lost = 0
+        for first, step in gone:  # slots of a slab file that was truncated or deleted while closed
+            lost += db.execute("DELETE FROM pages WHERE slot >= ? AND (slot - ?) % ? = 0",
+                               (first, first, step)).rowcount
         db.execute("COMMIT")
+        if lost:
+            log.error("index %s: %d page(s) lie past the end of their slab file (truncated or deleted while the "
+                      "store was closed); dropped", self.db_path, lost)
         return db
 
-    def _load(self) -> None:
-        # Millions of rows: no ORDER BY (a temp B-tree in SQLite; numpy sorts faster), no cyclic-GC
-        # passes over the growing map, Entry built without its Python-level __new__.
-        was = gc.isenabled()
-        gc.disable()
+    def _read(self, db: sqlite3.Connection) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every row, as columns (keys; slot, nbytes, csum, atime), in one read transaction.
+
+        Chunks of rowids, each one aggregate step: SQLite works without the GIL, and Python
+        splits a few MB of text per chunk instead of building a tuple and five objects per row."""
+        keys: list[str] = []
+        cols: list[list[np.ndarray]] = []
+        db.execute("BEGIN")
         try:
-            rows = self._db.execute("SELECT key, slot, nbytes, csum, atime FROM pages").fetchall()
-            n = len(rows)
-            atime = np.fromiter((r[4] for r in rows), dtype=np.int64, count=n)
-            new = tuple.__new__
-            self._map = OrderedDict([(r[0], new(Entry, r[1:4]))
-                                     for r in map(rows.__getitem__, np.argsort(atime, kind="stable").tolist())])
-            self._clock = int(atime.max()) + 1 if n else 1
-            used = np.zeros(self.nslots, dtype=bool)
-            used[np.fromiter((r[1] for r in rows), dtype=np.int64, count=n)] = True
-            self._free = np.flatnonzero(~used)[::-1].tolist()
+            n = db.execute("SELECT count(*) FROM pages").fetchone()[0]
+            starts, span = range(0), 1
+            if n:  # spans of rowids holding about _READ_ROWS rows each, however sparse the rowids
+                lo = db.execute("SELECT min(rowid) FROM pages").fetchone()[0]
+                hi = db.execute("SELECT max(rowid) FROM pages").fetchone()[0]
+                span = _READ_ROWS * max(1, (hi - lo + 1) // n)
+                starts = range(lo, hi + 1, span)
+            for a in starts:
+                if self._closing:
+                    raise _Closing
+                m, k, *ints = db.execute(_CHUNK_SQL, (a, a + span)).fetchone()
+                if not m:
+                    continue
+                ks = k.split("\0")
+                try:
+                    arr = [np.fromstring(x, dtype=np.int64, sep=",") for x in ints]
+                except (ValueError, DeprecationWarning):
+                    arr = []
+                if len(ks) != m or len(arr) != 4 or any(len(x) != m for x in arr):
+                    raise sqlite3.DatabaseError(f"malformed rows among rowids {a}..{a + span - 1} "
+                                                f"(a key holding NUL, or a number that is not an integer)")
+                keys.extend(ks)
+                cols.append(arr)
         finally:
-            if was:
-                gc.enable()
+            db.execute("COMMIT")
+        if not cols:
+            return keys, *(np.zeros(0, dtype=np.int64) for _ in range(4))  # type: ignore[return-value]
+        slot, nbytes, csum, atime = (np.concatenate(c) for c in zip(*cols))
+        return keys, slot, nbytes, csum, atime
+
+    def _build(self, keys: list[str], slot: np.ndarray, nbytes: np.ndarray, csum: np.ndarray,
+               atime: np.ndarray) -> tuple[OrderedDict[str, Entry], list[int], int]:
+        """The map in LRU order (numpy sorts atime: no ORDER BY, a temp B-tree in SQLite), the free
+        list, the clock. Entry is built without its Python-level __new__, in chunks that each
+        return to the interpreter so lookups in other threads get the GIL."""
+        order = np.argsort(atime, kind="stable")
+        m: OrderedDict[str, Entry] = OrderedDict()
+        new = tuple.__new__
+        with _gc_paused():
+            for a in range(0, len(order), _BUILD_ROWS):
+                if self._closing:
+                    raise _Closing
+                o = order[a:a + _BUILD_ROWS]
+                ents = map(new, repeat(Entry), zip(slot[o].tolist(), nbytes[o].tolist(), csum[o].tolist()))
+                m.update(zip(map(keys.__getitem__, o.tolist()), ents))
+                gc.collect(0)  # untracks this chunk's Entry tuples now, not in one long pass later
+        used = np.zeros(self.nslots, dtype=bool)
+        used[slot] = True
+        free = np.flatnonzero(~used)[::-1].tolist()
+        return m, free, int(atime.max()) + 1 if len(atime) else 1
+
+    def _install(self, m: OrderedDict[str, Entry], free: list[int], clock: int) -> None:
+        """Put a loaded map in place; lookups made while loading become LRU touches."""
+        with self._lock:
+            for k in self._early:
+                if k in m:
+                    m.move_to_end(k)
+                    self._touched[k] = clock
+                    clock += 1
+            self._early.clear()
+            self._map, self._free, self._clock = m, free, clock
+            self._ready = True
+            self.loaded_s = time.perf_counter() - self._t0
+        self._loaded.set()
+
+    def _load_in_background(self, meta: dict[str, str]) -> None:
+        try:
+            db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None, timeout=30)
+            self._loader_db = db  # close() interrupts it
+            try:
+                if self._closing:
+                    raise _Closing
+                cols = self._read(db)
+            finally:
+                self._loader_db = None
+                db.close()
+            built = self._build(*cols)
+            del cols
+            hook = type(self)._load_hook  # from the class: a plain function is not bound
+            if hook is not None:
+                hook(self)
+            if self._closing:
+                raise _Closing
+            self._install(*built)
+        except _Closing:
+            pass
+        except sqlite3.DatabaseError as exc:
+            if not self._closing:  # closing interrupts the read with an OperationalError
+                try:
+                    self._reset_damaged(exc, meta)
+                except BaseException as exc2:  # noqa: BLE001
+                    self._load_failed(exc2)
+        except BaseException as exc:  # noqa: BLE001
+            self._load_failed(exc)
+        finally:
+            self._loaded.set()
+
+    def _load_failed(self, exc: BaseException) -> None:
+        self._load_error = exc
+        log.error("index %s: loading the map failed (%s: %s); lookups are answered from SQLite and writes fail",
+                  self.db_path, type(exc).__name__, exc)
 
     def _reset_damaged(self, exc: Exception, meta: dict[str, str]) -> None:
         bad = f"{self.db_path}.damaged-{int(time.time())}"
         log.error("index %s is damaged (%s); moved it to %s and starting the namespace empty",
                   self.db_path, exc, bad)
-        for suffix in ("", "-wal", "-shm"):
-            try:
-                os.replace(self.db_path + suffix, bad + suffix)
-            except OSError:
-                pass
-        self._db = self._open(meta)
-        self._load()
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+            for suffix in ("", "-wal", "-shm"):
+                try:
+                    os.replace(self.db_path + suffix, bad + suffix)
+                except OSError:
+                    pass
+            self._db = self._open(meta, ())
+            self._rows = 0
+            pinned = set(self._pins)  # lookups served while loading read them: freed on unpin
+            self._doomed |= pinned
+        self._install(OrderedDict(), [s for s in range(self.nslots - 1, -1, -1) if s not in pinned], 1)
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the map is in place (True), the load failed or `timeout` passed (False)."""
+        self._loaded.wait(timeout)
+        return self._ready
+
+    def _writable(self) -> None:
+        """Writes start once the map is in place: wait for a background load, boundedly."""
+        if not self._loaded.is_set() and not self._loaded.wait(LOAD_WAIT_S):
+            raise OSError(f"index {self.db_path}: still loading after {LOAD_WAIT_S:.0f} s; nothing written")
+        if not self._ready:
+            raise OSError(f"index {self.db_path}: the map did not load ({self._load_error}); nothing written")
 
     def _txn(self, *statements: tuple[str, Iterable]) -> None:
         """Run statements in one transaction (caller holds the lock); OSError if SQLite cannot write."""
@@ -166,18 +377,37 @@ class Index:
             raise
 
     # -- queries ---------------------------------------------------------------------------------
+    def _rows_for(self, keys: Sequence[str]) -> dict[str, Entry]:
+        """Rows of `keys` read from SQLite by primary key, in one statement (caller holds the lock;
+        the map is still loading). One result row, so one GIL round trip however many keys."""
+        try:
+            (js,) = self._db.execute(_LOOKUP_SQL, (json.dumps(list(keys), ensure_ascii=False),)).fetchone()
+        except (sqlite3.Error, ValueError) as exc:
+            log.warning("index %s: lookup while loading failed (%s); answered as misses", self.db_path, exc)
+            return {}
+        return {k: Entry(s, n, c) for k, s, n, c in json.loads(js)}
+
     def __len__(self) -> int:
-        return len(self._map)
+        return len(self._map) if self._ready else self._rows
 
     def __contains__(self, key: object) -> bool:
-        return key in self._map
+        if self._ready:
+            return key in self._map
+        return isinstance(key, str) and self.contains([key])[0]
+
+    def _present(self, keys: Sequence[str]) -> dict[str, Entry]:
+        """The map, or while it loads the rows of `keys` read from SQLite."""
+        if self._ready:
+            return self._map
+        with self._lock:
+            return self._map if self._ready else self._rows_for(keys)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        m = self._map
+        m = self._present(keys)
         return [k in m for k in keys]
 
     def prefix_len(self, keys: Sequence[str]) -> int:
-        m = self._map
+        m = self._present(keys)
         for i, k in enumerate(keys):
             if k not in m:
                 return i
@@ -187,6 +417,17 @@ class Index:
         """Entries for `keys` (None for misses); hits are pinned and become most recently used."""
         out: list[Entry | None] = []
         with self._lock:
+            if not self._ready:
+                found = self._rows_for(keys)
+                for k in keys:
+                    e = found.get(k)
+                    if e is not None:
+                        if self._load_error is None:
+                            self._early.pop(k, None)
+                            self._early[k] = None
+                        self._pins[e.slot] += 1
+                    out.append(e)
+                return out
             for k in keys:
                 e = self._map.get(k)
                 if e is not None:
@@ -212,6 +453,9 @@ class Index:
         """Up to `n` free slots, evicting least recently used pages as needed (committed first).
 
         With `evict=False` only free slots are handed out."""
+        if n <= 0:
+            return []
+        self._writable()
         with self._lock:
             if evict and len(self._free) < n:
                 victims = []
@@ -248,6 +492,9 @@ class Index:
         The caller has finished writing every slot. A key already present keeps its first copy
         and the new slot is freed, so concurrent puts of one key leave exactly one copy.
         """
+        if not items:
+            return []
+        self._writable()
         with self._lock:
             fresh = []
             result = []
@@ -271,6 +518,10 @@ class Index:
 
     def drop(self, keys: Iterable[str]) -> int:
         """Remove keys (deleted, or failed their checksum). Returns how many were present."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        self._writable()
         with self._lock:
             gone = {k: self._map[k] for k in keys if k in self._map}  # a key named twice is dropped once
             if not gone:
@@ -286,6 +537,7 @@ class Index:
             return len(gone)
 
     def clear(self) -> int:
+        self._writable()
         with self._lock:
             keys = list(self._map)
         return self.drop(keys)
@@ -303,10 +555,20 @@ class Index:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"pages": len(self._map), "free_slots": len(self._free), "slots": self.nslots,
+            free = len(self._free) if self._ready else self.nslots - self._rows
+            return {"pages": len(self), "free_slots": free, "slots": self.nslots,
                     "pinned_slots": len(self._pins), "lost_slots": len(self._lost), "evictions": self.evictions}
 
     def close(self) -> None:
+        self._closing = True
+        loader_db = self._loader_db
+        if loader_db is not None:
+            try:
+                loader_db.interrupt()  # a read in progress stops; the build stops at its next chunk
+            except sqlite3.Error:  # the loader closed it meanwhile
+                pass
+        if self._loader is not None and self._loader is not threading.current_thread():
+            self._loader.join()
         with self._lock:
             if self._db is None:
                 return
@@ -318,4 +580,4 @@ class Index:
                 log.warning("index %s: closing without a checkpoint: %s", self.db_path, exc)
             finally:
                 self._db.close()
-                self._db = None  # type: ignore[assignment]
+                self._db = None

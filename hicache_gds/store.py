@@ -48,6 +48,10 @@ _PIPELINE_MIN_BYTES = 8 << 20
 _MIN_DIRECT_SEGMENT = 128 << 10  # smaller segments are gathered into one aligned IO per page
 _OK, _FAIL, _TIMEOUT, _BADSUM = 1, 0, 2, 3
 _MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at most
+# Staging lent to requests that timed out stays out of use until they finish; past this many bytes
+# held, staged IO fails at once instead of allocating more (a drive that stopped answering).
+_MAX_HELD_STAGING = 2 << 30
+_ORPHANED: list[HostBuffer] = []  # held at close by requests that never finished: never unmapped
 
 
 def _csum(segments: Iterable[tuple[int, int]]) -> int:
@@ -78,15 +82,44 @@ def _refuse_link(exc: OSError) -> ConfigError | None:
                        f"inside its namespace (remove it)")
 
 
+def _finished(t: Transfer) -> bool:
+    """The request can no longer move bytes: it completed or failed (a timed-out one is polled again)."""
+    try:
+        return t.done()
+    except TransferError:
+        return True
+
+
 class _Staging:
-    """Aligned host buffers registered with the engine, lent to one call at a time."""
+    """Aligned host buffers registered with the engine, lent to one call at a time.
+
+    A buffer whose call saw a request time out is held (`hold`), not lent again, until that
+    request finishes, since its IO may still land there; `acquire` hands finished ones back."""
 
     def __init__(self, engine: TransferEngine) -> None:
         self.engine = engine
         self.free: list[HostBuffer] = []
+        self.held: list[tuple[HostBuffer, list[Transfer]]] = []
         self.lock = threading.Lock()
 
+    def hold(self, buf: HostBuffer, late: list[Transfer]) -> None:
+        with self.lock:
+            self.held.append((buf, late))
+
+    def held_bytes(self) -> int:
+        with self.lock:
+            return sum(b.nbytes for b, _ in self.held)
+
+    def _reap(self) -> None:
+        with self.lock:
+            done = [h for h in self.held if all(_finished(t) for t in h[1])]
+            self.held = [h for h in self.held if not any(h is d for d in done)]
+        for buf, _ in done:
+            self.release(buf)
+
     def acquire(self, nbytes: int) -> HostBuffer:
+        if self.held:
+            self._reap()
         with self.lock:
             fits = [b for b in self.free if b.nbytes >= nbytes]
             if fits:
@@ -107,11 +140,17 @@ class _Staging:
                 old.close()
 
     def close(self) -> None:
+        self._reap()
         with self.lock:
             for b in self.free:
                 self.engine.deregister_memory(b.addr)
                 b.close()
             self.free.clear()
+            if self.held:
+                log.warning("hicache-gds: %d staging buffer(s) still lent to requests that never finished; "
+                            "left mapped", len(self.held))
+                _ORPHANED.extend(b for b, _ in self.held)
+                self.held.clear()
 
 
 class PageStore:
@@ -165,8 +204,10 @@ class PageStore:
             nslots = self._nslots(cfg)
             slab0 = os.path.join(self.dirs[0], SlabSet.FILE_NAME)
             had_slots = os.path.exists(slab0) and os.path.getsize(slab0) > 0
+            gone = self._short_slabs(nslots)  # before SlabSet extends the files back
             self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate)
-            self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots, loc.index_meta, existing=had_slots)
+            self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots, loc.index_meta, existing=had_slots,
+                               gone=gone)
             self._fids = [engine.open_file(p) for p in self.slabs.paths]
             self._sync_fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in self.slabs.paths] if cfg.sync else []
         except BaseException as exc:
@@ -225,6 +266,22 @@ class PageStore:
             raise ConfigError(f"capacity: {cfg.capacity or 'the free space'} holds no page of {self.slot_bytes} "
                               f"bytes; raise HICACHE_GDS_CAPACITY or free space under GDS_PATH")
         return nslots
+
+    def _short_slabs(self, nslots: int) -> list[tuple[int, int]]:
+        """Slots past the end of a slab file truncated or deleted while the store was closed, as
+        (first slot, step) for `Index`: their pages are gone, so their rows are dropped at open
+        rather than reported present until a read fails."""
+        nd = len(self.dirs)
+        out = []
+        for i, d in enumerate(self.dirs):
+            try:
+                size = os.lstat(os.path.join(d, SlabSet.FILE_NAME)).st_size
+            except FileNotFoundError:
+                size = 0
+            have = size // self.slot_bytes
+            if have < (nslots - i + nd - 1) // nd:
+                out.append((have * nd + i, nd))
+        return out
 
     # -- validation ------------------------------------------------------------------------------
     @staticmethod
@@ -426,7 +483,12 @@ class PageStore:
         if not stage and pages.kind is MemKind.VRAM and caps.alignment > 1 and bool(
                 ((pages.addrs % np.uint64(caps.alignment)) | (lens % np.uint64(caps.alignment))).any()):
             raise RegionError(f"{self.engine.name}: device pages must be {caps.alignment}-byte aligned")
+        if stage and self._staging.held_bytes() > _MAX_HELD_STAGING:
+            log.error("hicache-gds: %s of %d pages failed at once: staging buffers of requests that timed out "
+                      "and never finished hold over %d bytes", op.value, n, _MAX_HELD_STAGING)
+            return status, sums
         buf = self._staging.acquire(n * self.slot_bytes) if stage else None
+        posted: list[tuple[int, int, Transfer | None]] = []
         try:
             if buf is not None:
                 # One aligned descriptor per page: the whole slot, staged in host memory.
@@ -448,7 +510,6 @@ class PageStore:
             plan = list(split_batches(per_page, np.full(n, self.slot_bytes), caps,
                                       self.config.max_request_bytes or pipeline))
             deadline = time.monotonic() + self.config.io_timeout
-            posted: list[tuple[int, int, Transfer | None]] = []
             for a, b in plan:
                 try:
                     t = self.engine.submit(op, MemKind.DRAM if buf is not None else pages.kind,
@@ -488,8 +549,9 @@ class PageStore:
             return status, sums
         finally:
             if buf is not None:
-                if (status == _TIMEOUT).any():
-                    pass  # the IO may still land in it: never lend it again
+                late = [t for _, _, t in posted if t is not None and not _finished(t)]
+                if late:  # timed out: the IO may still land in it, so it is lent again only after
+                    self._staging.hold(buf, late)
                 else:
                     self._staging.release(buf)
 
@@ -555,11 +617,16 @@ class PageStore:
         return self.index.clear()
 
     def stats(self) -> dict[str, Any]:
-        """Counters, latency histograms, the engine and the path that actually ran."""
+        """Counters, latency histograms, the engine and the path that actually ran.
+
+        `index_recovery_s`: index open until lookups were served; `index_loaded_s`: until its
+        in-memory map was in place and writes could proceed (None while it loads in the
+        background); `staging_held_bytes`: staging kept from reuse by requests that timed out."""
         out = self._stats.snapshot()
         out.update(self.engine.info())
         out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
-                   page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, index_recovery_s=self.index.recovery_s)
+                   page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, index_recovery_s=self.index.recovery_s,
+                   index_loaded_s=self.index.loaded_s, staging_held_bytes=self._staging.held_bytes())
         out.update(self.index.stats())
         return out
 

@@ -119,10 +119,12 @@ class Transfer(ABC):
         return err
 
     def done(self) -> bool:
-        """True when complete; raises `TransferError` if the request failed."""
+        """True when complete; raises `TransferError` if the request failed.
+
+        A request that timed out is polled again, so its owner can tell when its IO has stopped."""
         if self.finished is not None:
             return True
-        if self._error is not None:
+        if self._error is not None and not isinstance(self._error, TransferTimeout):
             raise self._error
         try:
             ok = self._poll()

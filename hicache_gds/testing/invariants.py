@@ -20,6 +20,8 @@ def index_problems(index: Any, *, at_rest: bool = True, check_db: bool = True) -
     the slot accounting must add up exactly.
     """
     problems: list[str] = []
+    if not index.wait_loaded(600):  # a background load: check the map once it is in place
+        return [f"the index map did not load: {index._load_error}"]
     with index._lock:
         used = [e.slot for e in index._map.values()]
         free = list(index._free)
