@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from dataclasses import dataclass
 
 from ..config import Config
 from ..errors import ConfigError, EngineUnavailable, GDSUnavailable
 from . import create_engine, engine_class
 from .base import EngineOptions, MemKind, TransferEngine
-from .gds_probe import probe_gds
+from .gds_probe import GDSProbe, probe_gds
 
 __all__ = ["Choice", "choose_engine"]
 
@@ -82,12 +84,34 @@ def _named(cfg: Config, opts: EngineOptions, probe_dir: str, mem_kinds: frozense
         probe = probe_gds(probe_dir, cfg.engine)
         if not probe.ok:
             raise GDSUnavailable(f"ENABLE_GDS=1 but {cfg.engine} fails on {probe_dir}: {probe.reason}")
+    elif gpu_direct_class:
+        # A cuFile engine is loaded into this process only after its probe passed in a subprocess:
+        # libcufile can abort the whole process (seen: cufile-python as a process's first cuFile
+        # user, "Assertion failure, file index :cufio-plat line :149"), and this process may be
+        # the serving engine.
+        probe = _probe_once(probe_dir, cfg.engine)
+        if not probe.ok:
+            raise EngineUnavailable(f"{cfg.engine} failed its probe on {probe_dir} and is not loaded here: "
+                                    f"{probe.reason}")
     eng = cls(opts)
     if not mem_kinds <= eng.capabilities.mem_kinds:
         eng.close()
         raise EngineUnavailable(f"{cfg.engine} cannot move "
                                 f"{', '.join(k.value for k in mem_kinds - eng.capabilities.mem_kinds)} memory here")
     return _done(Choice(eng, f"{cfg.engine}: named in the configuration"))
+
+
+_probes: dict[tuple[str, int], GDSProbe] = {}
+_probes_lock = threading.Lock()
+
+
+def _probe_once(probe_dir: str, engine: str) -> GDSProbe:
+    """`probe_gds`, once per engine and file system in this process (a probe costs seconds)."""
+    key = (engine, os.stat(probe_dir).st_dev)
+    with _probes_lock:
+        if key not in _probes:
+            _probes[key] = probe_gds(probe_dir, engine)
+        return _probes[key]
 
 
 def _done(choice: Choice) -> Choice:
