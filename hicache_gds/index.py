@@ -78,20 +78,23 @@ def read_keys(namespace_dir: str) -> list[str]:
     """Keys a namespace holds, least recently used first, read without writing or locking.
 
     For processes that must not open the store (it has one writer): a vLLM scheduler
-    rebuilding its view of what workers hold, tools, tests. Any failure returns [].
+    rebuilding its view of what workers hold, tools, tests. Reads through `IndexReader`, so not
+    even SQLite's -wal / -shm files are created. Any failure returns [].
     """
+    from .index_reader import IndexReader  # index_reader imports this module
+
     path = os.path.join(namespace_dir, INDEX_FILE)
     if not os.path.exists(path):
         return []
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-        try:
-            return [k for (k,) in db.execute("SELECT key FROM pages ORDER BY atime")]
-        finally:
-            db.close()
-    except sqlite3.Error as exc:
+        reader = IndexReader(path)
+    except Exception as exc:  # noqa: BLE001 -- documented: any failure is an empty answer
         log.warning("index %s cannot be read (%s)", path, exc)
         return []
+    try:
+        return reader.keys()
+    finally:
+        reader.close()
 
 
 class Entry(NamedTuple):

@@ -401,7 +401,11 @@ def test_read_keys_lists_lru_order_without_the_lock(gds_dir):
         s.get(keys(1), Pages.contiguous(dst.addr, P, [0]))
         s.index.flush()
         assert read_keys(s.dirs[0]) == ["k00001", "k00002", "k00000"]  # read while the writer holds the lock
+        ns = s.dirs[0]
     assert read_keys(os.path.join(gds_dir, "nothing-here")) == []
+    before = sorted(os.listdir(ns))
+    assert read_keys(ns) == ["k00001", "k00002", "k00000"]  # the writer is gone: still read, nothing created
+    assert sorted(os.listdir(ns)) == before and not any(n.endswith(("-wal", "-shm")) for n in before)
 
 
 def test_no_evict_mode_fails_puts_into_a_full_store(gds_dir):
