@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -52,6 +53,35 @@ _MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at 
 # held, staged IO fails at once instead of allocating more (a drive that stopped answering).
 _MAX_HELD_STAGING = 2 << 30
 _ORPHANED: list[HostBuffer] = []  # held at close by requests that never finished: never unmapped
+
+
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor | None:
+    """Threads that checksum a request's pages in parallel (xxhash releases the GIL), or None on one core.
+
+    Requests of a batch are all posted at once and the disk serves them interleaved, so most of
+    them complete near the end of the batch: hashing them one by one on the caller's thread was
+    exposed, not overlapped (about 9% of get throughput on the H100 VM with verification on)."""
+    global _hash_pool
+    workers = min(8, os.cpu_count() or 1)
+    if workers < 2:
+        return None
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(workers, thread_name_prefix="hicache-gds-xxh3")
+        return _hash_pool
+
+
+def _forget_hasher_in_child() -> None:
+    # A forked child has none of the parent's threads: a copied pool would queue work forever.
+    global _hash_pool, _hash_pool_lock
+    _hash_pool, _hash_pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_hasher_in_child)
 
 
 def _csum(segments: Iterable[tuple[int, int]]) -> int:
@@ -518,9 +548,8 @@ class PageStore:
                     log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, b - a, exc)
                     t = None
                 posted.append((a, b, t))
-            if op is Op.WRITE:
-                for j in range(n):  # overlaps the IO in flight
-                    sums[j] = self._page_sum(pages, buf, j)
+            if op is Op.WRITE:  # overlaps the IO in flight
+                sums[:] = self._page_sums(pages, buf, range(n))
             for a, b, t in posted:
                 if t is None:
                     continue
@@ -560,8 +589,9 @@ class PageStore:
         if buf is not None:
             self._scatter(pages, buf, a, b)
         if expect is not None:
-            for j in range(a, b):
-                if expect[j] and self._page_sum(pages, None, j) != expect[j]:
+            todo = [j for j in range(a, b) if expect[j]]
+            for j, got in zip(todo, self._page_sums(pages, None, todo)):
+                if got != expect[j]:
                     status[j] = _BADSUM
 
     @staticmethod
@@ -594,6 +624,13 @@ class PageStore:
             for addr, n in zip(pages.addrs[j].tolist(), pages.lens[j].tolist()):
                 view(addr, n)[:] = src[pos:pos + n]
                 pos += n
+
+    def _page_sums(self, pages: Pages, buf: HostBuffer | None, idx: Sequence[int]) -> list[int]:
+        """`_page_sum` of each page in `idx`, on the hashing threads when there are several."""
+        pool = _hasher() if len(idx) > 1 and (buf is not None or pages.kind is not MemKind.VRAM) else None
+        if pool is None:
+            return [self._page_sum(pages, buf, j) for j in idx]
+        return list(pool.map(lambda j: self._page_sum(pages, buf, j), idx))
 
     def _page_sum(self, pages: Pages, buf: HostBuffer | None, j: int) -> int:
         if buf is not None:

@@ -427,3 +427,43 @@ def test_planted_symlink_is_refused_with_a_config_error(gds_dir, tmp_path, name)
     with pytest.raises(ConfigError, match="symbolic link"):
         open_store(gds_dir)
     assert target.read_bytes() == b"x"  # nothing written through the link
+
+
+def test_checksums_run_in_parallel_and_survive_fork(gds_dir):
+    """Pages are hashed on a shared thread pool; a forked child (torture workers, SGLang ranks)
+    must get its own pool, not the parent's copied one whose threads do not exist there."""
+    import time
+
+    from hicache_gds import store as store_mod
+    for d in ("parent", "child"):
+        os.makedirs(os.path.join(gds_dir, d), mode=0o700)
+    with open_store(os.path.join(gds_dir, "parent")) as s:
+        src, dst, _ = buffers(s, n=8)
+        assert all(s.put(keys(8), Pages.contiguous(src.addr, P, range(8))))
+        dst.numpy()[:] = 0x5A
+        assert all(s.get(keys(8), Pages.contiguous(dst.addr, P, range(8))))
+        assert dst.numpy()[: 8 * P].tobytes() == src.numpy()[: 8 * P].tobytes()
+    parent_pool = store_mod._hash_pool
+    assert parent_pool is not None or (os.cpu_count() or 1) < 2
+    pid = os.fork()
+    if pid == 0:  # child: hash with a fresh pool, then leave without running the parent's atexit
+        code = 1
+        try:
+            assert store_mod._hash_pool is None
+            with open_store(os.path.join(gds_dir, "child")) as c:
+                a, b, _ = buffers(c, n=8, seed=3)
+                ok = all(c.put(keys(8), Pages.contiguous(a.addr, P, range(8))))
+                ok = ok and all(c.get(keys(8), Pages.contiguous(b.addr, P, range(8))))
+                code = 0 if ok and b.numpy()[: 8 * P].tobytes() == a.numpy()[: 8 * P].tobytes() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("a forked child hung hashing pages (the parent's hashing pool was inherited)")
