@@ -374,7 +374,10 @@ class GDSLinker(UnifiedCacheLinker):
         t0 = time.perf_counter()
         keys = [k for ld in batch for k in ld.keys]
         pinned: list[int] = []
-        inflight: list = []
+        # Steps in flight: a ring of `depth`, step k reusing step k - depth's staging buffer, so that
+        # step is finished (its bytes scattered) before step k is posted. A step leaves the ring
+        # before it is finished; `_finish_read` waits for and releases its transfers either way.
+        ring: deque = deque()
         try:
             if ready is not None:
                 ready.synchronize()
@@ -398,24 +401,17 @@ class GDSLinker(UnifiedCacheLinker):
                     self._stats["load_bytes"] += n * self.dev.table.page_bytes
                     self._lat["load"].append(time.perf_counter() - t0)
 
-            # A ring of `depth` steps in flight: step k reuses step k - depth's staging buffer, so
-            # that step is finished (its bytes scattered) before step k is posted.
-            ring: deque = deque()
             for k, step in enumerate(steps):
                 if len(ring) == self.depth:
-                    done = ring.popleft()
-                    inflight = [t for _, _, ts in ring for t in ts]  # `done` is waited (and released) below
-                    self._finish_read(index, *done, starts, n)
+                    self._finish_read(index, *ring.popleft(), starts, n)
                 ring.append((step, k % self.depth, self._post_read(step, k % self.depth, starts, fids, base)))
-                inflight = [t for _, _, ts in ring for t in ts]
             while ring:
                 done = ring.popleft()
-                inflight = [t for _, _, ts in ring for t in ts]
                 self._finish_read(index, *done, starts, n, None if ring else landed)
-            inflight = []
         except BaseException as exc:
             timed_out = isinstance(exc, TransferTimeout)
-            self._wait(inflight, time.monotonic() + self.store.config.io_timeout, quiet=True)
+            self._wait([t for _, _, ts in ring for t in ts], time.monotonic() + self.store.config.io_timeout,
+                       quiet=True)
             if timed_out:  # the IO may still land in staging: retire it (still registered, never freed)
                 self._graveyard += [self._stages.pop(f"load{i}") for i in range(self.depth) if f"load{i}" in self._stages]
             with self._lock:
