@@ -72,6 +72,23 @@ def _sqlite_has_json() -> bool:
 
 
 _HAS_JSON = _sqlite_has_json()
+_IN_CHUNK = 500  # keys per `IN (...)` query without JSON: far below SQLite's bound-parameter limit
+
+
+def select_entries(db: sqlite3.Connection, keys: Sequence[str]) -> dict[str, "Entry"]:
+    """Rows of `keys` read by primary key: one statement (one GIL round trip) where SQLite has
+    JSON, else `IN (...)` chunks. Raises `sqlite3.Error`."""
+    if _HAS_JSON:
+        (js,) = db.execute(_LOOKUP_SQL, (json.dumps(list(keys), ensure_ascii=False),)).fetchone()
+        return {k: Entry(s, n, c) for k, s, n, c in json.loads(js)}
+    uniq = list(dict.fromkeys(keys))
+    found: dict[str, Entry] = {}
+    for i in range(0, len(uniq), _IN_CHUNK):
+        chunk = uniq[i:i + _IN_CHUNK]
+        sql = f"SELECT key, slot, nbytes, csum FROM pages WHERE key IN ({','.join('?' * len(chunk))})"
+        for k, slot, nbytes, csum in db.execute(sql, chunk):
+            found[k] = Entry(int(slot), int(nbytes), int(csum))
+    return found
 
 
 def read_keys(namespace_dir: str) -> list[str]:
@@ -384,11 +401,10 @@ class Index:
         """Rows of `keys` read from SQLite by primary key, in one statement (caller holds the lock;
         the map is still loading). One result row, so one GIL round trip however many keys."""
         try:
-            (js,) = self._db.execute(_LOOKUP_SQL, (json.dumps(list(keys), ensure_ascii=False),)).fetchone()
+            return select_entries(self._db, keys)
         except (sqlite3.Error, ValueError) as exc:
             log.warning("index %s: lookup while loading failed (%s); answered as misses", self.db_path, exc)
             return {}
-        return {k: Entry(s, n, c) for k, s, n, c in json.loads(js)}
 
     def __len__(self) -> int:
         return len(self._map) if self._ready else self._rows

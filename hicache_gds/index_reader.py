@@ -17,14 +17,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from .errors import ConfigError
-from .index import SCHEMA, Entry
+from .index import SCHEMA, Entry, select_entries
 
 __all__ = ["IndexReader"]
 
 log = logging.getLogger("hicache_gds.index")
 _T = TypeVar("_T")
 _READ_TRIES = 4  # a query is retried this often when the writer changed the files under it
-_IN_CHUNK = 500  # keys per `IN (...)` query: far below SQLite's bound-parameter limit
 
 
 class IndexReader:
@@ -153,18 +152,7 @@ class IndexReader:
     # -- queries ---------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[str]) -> list[Entry | None]:
         """Entries for `keys` as the writer has them now (None for misses)."""
-        uniq = list(dict.fromkeys(keys))
-
-        def query(db: sqlite3.Connection) -> dict[str, Entry]:
-            found: dict[str, Entry] = {}
-            for i in range(0, len(uniq), _IN_CHUNK):
-                chunk = uniq[i:i + _IN_CHUNK]
-                sql = f"SELECT key, slot, nbytes, csum FROM pages WHERE key IN ({','.join('?' * len(chunk))})"
-                for k, slot, nbytes, csum in db.execute(sql, chunk):
-                    found[k] = Entry(int(slot), int(nbytes), int(csum))
-            return found
-
-        rows = self._read(query, {})
+        rows = self._read(lambda db: select_entries(db, keys), {})
         return [rows.get(k) for k in keys]
 
     def contains(self, keys: Sequence[str]) -> list[bool]:

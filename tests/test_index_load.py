@@ -236,3 +236,25 @@ def test_staging_of_a_timed_out_read_is_lent_again_once_the_read_finishes(gds_di
         st = s.stats()
         assert st["staging_held_bytes"] == 0 and st["staged_pages"] == 8
         s.deregister_memory(dst.addr)
+
+
+def test_select_entries_answers_the_same_with_and_without_sqlite_json(tmp_path, monkeypatch):
+    """Lookups by primary key (loading index, read-only reader): one JSON statement, or IN chunks."""
+    import sqlite3
+
+    from hicache_gds import index as index_mod
+    idx = index_mod.Index(str(tmp_path / "index.sqlite3"), 2000, {"t": "1"})
+    rng = np.random.default_rng(7)
+    keys = [f"k{i}-{rng.integers(1 << 60):x}" for i in range(1200)] + ["ключ\n🙂"]
+    slots = idx.reserve(len(keys))
+    idx.publish([(k, s, 4096, int(rng.integers(1, 1 << 62))) for k, s in zip(keys, slots)])
+    asked = keys[::3] + ["absent", keys[0]]  # more than one IN chunk, a miss, a repeat
+    db = sqlite3.connect(idx.db_path)
+    try:
+        with_json = index_mod.select_entries(db, asked)
+        monkeypatch.setattr(index_mod, "_HAS_JSON", False)
+        without = index_mod.select_entries(db, asked)
+    finally:
+        db.close()
+        idx.close()
+    assert with_json == without and "absent" not in without and len(without) == len(set(asked)) - 1
