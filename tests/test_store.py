@@ -13,6 +13,7 @@ from hicache_gds.engines import EngineOptions, Op, create_engine
 from hicache_gds.engines.faulty import Faults, FaultyEngine
 from hicache_gds.memory import HostBuffer
 from hicache_gds.testing import random_bytes
+from hicache_gds.testing.faults import fill_filesystem
 
 P = 256 << 10  # page bytes in most tests
 N = 32
@@ -279,14 +280,7 @@ def test_full_disk_while_writing_fails_pages_not_the_store(small_tmpfs):
         src, dst, data = buffers(s, n=N)
         ks = keys()
         assert all(s.put(ks[:4], Pages.contiguous(src.addr, P, range(4))))
-        filler = os.path.join(small_tmpfs, "filler")
-        with open(filler, "wb") as f:  # fill the file system
-            try:
-                while True:
-                    f.write(b"\xff" * 65536)
-                    f.flush()
-            except OSError:
-                pass
+        filler = fill_filesystem(small_tmpfs)
         res = s.put(ks[4:], Pages.contiguous(src.addr, P, range(4, N)))
         assert not all(res)
         assert s.exists(ks[4:]) == res  # failed pages are never visible

@@ -28,7 +28,8 @@ from .cases import Case, guarded
 from .clients import Client, expected
 from .invariants import index_problems
 
-__all__ = ["fault_cases", "set_faults", "FaultyNixlPosix", "FaultyBounce", "small_tmpfs", "sglang_injector_case"]
+__all__ = ["fault_cases", "set_faults", "FaultyNixlPosix", "FaultyBounce", "small_tmpfs", "sglang_injector_case",
+           "fill_filesystem"]
 
 _live: list[FaultyEngine] = []
 _current = Faults()
@@ -177,7 +178,8 @@ def small_tmpfs(path: str, size: str = "8m") -> Iterator[str | None]:
         subprocess.run(["umount", "-l", path], capture_output=True)
 
 
-def _fill(path: str) -> str:
+def fill_filesystem(path: str) -> str:
+    """Write a file named ``filler`` in `path` until the file system is full (ENOSPC); returns its path."""
     filler = os.path.join(path, "filler")
     with open(filler, "wb") as f:
         try:
@@ -212,7 +214,7 @@ def _enospc_case(root: str, target: str, what: str) -> Case:
             base = _keys(target, f"{what}-base", 8)
             with guarded(case, "setup put"):
                 case.check(all(c.put(base)), "setup puts failed")
-            filler = _fill(mnt)
+            filler = fill_filesystem(mnt)
             keys = _keys(target, f"{what}-k", 80)
             with guarded(case, "put on a full disk"):
                 res = c.put(keys)

@@ -84,6 +84,13 @@ class _Parent:
     def outside_changes(self) -> list[str]:
         return tree_changes(self.before, snapshot_tree(self.parent), [self.gds])
 
+    def check_outside(self, cases: list[Case]) -> list[Case]:
+        """Fail every case if anything outside GDS_PATH changed; returns `cases`."""
+        changed = self.outside_changes()
+        for case in cases:
+            case.check(not changed, f"changed outside GDS_PATH: {changed[:3]}")
+        return cases
+
 
 # -- PageStore entry points -------------------------------------------------------------------------------
 
@@ -220,10 +227,7 @@ def hostile_store(root: str) -> list[Case]:
         del os.environ["HICACHE_GDS_CAPACTY"]
     cfg.outcome = f"{cfg.caught}/{cfg.injected} refused with a message naming the problem"
     out.append(cfg)
-    changed = par.outside_changes()
-    for case in out:
-        case.check(not changed, f"changed outside GDS_PATH: {changed[:3]}")
-    return out
+    return par.check_outside(out)
 
 
 def hostile_paths(root: str, target: str = "store") -> list[Case]:
@@ -453,10 +457,7 @@ def hostile_sglang(root: str) -> list[Case]:
         _expect_error(cfg, what, lambda sc=sc: h.attach(sc, h.make_pool(pages=4)).close(), (ConfigError,))
     cfg.outcome = f"{cfg.caught}/{cfg.injected} refused at construction with ConfigError naming the key"
     out.append(cfg)
-    changed = par.outside_changes()
-    for case in out:
-        case.check(not changed, f"changed outside GDS_PATH: {changed[:3]}")
-    return out
+    return par.check_outside(out)
 
 
 # -- fuzz -----------------------------------------------------------------------------------------------------
