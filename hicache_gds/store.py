@@ -142,8 +142,10 @@ class _Staging:
 
     def _reap(self) -> None:
         with self.lock:
-            done = [h for h in self.held if all(_finished(t) for t in h[1])]
-            self.held = [h for h in self.held if not any(h is d for d in done)]
+            done, still = [], []
+            for h in self.held:
+                (done if all(_finished(t) for t in h[1]) else still).append(h)
+            self.held = still
         for buf, _ in done:
             self.release(buf)
 
