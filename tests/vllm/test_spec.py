@@ -72,7 +72,14 @@ def test_identity_separates_what_changes_the_bytes():
 
 
 def test_scheduler_and_workers_agree_on_capacity_from_free_space(gds_dir):
-    extra = {**BASE_EXTRA, "gds_path": gds_dir, "capacity_fraction": 0.001}
+    import os
+    # A fraction that gives each of 2 ranks about 8 chunks on whatever disk runs the test: a fixed
+    # fraction holds no chunk where free space is small (CI's /tmp has a few GB).
+    st = os.statvfs(gds_dir)
+    free, chunk = st.f_bavail * st.f_frsize, 32 * 64 * 1024 * BASE_EXTRA["blocks_per_chunk"]
+    if free < 32 * chunk:
+        pytest.skip(f"{free} bytes free under {gds_dir}: too little for a capacity from free space")
+    extra = {**BASE_EXTRA, "gds_path": gds_dir, "capacity_fraction": 16 * chunk / free}
     first = HiCacheGDSOffloadingSpec(make_config(extra, world_size=2))
     worker = HiCacheGDSOffloadingSpec(make_config(extra, rank=1, world_size=2))
     assert first.spec_id == worker.spec_id
