@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from .config import Config
-from .engines.base import MemKind, Op, Transfer, TransferEngine, split_batches
+from .engines.base import MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
 from .engines.select import choose_engine
 from .errors import ConfigError, RegionError, StoreLockedError, TransferError, TransferTimeout
 from .index import INDEX_FILE, Index
@@ -598,18 +598,10 @@ class PageStore:
 
     @staticmethod
     def _cut(mem_a: np.ndarray, mem_l: np.ndarray, file_off: np.ndarray, limit: int):
-        """Flatten (P, S) descriptors to rows, splitting any longer than `limit`."""
+        """Flatten (P, S) descriptors to rows, splitting any longer than `limit`; rows per page."""
         n = mem_a.shape[0]
-        a, l, f = mem_a.ravel(), mem_l.ravel(), file_off.ravel()
-        if int(l.max()) <= limit:
-            return a, l, f, np.full(n, mem_a.shape[1], dtype=np.int64)
-        pieces = ((l + np.uint64(limit - 1)) // np.uint64(limit)).astype(np.int64)
-        rep = np.repeat(np.arange(len(l)), pieces)
-        k = np.arange(len(rep)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        off = k.astype(np.uint64) * np.uint64(limit)
-        ln = np.minimum(l[rep] - off, np.uint64(limit))
-        per_page = pieces.reshape(n, -1).sum(axis=1)
-        return a[rep] + off, ln, f[rep] + off, per_page
+        a, l, f, pieces = split_rows(mem_a.ravel(), mem_l.ravel(), file_off.ravel(), limit)
+        return a, l, f, pieces.reshape(n, mem_a.shape[1]).sum(axis=1)
 
     def _gather(self, pages: Pages, dst: np.ndarray) -> None:
         for j in range(len(pages)):

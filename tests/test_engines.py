@@ -98,3 +98,25 @@ def test_gds_batches_and_the_process_wide_bounce_budget():
     assert batches.acquire([2], 0.1)
     threading.Timer(0.05, batches.release, args=([1],)).start()
     assert batches.acquire([1], 2.0) and not batches.acquire([1], 0.02)
+
+
+def test_split_rows_and_split_batches_cover_every_byte_once():
+    import numpy as np
+
+    from hicache_gds.engines.base import Capabilities, split_batches, split_rows
+    rng = np.random.default_rng(7)
+    lens = rng.integers(1, 5000, size=40).astype(np.uint64)
+    addrs = np.cumsum(np.concatenate([[1 << 20], lens[:-1]])).astype(np.uint64)
+    offs = addrs + np.uint64(12345)
+    a, ln, f, pieces = split_rows(addrs, lens, offs, 1024)
+    assert int(ln.max()) <= 1024 and int(pieces.sum()) == len(ln)
+    # Pieces are consecutive: memory and file offsets advance together, and lengths add up per row.
+    assert np.array_equal(np.cumsum(ln)[:-1] + a[0], a[1:]) and np.array_equal(f - a, np.full(len(a), 12345))
+    assert np.array_equal(np.add.reduceat(ln, np.cumsum(pieces) - pieces), lens)
+    short = split_rows(addrs, lens, offs, 1 << 20)
+    assert short[0] is addrs and short[3].tolist() == [1] * len(lens)
+    caps = Capabilities(mem_kinds=frozenset(), max_descs=7, max_request_bytes=6000, max_desc_bytes=1024,
+                        alignment=1, direct_io=False, gpu_direct=False, path='test')
+    plan = list(split_batches(np.ones(len(ln)), ln, caps))
+    assert plan[0][0] == 0 and plan[-1][1] == len(ln) and all(p[1] == q[0] for p, q in zip(plan, plan[1:]))
+    assert all(b - a <= 7 and int(ln[a:b].sum()) <= 6000 for a, b in plan)

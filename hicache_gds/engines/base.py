@@ -287,6 +287,21 @@ class TransferEngine(ABC):
         self.close()
 
 
+def split_rows(addrs: np.ndarray, lens: np.ndarray, offsets: np.ndarray, limit: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Split descriptor rows longer than `limit` bytes into consecutive pieces of at most `limit`.
+
+    Takes flat uint64 arrays of memory addresses, lengths and file offsets; returns them split,
+    and how many pieces each input row became (int64, 1 where a row was short enough)."""
+    if not len(lens) or int(lens.max()) <= limit:
+        return addrs, lens, offsets, np.ones(len(lens), dtype=np.int64)
+    pieces = ((lens + np.uint64(limit - 1)) // np.uint64(limit)).astype(np.int64)
+    rep = np.repeat(np.arange(len(lens)), pieces)
+    k = np.arange(len(rep)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    off = k.astype(np.uint64) * np.uint64(limit)
+    return addrs[rep] + off, np.minimum(lens[rep] - off, np.uint64(limit)), offsets[rep] + off, pieces
+
+
 def split_batches(item_descs: Sequence[int] | np.ndarray, item_bytes: Sequence[int] | np.ndarray,
                   caps: Capabilities, max_request_bytes: int = 0) -> Iterator[tuple[int, int]]:
     """Plan items (pages) into requests within `caps`: yields [start, stop) item ranges.

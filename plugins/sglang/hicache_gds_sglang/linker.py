@@ -54,6 +54,7 @@ import torch
 
 from hicache_gds import ConfigError, MemKind, Op, PageStore, Pages, TransferTimeout
 from hicache_gds.config import parse_size
+from hicache_gds.engines.base import split_batches, split_rows
 from hicache_gds.memory import align_up
 
 from .gather import (ALIGN, GATHER_BELOW, READ_RUN, DevicePages, choose_impl, gather_pages, page_layout_identity, plan_io,
@@ -333,25 +334,13 @@ class GDSLinker(UnifiedCacheLinker):
     def _post(self, op: Op, mem: np.ndarray, fil: np.ndarray) -> list:
         """Submit (addr, nbytes) x (file id, offset) rows in requests within the engine's limits."""
         caps = self.store.engine.capabilities
-        lim = caps.max_desc_bytes
-        if len(mem) and int(mem[:, 1].max()) > lim:  # split long rows
-            pieces = ((mem[:, 1] + np.uint64(lim - 1)) // np.uint64(lim)).astype(np.int64)
-            rep = np.repeat(np.arange(len(mem)), pieces)
-            k = np.arange(len(rep)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-            off = k.astype(np.uint64) * np.uint64(lim)
-            ln = np.minimum(mem[rep, 1] - off, np.uint64(lim))
-            mem = np.stack([mem[rep, 0] + off, ln], axis=1)
-            fil = np.stack([fil[rep, 0], fil[rep, 1] + off], axis=1)
-        cap_bytes = min(caps.max_request_bytes, self.store.config.max_request_bytes or 64 << 20)
-        out, a, n = [], 0, len(mem)
+        a, ln, off, pieces = split_rows(mem[:, 0], mem[:, 1], fil[:, 1], caps.max_desc_bytes)
+        mem, fil = np.stack([a, ln], axis=1), np.stack([np.repeat(fil[:, 0], pieces), off], axis=1)
+        out = []
         try:
-            while a < n:
-                b, total = a, 0
-                while b < n and b - a < caps.max_descs and (b == a or total + int(mem[b, 1]) <= cap_bytes):
-                    total += int(mem[b, 1])
-                    b += 1
+            for a, b in split_batches(np.ones(len(mem)), mem[:, 1], caps,
+                                      self.store.config.max_request_bytes or 64 << 20):
                 out.append(self.store.engine.submit(op, self.kind, mem[a:b], fil[a:b]))
-                a = b
         except BaseException:
             self._wait(out, time.monotonic() + self.store.config.io_timeout, quiet=True)
             raise
