@@ -105,13 +105,13 @@ def read_keys(namespace_dir: str) -> list[str]:
         return []
     try:
         reader = IndexReader(path)
-    except Exception as exc:  # noqa: BLE001 -- documented: any failure is an empty answer
+        try:
+            return reader.keys()
+        finally:
+            reader.close()
+    except Exception as exc:  # noqa: BLE001 -- documented: any failure (a planted link too) is an empty answer
         log.warning("index %s cannot be read (%s)", path, exc)
         return []
-    try:
-        return reader.keys()
-    finally:
-        reader.close()
 
 
 class Entry(NamedTuple):

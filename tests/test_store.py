@@ -400,6 +400,12 @@ def test_read_keys_lists_lru_order_without_the_lock(gds_dir):
     before = sorted(os.listdir(ns))
     assert read_keys(ns) == ["k00001", "k00002", "k00000"]  # the writer is gone: still read, nothing created
     assert sorted(os.listdir(ns)) == before and not any(n.endswith(("-wal", "-shm")) for n in before)
+    # Any failure is an empty answer, never an exception into the caller (a vLLM scheduler):
+    # here a link planted where the index should be, which the reader refuses to follow.
+    planted = os.path.join(gds_dir, "planted")
+    os.makedirs(planted)
+    os.symlink(os.path.join(ns, "index.sqlite3"), os.path.join(planted, "index.sqlite3"))
+    assert read_keys(planted) == []
 
 
 def test_no_evict_mode_fails_puts_into_a_full_store(gds_dir):
