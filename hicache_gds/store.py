@@ -303,16 +303,16 @@ class PageStore:
         """Slots past the end of a slab file truncated or deleted while the store was closed, as
         (first slot, step) for `Index`: their pages are gone, so their rows are dropped at open
         rather than reported present until a read fails."""
+        want = SlabSet(self.dirs, self.slot_bytes, nslots, create=False)  # the sizes, nothing touched
         nd = len(self.dirs)
         out = []
-        for i, d in enumerate(self.dirs):
+        for i, (path, full) in enumerate(zip(want.paths, want.file_bytes)):
             try:
-                size = os.lstat(os.path.join(d, SlabSet.FILE_NAME)).st_size
+                size = os.lstat(path).st_size
             except FileNotFoundError:
                 size = 0
-            have = size // self.slot_bytes
-            if have < (nslots - i + nd - 1) // nd:
-                out.append((have * nd + i, nd))
+            if size < full:
+                out.append((size // self.slot_bytes * nd + i, nd))
         return out
 
     # -- validation ------------------------------------------------------------------------------
