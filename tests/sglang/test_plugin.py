@@ -97,7 +97,7 @@ def test_argparse_rejects_gds_without_the_plugin():
 def test_register_fails_soft_with_the_dynamic_command(monkeypatch, caplog):
     from sglang.srt.plugins.hook_registry import HookRegistry
     monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.setattr(plugin, "_FACTORY", "sglang.srt.mem_cache.storage.backend_factory.NoSuchFactory.create")
+    monkeypatch.setattr(plugin, "_FACTORY_CLASS", "sglang.srt.mem_cache.storage.backend_factory.NoSuchFactory")
     before = {k: list(v) for k, v in HookRegistry._hooks.items()}
     with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang.plugin"):
         plugin.register()

@@ -97,7 +97,8 @@ class HiCacheGDS(HiCacheStorage):
                         "path (get_data_page / set_from_flat_data_page) instead of zero-copy; add it")
         self.scheme = KeyScheme.from_storage_config(sc)
         self.is_mla = bool(sc.is_mla_model)
-        self.is_writer = bool(sc.is_storage_writer)
+        # 0.5.23's `is_storage_writer`; older releases (0.5.17) back MLA KV up from TP rank 0 only.
+        self.is_writer = bool(getattr(sc, "is_storage_writer", not sc.is_mla_model or sc.tp_rank == 0))
         # namespaces of this server that preallocate slabs: one per writing rank
         self._writers = max(1, sc.pp_size * sc.attn_cp_size * (1 if self.is_mla else sc.tp_size))
         self.mem_pool_host = None

@@ -6,13 +6,16 @@ calls early):
 
 1. ``ServerArgs.add_cli_args`` (AFTER): add ``gds`` to the argparse choices of
    ``--hicache-storage-backend``;
-2. ``StorageBackendFactory._do_create_backend`` (AROUND): build ``HiCacheGDS(storage_config,
-   mem_pool_host)`` for ``gds``; every other name goes to SGLang unchanged;
+2. ``StorageBackendFactory._do_create_backend`` (AROUND; 0.5.17-0.5.22 have no such split, so
+   ``create_backend`` there): build ``HiCacheGDS(storage_config, mem_pool_host)`` for ``gds``;
+   every other name goes to SGLang unchanged. Hooking the inner method where it exists keeps
+   SGLang's wrappers (its failure injector) around our backend as around its own;
 3. ``HiCacheController.attach_storage_backend`` (AFTER): select the zero-copy page functions
    (``batch_get_v1`` / ``batch_set_v1``) for ``gds``, as SGLang does for its own zero-copy names.
 
-These are SGLang internals. When one is missing (another SGLang version), nothing is hooked and
-one log line gives the ``dynamic`` command line, which needs no hook.
+These are SGLang internals (tested against 0.5.17 and 0.5.23). When one is missing (another
+SGLang version), nothing is hooked and one log line gives the ``dynamic`` command line, which
+needs no hook.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ BACKEND_NAME = "gds"
 DYNAMIC_EXTRA_CONFIG = {"backend_name": "gds", "module_path": "hicache_gds_sglang", "class_name": "HiCacheGDS",
                         "interface_v1": 1}
 _ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
-_FACTORY = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._do_create_backend"
+_FACTORY_CLASS = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory"
+# First that exists wins: 0.5.23 builds backends in `_do_create_backend` (wrapped by `create_backend`).
+_FACTORY_METHODS = ("_do_create_backend", "create_backend")
 _ATTACH = "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend"
 _registered = False
 
@@ -73,6 +78,15 @@ def _select_zero_copy(result: Any, controller: Any, *args: Any, **kwargs: Any) -
     return None
 
 
+def _factory_target() -> str:
+    """The factory method to hook in the installed SGLang; AttributeError when there is none."""
+    cls = pkgutil.resolve_name(_FACTORY_CLASS)
+    for attr in _FACTORY_METHODS:
+        if hasattr(cls, attr):
+            return f"{_FACTORY_CLASS}.{attr}"
+    raise AttributeError(f"{_FACTORY_CLASS} has none of {', '.join(_FACTORY_METHODS)}")
+
+
 def register() -> None:
     """Entry point (``sglang.srt.plugins``): hook SGLang so that ``gds`` names this backend.
 
@@ -83,7 +97,8 @@ def register() -> None:
         return
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-        for target in (_ARGS, _FACTORY, _ATTACH):
+        factory = _factory_target()
+        for target in (_ARGS, factory, _ATTACH):
             obj_path, attr = target.rsplit(".", 1)
             if not hasattr(pkgutil.resolve_name(obj_path), attr):
                 raise AttributeError(f"{target} does not exist")
@@ -96,6 +111,6 @@ def register() -> None:
                     "is not available. Select the backend with: %s", exc, dynamic_command())
         return
     HookRegistry.register(_ARGS, _add_choice, HookType.AFTER)
-    HookRegistry.register(_FACTORY, _create, HookType.AROUND)
+    HookRegistry.register(factory, _create, HookType.AROUND)
     HookRegistry.register(_ATTACH, _select_zero_copy, HookType.AFTER)
     _registered = True
