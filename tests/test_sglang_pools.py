@@ -447,7 +447,8 @@ def test_hicache_file_generic_path_round_trip(kind, layout, tmp_path, monkeypatc
 
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
     src, dst = small_pool(kind, layout, seed=11), small_pool(kind, layout, seed=12)
-    backend = HiCacheFile(_storage_config(kind, layout, {"file_storage_path": str(tmp_path)}))
+    # 0.5.23 takes the directory from the injected extra-config key, 0.5.17 only from the argument
+    backend = HiCacheFile(_storage_config(kind, layout, {"file_storage_path": str(tmp_path)}), str(tmp_path))
     backend.register_mem_pool_host(src)
     ps = src.page_size
     pages, dpages = [1, 2, 4, 0], [3, 0, 1, 4]

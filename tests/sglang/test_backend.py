@@ -12,12 +12,12 @@ import threading
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
 
 from hicache_gds import ConfigError, PageReader
 from hicache_gds_sglang import HiCacheGDS
-from sgl_helpers import (KINDS, LAYOUTS, attach, generic_get, generic_set, hicache_file, indices, keys, leading,
-                         make_pool, page_bytes, poison, same_pages, storage_config)
+from sgl_helpers import (KINDS, LAYOUTS, FailureInjector, attach, generic_get, generic_set, hicache_file,
+                         indices, keys, leading, make_pool, needs_injector, page_bytes, poison, same_pages,
+                         storage_config)
 
 GRID = [(k, lay) for k in KINDS for lay in LAYOUTS]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -291,12 +291,13 @@ def test_mla_reader_is_the_core_read_only_store_and_writes_nothing(gds_dir):
         reader.close()
 
 
+@needs_injector
 def test_failure_injector_never_raises_and_hits_stay_correct(gds_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.002")
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
     pool = make_pool("mha", "page_first", pages=128)
     b = attach(storage_config(gds_dir), pool)
-    assert isinstance(b, HiCacheStorageFailureInjector) and isinstance(b._backend, HiCacheGDS)
+    assert isinstance(b, FailureInjector) and isinstance(b._backend, HiCacheGDS)
     ks = keys(32)
     try:
         written = 0

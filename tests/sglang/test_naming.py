@@ -6,7 +6,7 @@ import pytest
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
 from hicache_gds_sglang.naming import SGLANG_KEYS, KeyScheme, namespace_identity
-from sgl_helpers import storage_config
+from sgl_helpers import needs_dcp, storage_config
 
 TOPOLOGIES = [dict(tp_rank=t, tp_size=ts, pp_rank=p, pp_size=ps, attn_cp_rank=c, attn_cp_size=cs)
               for (t, ts), (p, ps), (c, cs) in itertools.product([(0, 1), (3, 4)], [(0, 1), (1, 2)], [(0, 1), (1, 2)])]
@@ -16,20 +16,30 @@ TOPOLOGIES = [dict(tp_rank=t, tp_size=ts, pp_rank=p, pp_size=ps, attn_cp_rank=c,
 @pytest.mark.parametrize("topo", TOPOLOGIES)
 def test_suffixes_are_hicache_files(tmp_path, mla, topo):
     sc = storage_config(None, extra={"file_storage_path": str(tmp_path)}, is_mla_model=mla, **topo)
-    ref = HiCacheFile(sc)
+    ref = HiCacheFile(sc, str(tmp_path))
     ours = KeyScheme.from_storage_config(sc)
-    assert (ours.config_suffix, ours.tp_config_suffix) == (ref.config_suffix, ref.tp_config_suffix)
     key = "ab" * 32
+    assert ours.config_suffix == ref.config_suffix
     assert ours.key(key) == ref._get_suffixed_key(key)
-    assert ours.key(key, "mamba") == ref._get_component_key(key, "mamba")
     assert ours.key(key, "swa") == ref._get_component_key(key, "swa")
     assert ours.keys([key], "swa") == [ours.key(key, "swa")]
+    if hasattr(ref, "tp_config_suffix") or not mla:  # 0.5.23; 0.5.17 MHA: one suffix for everything
+        assert ours.tp_config_suffix == getattr(ref, "tp_config_suffix", ref.config_suffix)
+        assert ours.key(key, "mamba") == ref._get_component_key(key, "mamba")
+    else:
+        # 0.5.17's HiCacheFile keys MLA Mamba state without the TP rank, though every TP rank writes
+        # its own shard of it; ours keeps the rank (0.5.23's rule): the suffix of this rank's MHA keys.
+        assert ref._get_component_key(key, "mamba") == f"{key}.mamba{ref.config_suffix}"
+        mha_ref = HiCacheFile(storage_config(None, is_mla_model=False, **topo), str(tmp_path))
+        assert ours.tp_config_suffix == mha_ref.config_suffix != ours.config_suffix
+        assert ours.key(key, "mamba") == f"{key}.mamba{ours.tp_config_suffix}"
 
 
+@needs_dcp
 def test_dcp_suffix_is_hicache_files(tmp_path):
     sc = storage_config(None, extra={"file_storage_path": str(tmp_path)}, is_mla_model=True, tp_rank=1, tp_size=4,
                         dcp_size=2, dcp_rank=1, logical_page_size=64)
-    ref, ours = HiCacheFile(sc), KeyScheme.from_storage_config(sc)
+    ref, ours = HiCacheFile(sc, str(tmp_path)), KeyScheme.from_storage_config(sc)
     assert (ours.config_suffix, ours.tp_config_suffix) == (ref.config_suffix, ref.tp_config_suffix)
 
 
@@ -55,3 +65,4 @@ def test_sglang_keys_cover_what_the_controller_and_loader_pass():
     for k in ("backend_name", "module_path", "class_name", "interface_v1", "file_storage_path",
               "prefetch_threshold", "hicache_storage_pass_prefix_keys", "tp_lcm_size"):
         assert k in SGLANG_KEYS
+

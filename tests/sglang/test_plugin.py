@@ -13,7 +13,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 import hicache_gds_sglang
 from hicache_gds import ConfigError
 from hicache_gds_sglang import HiCacheGDS, plugin
-from sgl_helpers import DYNAMIC, storage_config
+from sgl_helpers import DYNAMIC, needs_dcp, storage_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -134,6 +134,7 @@ def test_missing_gds_path_is_a_clear_error(monkeypatch):
         HiCacheGDS(storage_config(None, extra=dict(DYNAMIC)), {})
 
 
+@needs_dcp
 def test_dcp_is_refused_at_construction(gds_dir):
     with pytest.raises(ConfigError, match="dcp_size"):
         sc = storage_config(gds_dir, is_mla_model=True, tp_size=2, dcp_size=2, dcp_rank=0, logical_page_size=16)
