@@ -24,6 +24,7 @@ written, every page checked against its checksum).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -49,6 +50,18 @@ log = logging.getLogger("hicache_gds_sglang")
 
 def _pool_name(name: Any) -> str:
     return str(getattr(name, "value", name))
+
+
+# 0.5.23's PoolTransferResult carries the restorable prefix lengths (its controller intersects
+# them across ranks); 0.5.17's has only the two counts, and a third argument is a TypeError.
+_HAS_RESTORABLE = "restorable_prefix_pages" in {f.name for f in dataclasses.fields(PoolTransferResult)}
+
+
+def _transfer_result(kv_pages: int, hit_count: dict, restorable: List[int]) -> PoolTransferResult:
+    """`PoolTransferResult` in the installed SGLang's shape."""
+    if _HAS_RESTORABLE:
+        return PoolTransferResult(kv_pages, hit_count, restorable)
+    return PoolTransferResult(kv_pages, hit_count)
 
 
 class _Metrics:
@@ -325,7 +338,14 @@ class HiCacheGDS(HiCacheStorage):
     # -- hybrid pools (v2) -----------------------------------------------------------------------
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Any = None) -> PoolTransferResult:
-        """HiCacheFile's fold: KV longest prefix, then each pool's hit policy; `restorable_prefix_pages`."""
+        """HiCacheFile's fold (0.5.23): KV longest prefix, then each pool's hit policy.
+
+        `kv_hit_pages` is the longest prefix every pool can restore, and `restorable_prefix_pages`
+        all such lengths where the installed `PoolTransferResult` has that field. 0.5.17's has not
+        (nor does its controller read it); the counts are the same answer, which is never longer
+        than 0.5.17's HiCacheFile gives and shorter only when two pools' trailing windows end at
+        different lengths (where HiCacheFile 0.5.17 reports a prefix one pool cannot restore).
+        """
         try:
             kv = self._bindings.get("kv")
             kv_pages = kv.prefix(keys) if kv is not None and keys else 0
@@ -349,14 +369,14 @@ class HiCacheGDS(HiCacheStorage):
                     boundary = max(pool_ok, default=0)
                 else:
                     self._fail("batch_exists_v2", f"hit policy {t.hit_policy} of pool {t.name} is not supported")
-                    return PoolTransferResult(0, {}, [])
+                    return _transfer_result(0, {}, [])
                 if boundary:
                     hit_count[t.name] = boundary
                 restorable = [p for p in restorable if p in pool_ok]
-            return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+            return _transfer_result(restorable[-1] if restorable else 0, hit_count, restorable)
         except Exception as exc:  # noqa: BLE001
             self._fail("batch_exists_v2", exc)
-            return PoolTransferResult(0, {}, [])
+            return _transfer_result(0, {}, [])
 
     def _batch_v2(self, op: str, transfers: List[PoolTransfer], write: bool) -> dict:
         out = {}
