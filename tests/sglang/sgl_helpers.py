@@ -26,6 +26,7 @@ PS = 4  # tokens per page in most tests
 CAPACITY = "64M"
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(HiCacheStorageConfig)}
+HAS_DP_RANK = "dp_rank" in _CONFIG_FIELDS  # 0.5.17: the controller keeps dp_rank to itself
 HAS_DCP = "dcp_size" in _CONFIG_FIELDS
 HAS_RESTORABLE = "restorable_prefix_pages" in {f.name for f in dataclasses.fields(hicache_storage.PoolTransferResult)}
 FailureInjector = getattr(hicache_storage, "HiCacheStorageFailureInjector", None)
@@ -61,6 +62,17 @@ def make_pool(kind: str, layout: str, pages: int = 64, page_size: int = PS, seed
     return sglang_pools.make_host_pool(kind, layout, layer_num=layer_num, head_num=head_num, head_dim=head_dim,
                                        page_size=page_size, dtype=dtype, num_pages=pages, fill=seed is not None,
                                        seed=seed or 0)
+
+
+def dp_group(monkeypatch: Any, rank: int) -> dict:
+    """`storage_config` kwargs for a rank of attention-DP group `rank`: the config's `dp_rank` where it
+    has one (0.5.23); else SGLang's DP-attention state, which 0.5.17's controller reads instead."""
+    if HAS_DP_RANK:
+        return {"dp_rank": rank}
+    from sglang.srt.layers import dp_attention
+    monkeypatch.setattr(dp_attention, "is_dp_attention_enabled", lambda: True)
+    monkeypatch.setattr(dp_attention, "get_attention_dp_rank", lambda: rank)
+    return {}
 
 
 def attach(sc: HiCacheStorageConfig, pool: Any, name: str = "dynamic") -> HiCacheGDS:
