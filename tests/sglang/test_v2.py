@@ -11,7 +11,13 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-from sgl_helpers import HAS_RESTORABLE, attach, generic_set, hicache_file, indices, keys, make_pool, storage_config
+from sgl_helpers import (HAS_RESTORABLE, attach, generic_get, generic_set, hicache_file, indices, keys, make_pool,
+                         poison, same_pages, storage_config)
+
+try:  # 0.5.17's hybrid controller registers this group as the KV pool (0.5.23: the group's anchor pool)
+    from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup, PoolEntry
+except ImportError:
+    HostPoolGroup = PoolEntry = None
 
 ALL, TRAIL = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
 
@@ -181,3 +187,27 @@ def test_mla_sidecars_follow_sglang_writers(gds_dir):
         for b in backends:
             b.close()
 
+
+@pytest.mark.skipif(HostPoolGroup is None, reason="this SGLang hands storage backends the hybrid group's anchor pool, "
+                                                  "not its HostPoolGroup")
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_host_pool_group_is_served_zero_copy_through_its_anchor(gds_dir, kind):
+    kv, mamba = make_pool(kind, "page_first", seed=3), StatePool(seed=4)
+    group = HostPoolGroup([PoolEntry(PoolName.KV, kv, None, lambda layer: layer, is_primary_index_anchor=True),
+                           PoolEntry(PoolName.MAMBA, mamba, None, lambda layer: None)])
+    b = attach(storage_config(gds_dir, is_mla_model=kind == "mla"), group)  # create_backend + register_mem_pool_host
+    try:
+        for entry in group.entries:  # then HybridCacheController.attach_storage_backend's burst
+            b.register_mem_host_pool_v2(entry.host_pool, entry.name)
+        st = b.stats()
+        assert st["kv"]["pool_path"] == "zero-copy" and st["kv"]["pool_class"] == type(kv).__name__
+        assert b.mem_pool_host is group and st["mamba"]["pool_path"] == "copy"
+        ks = keys(8)
+        assert b.batch_set_v1(ks, indices(range(8))) == [True] * 8
+        poison(kv, range(16, 24))
+        assert b.batch_get_v1(ks, indices(range(16, 24))) == [True] * 8
+        assert same_pages(kv, list(range(8)), kv, list(range(16, 24)))
+        assert generic_get(b, group, ks, list(range(32, 40))) == 8  # the controller's copy path, through the group
+        assert same_pages(kv, list(range(8)), kv, list(range(32, 40)))
+    finally:
+        b.close()

@@ -5,11 +5,11 @@ Construction (both work)::
     HiCacheGDS(storage_config, {})              # --hicache-storage-backend dynamic (SGLang's loader)
     HiCacheGDS(storage_config, mem_pool_host)   # --hicache-storage-backend gds (this plugin's hook)
 
-Then SGLang calls `register_mem_pool_host` (the KV anchor pool), `register_mem_host_pool_v2` for
-every pool of the group (KV included) and `on_host_pools_registered` -- all on the scheduler
-thread. Each pool is bound to its own `PageStore` namespace (`naming`), its ``kv_buffer``
-registered once; a pool or layout we cannot serve raises `ConfigError` there, which fails the
-attach with the reason.
+Then SGLang calls `register_mem_pool_host` (the KV anchor pool, or 0.5.17's `HostPoolGroup` of
+it), `register_mem_host_pool_v2` for every pool of the group (KV included) and, where SGLang has
+it (0.5.23), `on_host_pools_registered` -- all on the scheduler thread. Each pool is bound to its
+own `PageStore` namespace (`naming`), its ``kv_buffer`` registered once; a pool or layout we
+cannot serve raises `ConfigError` there, which fails the attach with the reason.
 
 Data path (called from three SGLang threads at once): `batch_exists`, `batch_get_v1`,
 `batch_set_v1` (zero-copy between host-pool slots and NVMe), the copy path `get` / `set` /
@@ -179,9 +179,14 @@ class HiCacheGDS(HiCacheStorage):
             self._bindings[name] = self._bind(name, pool)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Bind the KV anchor pool: its own namespace, its kv_buffer registered once."""
+        """Bind the KV anchor pool: its own namespace, its kv_buffer registered once.
+
+        A hybrid model's controller hands over its anchor pool (0.5.23) or, in 0.5.17, the whole
+        ``HostPoolGroup``, whose page methods only forward to the anchor's: the anchor is bound
+        either way, so KV pages take the zero-copy path and land in the same namespace."""
         self.mem_pool_host = mem_pool_host
-        self._set_binding("kv", mem_pool_host)
+        anchor = getattr(getattr(mem_pool_host, "anchor_entry", None), "host_pool", None)
+        self._set_binding("kv", mem_pool_host if anchor is None else anchor)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Bind a pool of the host pool group; "kv" is the anchor, bound by `register_mem_pool_host`."""
