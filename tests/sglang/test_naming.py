@@ -69,7 +69,7 @@ def test_identities_separate_ranks_except_mla_tp_and_include_the_geometry(monkey
 
 def test_sglang_keys_cover_what_the_controller_and_loader_pass():
     for k in ("backend_name", "module_path", "class_name", "interface_v1", "file_storage_path",
-              "prefetch_threshold", "hicache_storage_pass_prefix_keys", "tp_lcm_size"):
+              "prefetch_threshold", "hicache_storage_pass_prefix_keys", "tp_lcm_size", "prefetch_timeout_max"):
         assert k in SGLANG_KEYS
 
 

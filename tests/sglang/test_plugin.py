@@ -116,7 +116,8 @@ def test_config_precedence_and_ignored_sglang_keys(gds_dir, monkeypatch, tmp_pat
     monkeypatch.setenv("GDS_PATH", str(other))
     monkeypatch.setenv("HICACHE_GDS_IO_TIMEOUT", "7")
     monkeypatch.setenv("HICACHE_GDS_VERIFY", "0")
-    extra = dict(DYNAMIC, gds_path=gds_dir, verify=True, file_storage_path="/nowhere", prefetch_threshold=256)
+    extra = dict(DYNAMIC, gds_path=gds_dir, verify=True, file_storage_path="/nowhere", prefetch_threshold=256,
+                 prefetch_timeout_max=30)  # 0.5.17's hybrid controller passes the last one on
     b = HiCacheGDS(storage_config(gds_dir, extra=extra), {})
     try:
         assert b.config.gds_path == (os.path.realpath(gds_dir),)  # extra config beats env

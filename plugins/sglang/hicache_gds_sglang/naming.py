@@ -41,6 +41,7 @@ SGLANG_KEYS = (
     "allocator",  # host allocator choice (get_allocator_type)
     "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
     "hicache_storage_pass_prefix_keys", "tp_lcm_size",  # popped by the controller
+    "prefetch_timeout_max",  # 0.5.17's; its hybrid-model controller leaves it in the config
 )
 
 
