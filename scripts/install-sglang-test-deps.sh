@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # Install, into one venv, what CPU tests need to use SGLang 0.5.23's real HiCache classes
 # (HiCacheStorage/HiCacheFile/HiCacheNixl, StorageBackendFactory, ServerArgs, plugins/HookRegistry,
-# HiCacheController, StorageMetrics) next to hicache_gds's own runtime and test deps.
+# HiCacheController, StorageMetrics) next to hicache_gds's own runtime and test deps; with
+# --overlay, SGLang 0.5.17's in a directory of their own over that venv.
 #
 #   scripts/install-sglang-test-deps.sh .venv-sgl/bin/python
+#   scripts/install-sglang-test-deps.sh .venv-sgl/bin/python --overlay .venv-sgl/sglang-0.5.17
 #
 # $1 is the venv's python; a missing venv is created first (with $BASE_PYTHON, default python3,
 # which must be CPython 3.11: the pins below are cp311 wheels). Then, e.g.:
 #   .venv-sgl/bin/python -m pytest tests/test_sglang_pools.py
+#
+# --overlay DIR (once the venv is built): SGLang 0.5.17 -- the newest release that runs on torch
+# 2.11 -- and the modules its imports need beyond the venv's, pinned, into DIR; nothing else is
+# touched. `PYTHONPATH=DIR` puts it in front of the venv's 0.5.23:
+#   PYTHONPATH=.venv-sgl/sglang-0.5.17 .venv-sgl/bin/python -m pytest tests/sglang tests/test_sglang_pools.py
+# A DIR installed from the same pins is kept as it is.
 #
 # How:
 #  * torch 2.14.1 + torchvision 0.29.1 come first, alone, with --no-index from the local wheel
@@ -26,10 +34,79 @@
 # triton 0.9 GB, nvidia-* 3.2 GB: torch 2.14.1 does not import without its CUDA libraries).
 set -euo pipefail
 
-PY=${1:?usage: $0 <venv-python>   e.g. $0 .venv-sgl/bin/python}
+USAGE="usage: $0 <venv-python> [--overlay DIR]   e.g. $0 .venv-sgl/bin/python"
+PY=${1:?$USAGE}
+OVERLAY=
+if [ $# -gt 1 ]; then
+    [ $# -eq 3 ] && [ "$2" = --overlay ] && [ -n "$3" ] || { echo "$USAGE" >&2; exit 2; }
+    OVERLAY=$3
+fi
 TORCH_WHEELS=${TORCH_WHEELS:-/opt/pypi-more/files}
 T0=$(date +%s)
 say() { printf '[install-sglang-test-deps %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
+
+# --overlay: SGLang 0.5.17 over the venv. Its own pins where it has them (transformers 5.12.1, which
+# takes tokenizers <= 0.23.0; openai 2.6.1); the rest are what its server_args and function-call
+# parsers import that the venv lacks (openai's distro, jiter, sniffio; partial-json-parser,
+# xgrammar, einops). Measured on the 2-core CPU machine: ~50 s from empty (30 s pip, the rest the
+# import check), 0.4 GB; nothing to do when DIR is current.
+OVERLAY_PINS='sglang==0.5.17
+transformers==5.12.1
+tokenizers==0.22.2
+openai==2.6.1
+distro==1.9.0
+jiter==0.19.0
+sniffio==1.3.1
+partial-json-parser==0.2.1.1.post7
+xgrammar==0.2.1
+einops==0.8.1'
+
+install_overlay() {
+    if [ -f "$OVERLAY/.pins" ] && [ "$(cat "$OVERLAY/.pins")" = "$OVERLAY_PINS" ]; then
+        say "SGLang 0.5.17 overlay already in $OVERLAY (checked when it was installed)"
+        return
+    fi
+    say "SGLang 0.5.17 overlay into $OVERLAY (--no-deps)"
+    local tmp="$OVERLAY.tmp.$$"
+    rm -rf "$tmp" "$tmp.txt"
+    printf '%s\n' "$OVERLAY_PINS" >"$tmp.txt"
+    "$PY" -m pip install --disable-pip-version-check --no-input --only-binary ':all:' -q --no-deps \
+        --target "$tmp" -r "$tmp.txt"
+    rm -f "$tmp.txt"
+    say "import check (PYTHONPATH=$tmp)"
+    (cd / && PYTHONPATH="$tmp" "$PY" - <<'EOF'
+import argparse, importlib.metadata, warnings
+warnings.filterwarnings("ignore")
+import sglang
+assert sglang.__version__ == "0.5.17", sglang.__version__
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig, PoolTransferResult
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+args = parser.parse_args(["--model-path", "x", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"])
+assert args.enable_hierarchical_cache and args.hicache_storage_backend == "file"
+import sglang.srt.plugins
+sglang.srt.plugins.load_plugins()
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
+from sglang.srt.observability.metrics_collector import StorageMetrics
+print(f"ok: sglang {sglang.__version__} over the venv (torch {importlib.metadata.version('torch')})")
+EOF
+    )
+    printf '%s' "$OVERLAY_PINS" >"$tmp/.pins"  # last: a DIR with .pins passed the check above
+    rm -rf "$OVERLAY"
+    mv "$tmp" "$OVERLAY"
+    say "done in $(( $(date +%s) - T0 )) s; overlay size: $(du -sh "$OVERLAY" | cut -f1)"
+}
+
+if [ -n "$OVERLAY" ]; then
+    [ -x "$PY" ] || { echo "$PY: no venv python; build the venv first (without --overlay)" >&2; exit 1; }
+    PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
+    OVERLAY=$(mkdir -p "$(dirname "$OVERLAY")" && cd "$(dirname "$OVERLAY")" && pwd)/$(basename "$OVERLAY")
+    install_overlay
+    exit 0
+fi
 
 if [ ! -x "$PY" ]; then
     VENV=$(dirname "$(dirname "$PY")")

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: system services (fio, redis-server), a virtualenv with
-# hicache-gds, its plugins and SGLang's real classes, then pytest. Usage: bash scripts/test.sh [pytest args]
+# hicache-gds, its plugins and SGLang's real classes, then pytest; then the SGLang plugin's tests
+# once more against SGLang 0.5.17 (SKIP_SGLANG_0517=1 skips) and vLLM's in their own virtualenv
+# (SKIP_VLLM=1 skips). Usage: bash scripts/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -26,6 +28,15 @@ set +e
 # vLLM's tests run in their own virtualenv: vLLM pins versions that SGLang's set does not share.
 "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/vllm tests "$@"
 rc=$?
+# The SGLang plugin's tests again against SGLang 0.5.17 (the newest release on torch 2.11): the same
+# venv with a pinned 0.5.17 overlay in front of its 0.5.23.
+if [ -z "${SKIP_SGLANG_0517:-}" ] && [ -x scripts/install-sglang-test-deps.sh ]; then
+  OVERLAY="$VENV/sglang-0.5.17"
+  bash scripts/install-sglang-test-deps.sh "$PY" --overlay "$OVERLAY" >/dev/null && \
+    PYTHONPATH="$(cd "$OVERLAY" && pwd)" "$PY" -m pytest -q -p no:cacheprovider tests/sglang tests/test_sglang_pools.py "$@"
+  rc2=$?
+  [ $rc -eq 0 ] && rc=$rc2
+fi
 if [ -z "${SKIP_VLLM:-}" ]; then
   bash scripts/install-vllm-test-deps.sh python3 .venv-vllm >/dev/null && \
     VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"

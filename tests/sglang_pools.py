@@ -1,4 +1,4 @@
-"""CPU mimics of SGLang 0.5.23's HiCache host KV pools, for tests without CUDA.
+"""CPU mimics of SGLang's HiCache host KV pools (0.5.23, and 0.5.17 alike), for tests without CUDA.
 
 SGLang's real host pools (``MHATokenToKVPoolHost`` in ``sglang/srt/mem_cache/pool_host/mha.py``
 and ``MLATokenToKVPoolHost`` in ``.../pool_host/mla.py``) import CUDA/JIT kernels at module import
@@ -57,6 +57,13 @@ What each piece mirrors:
     ``get_dummy_flat_data_page`` — mla.py:1172-1183; ``set_from_flat_data_page`` —
     mla.py:1185-1211; ``get_page_buffer_meta`` — mla.py:1213-1337 (non-split branch);
     ``is_stride_page_aligned`` — mla.py:1339-1357
+
+SGLang 0.5.17 (the same files in its wheel) computes the same ``kv_buffer`` dims,
+``get_page_buffer_meta``, flat-page accessors, sizes and ``is_stride_page_aligned`` for MHA and
+MLA in these layouts; tests/test_sglang_pools.py runs whichever release is installed against the
+mimic. It differs only where the mimic does not go or is a superset: its constructors take the
+device pool and read the geometry off it, MHA has no ``get_hybrid_pool_buffer``, and the MLA
+accessors assert ``dcp_size == 1`` where 0.5.23 maps DCP page starts.
 
 Callers these mimics were checked against (what they read off the pool):
   * ``HiCacheNixl`` (``storage/nixl/hicache_nixl.py``): ``layout``, ``kv_buffer``, ``page_size``,
@@ -541,6 +548,12 @@ class MLAHostPoolMimic(_HostPoolBase):
             transposed = self.kv_buffer.transpose(0, 1)
             return [transposed[i] for i in range(self.layer_num)]
         return [self.kv_buffer[i] for i in range(self.layer_num)]
+
+    @property
+    def data_ptrs(self) -> torch.Tensor:
+        # the per-layer pointer table both releases build next to data_refs (0.5.17's
+        # get_contiguous_buf_infos reads it); on the host here, as uint64
+        return torch.tensor([t.data_ptr() for t in self.data_refs], dtype=torch.uint64)
 
     # mla.py:286-299
     def get_contiguous_buf_infos(self):

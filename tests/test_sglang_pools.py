@@ -1,13 +1,14 @@
-"""Checks that tests/sglang_pools.py mirrors SGLang 0.5.23's host KV pools.
+"""Checks that tests/sglang_pools.py mirrors SGLang's host KV pools (0.5.23 and 0.5.17).
 
 Three kinds of checks, none needs CUDA:
   * self-consistency of the byte geometry (meta pointers vs flat pages vs kv_buffer strides);
   * the values in shared/reference/sglang-contract.md (shapes, is_stride_page_aligned examples);
-  * where the sglang 0.5.23 wheel is installed (the .venv-sgl made by
-    scripts/install-sglang-test-deps.sh): the *real* methods, compiled from the wheel's
-    pool_host/mha.py and mla.py source text (the modules themselves are never imported: they load
-    CUDA kernels), run on the mimic objects and must give the same results as the mimic's own
-    methods; and round trips through the real HiCacheFile and HiCacheNixl backends.
+  * where sglang 0.5.23 or 0.5.17 is installed (the venv made by
+    scripts/install-sglang-test-deps.sh, with or without its 0.5.17 overlay): the *real* methods,
+    compiled from the installed pool_host/mha.py and mla.py source text (the modules themselves
+    are never imported: they load CUDA kernels), run on the mimic objects and must give the same
+    results as the mimic's own methods; and round trips through the real HiCacheFile and
+    HiCacheNixl backends. The docstring's line numbers are 0.5.23's and checked only there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -283,11 +285,15 @@ def test_is_stride_page_aligned_contract_examples(geo, page_size, dtype, layout,
 
 
 # ---------------------------------------------------------------------------------------------
-# against the real source (needs the sglang 0.5.23 wheel installed; the modules are NOT imported)
+# against the real source (needs sglang 0.5.23 or 0.5.17 installed; the modules are NOT imported)
 # ---------------------------------------------------------------------------------------------
 
 
-def _sglang_mem_cache_dir():
+CHECKED_RELEASES = ("0.5.17", "0.5.23")
+
+
+def _installed_sglang():
+    """(version, srt/mem_cache directory) of the installed SGLang; skips unless it is a checked release."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("sglang not installed (use the venv from scripts/install-sglang-test-deps.sh)")
@@ -297,11 +303,21 @@ def _sglang_mem_cache_dir():
         version = importlib_metadata.version("sglang")
     except importlib_metadata.PackageNotFoundError:  # e.g. a namespace dir named sglang on sys.path
         pytest.skip("sglang not installed (use the venv from scripts/install-sglang-test-deps.sh)")
+    if version not in CHECKED_RELEASES:
+        pytest.skip(f"sglang {version} is installed; these checks read {' and '.join(CHECKED_RELEASES)}'s source")
+    return version, Path(list(spec.submodule_search_locations)[0]) / "srt" / "mem_cache"
+
+
+def _sglang_mem_cache_dir():
+    version, path = _installed_sglang()
     if version != "0.5.23":
-        pytest.skip(f"sglang {version} is installed; these checks cite 0.5.23's source")
-    return Path(list(spec.submodule_search_locations)[0]) / "srt" / "mem_cache"
+        pytest.skip(f"sglang {version} is installed; the mimic's docstring cites 0.5.23's line numbers")
+    return path
 
 
+# Methods only one release has: 0.5.23's get_hybrid_pool_buffer and DCP page index; in 0.5.17 the
+# MLA accessors assert dcp_size == 1 instead (no DCP storage there).
+ONLY_IN = {"get_hybrid_pool_buffer": "0.5.23", "_storage_page_index": "0.5.23"}
 MHA_METHODS = [
     "get_size_per_token", "get_ksize_per_token", "get_hybrid_pool_buffer", "init_kv_buffer",
     "get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page",
@@ -312,8 +328,6 @@ MLA_METHODS = [
     "_storage_page_index", "get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page",
     "get_page_buffer_meta", "is_stride_page_aligned",
 ]
-
-
 def _real_methods(path: Path, class_name: str, names):
     """Compile the named methods of ``class_name`` from the wheel's source text, unbound."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -341,14 +355,34 @@ def _real_methods(path: Path, class_name: str, names):
     return {n: ns[n] for n in names}, calls
 
 
+def _installed_methods(kind):
+    version, path = _installed_sglang()
+    names = [n for n in (MHA_METHODS if kind == "mha" else MLA_METHODS) if ONLY_IN.get(n, version) == version]
+    cls = "MHATokenToKVPoolHost" if kind == "mha" else "MLATokenToKVPoolHost"
+    return _real_methods(path / "pool_host" / f"{kind}.py", cls, names)
+
+
 @pytest.fixture(scope="module")
 def real_mha():
-    return _real_methods(_sglang_mem_cache_dir() / "pool_host" / "mha.py", "MHATokenToKVPoolHost", MHA_METHODS)
+    return _installed_methods("mha")
 
 
 @pytest.fixture(scope="module")
 def real_mla():
-    return _real_methods(_sglang_mem_cache_dir() / "pool_host" / "mla.py", "MLATokenToKVPoolHost", MLA_METHODS)
+    return _installed_methods("mla")
+
+
+def _as_0_5_17(pool):
+    """0.5.17's host pools read their geometry off the device pool (``self.device_pool``) and its
+    layer-sharding helper; give the mimic an unsharded stand-in with the same geometry."""
+    L, dtype = pool.layer_num, pool.dtype
+    if isinstance(pool, sp.MHAHostPoolMimic):
+        pool.device_pool = SimpleNamespace(head_num=pool.head_num, head_dim=pool.head_dim, layer_num=L, device="cpu",
+                                           store_dtype=dtype)
+    else:
+        pool.device_pool = SimpleNamespace(kv_lora_rank=pool.kv_lora_rank, qk_rope_head_dim=pool.qk_rope_head_dim,
+                                           layer_num=L, device="cpu", store_dtype=dtype)
+        pool._effective_host_layer_num = lambda device_pool=None: L
 
 
 def _same_tensor_bytes(a, b):
@@ -364,6 +398,8 @@ def test_real_source_methods_agree(kind, layout, dtype, request):
     pool = small_pool(kind, layout, dtype, seed=5)
     twin = small_pool(kind, layout, dtype, seed=5)
     ps = pool.page_size
+    if "get_hybrid_pool_buffer" not in real and "_storage_page_index" not in real:  # 0.5.17
+        _as_0_5_17(pool)
 
     assert real["get_size_per_token"](pool) == pool.get_size_per_token()
     assert real["get_ksize_per_token"](pool) == pool.get_ksize_per_token()
@@ -391,15 +427,17 @@ def test_real_source_methods_agree(kind, layout, dtype, request):
     assert (pool.token_stride_size, pool.layout_dim) == saved
 
     if kind == "mha":
-        assert [t.data_ptr() for t in real["get_hybrid_pool_buffer"](pool)] == [
-            t.data_ptr() for t in pool.get_hybrid_pool_buffer()
-        ]
+        if "get_hybrid_pool_buffer" in real:
+            assert [t.data_ptr() for t in real["get_hybrid_pool_buffer"](pool)] == [
+                t.data_ptr() for t in pool.get_hybrid_pool_buffer()
+            ]
         if layout == "page_head":
             idx = host_indices_for_pages(pool, [1, 3])
             assert real["get_split_heads_page_buffer_meta"](pool, idx, 2) == pool.get_split_heads_page_buffer_meta(idx, 2)
     else:
         assert real["get_contiguous_buf_infos"](pool) == pool.get_contiguous_buf_infos()
-        assert real["_storage_page_index"](pool, 3 * ps) == pool._storage_page_index(3 * ps)
+        if "_storage_page_index" in real:
+            assert real["_storage_page_index"](pool, 3 * ps) == pool._storage_page_index(3 * ps)
 
 
 def test_docstring_line_references_point_at_the_named_code():
@@ -447,7 +485,8 @@ def test_hicache_file_generic_path_round_trip(kind, layout, tmp_path, monkeypatc
 
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
     src, dst = small_pool(kind, layout, seed=11), small_pool(kind, layout, seed=12)
-    backend = HiCacheFile(_storage_config(kind, layout, {"file_storage_path": str(tmp_path)}))
+    # 0.5.23 takes the directory from the injected extra-config key, 0.5.17 only from the argument
+    backend = HiCacheFile(_storage_config(kind, layout, {"file_storage_path": str(tmp_path)}), str(tmp_path))
     backend.register_mem_pool_host(src)
     ps = src.page_size
     pages, dpages = [1, 2, 4, 0], [3, 0, 1, 4]

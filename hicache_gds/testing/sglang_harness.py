@@ -1,6 +1,6 @@
 """SGLang-side helpers for the reliability runs: storage configs, mimic host pools, attach like SGLang.
 
-Needs SGLang 0.5.23 and `hicache_gds_sglang` importable (the `.venv-sgl` environment), and the
+Needs SGLang (0.5.17–0.5.23) and `hicache_gds_sglang` importable (the `.venv-sgl` environment), and the
 CPU mimics of SGLang's host pools in the repository's ``tests/sglang_pools.py`` (SGLang's real
 pools load CUDA kernels at import). Nothing here is imported by the core.
 

@@ -1,8 +1,10 @@
-"""Tests of the SGLang backend (plugins/sglang) against SGLang 0.5.23's real classes, on CPU.
+"""Tests of the SGLang backend (plugins/sglang) against SGLang's real classes (0.5.23 or 0.5.17), on CPU.
 
 When SGLang (or the plugin) cannot be imported, every test module here is replaced by one skipped
 test giving the reason, so `pytest tests` and `pytest tests/sglang` both report it as a skip.
-`scripts/install-sglang-test-deps.sh` builds the venv these tests need.
+`scripts/install-sglang-test-deps.sh` builds the venv these tests need (0.5.23), and with
+`--overlay DIR` the 0.5.17 overlay that `PYTHONPATH=DIR` puts in front of it (scripts/test.sh
+runs this directory both ways).
 """
 
 import os

@@ -1,13 +1,20 @@
-"""Shared helpers for tests/sglang: storage configs, pools, SGLang-controller-like calls, byte checks."""
+"""Shared helpers for tests/sglang: storage configs, pools, SGLang-controller-like calls, byte checks.
+
+They run against the installed SGLang (0.5.17 or 0.5.23) and do what its controller does there;
+features one release lacks are named here (`HAS_*`, `needs_*`) so tests skip with the reason.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+from sglang.srt.mem_cache import hicache_storage
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, HiCacheStorageConfig
 
 import sglang_pools
 from hicache_gds_sglang import HiCacheGDS
@@ -17,6 +24,17 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 KINDS = ("mha", "mla")
 PS = 4  # tokens per page in most tests
 CAPACITY = "64M"
+
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(HiCacheStorageConfig)}
+HAS_DP_RANK = "dp_rank" in _CONFIG_FIELDS  # 0.5.17: the controller keeps dp_rank to itself
+HAS_DCP = "dcp_size" in _CONFIG_FIELDS
+HAS_RESTORABLE = "restorable_prefix_pages" in {f.name for f in dataclasses.fields(hicache_storage.PoolTransferResult)}
+FailureInjector = getattr(hicache_storage, "HiCacheStorageFailureInjector", None)
+
+needs_dcp = pytest.mark.skipif(not HAS_DCP, reason="this SGLang's HiCacheStorageConfig has no dcp_size "
+                                                   "(no decode-context-parallel storage)")
+needs_injector = pytest.mark.skipif(FailureInjector is None, reason="this SGLang has no "
+                                                                    "HiCacheStorageFailureInjector")
 
 
 def storage_config(gds_dir: str | None, *, extra: dict | None = None, **kw: Any) -> HiCacheStorageConfig:
@@ -46,8 +64,20 @@ def make_pool(kind: str, layout: str, pages: int = 64, page_size: int = PS, seed
                                        seed=seed or 0)
 
 
+def dp_group(monkeypatch: Any, rank: int) -> dict:
+    """`storage_config` kwargs for a rank of attention-DP group `rank`: the config's `dp_rank` where it
+    has one (0.5.23); else SGLang's DP-attention state, which 0.5.17's controller reads instead."""
+    if HAS_DP_RANK:
+        return {"dp_rank": rank}
+    from sglang.srt.layers import dp_attention
+    monkeypatch.setattr(dp_attention, "is_dp_attention_enabled", lambda: True)
+    monkeypatch.setattr(dp_attention, "get_attention_dp_rank", lambda: rank)
+    return {}
+
+
 def attach(sc: HiCacheStorageConfig, pool: Any, name: str = "dynamic") -> HiCacheGDS:
-    """Create and register as HiCacheController.attach_storage_backend does."""
+    """Create and register as HiCacheController.attach_storage_backend does (`on_host_pools_registered`
+    only where SGLang has it)."""
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     extra = sc.extra_config
     if name == "dynamic":
@@ -55,13 +85,15 @@ def attach(sc: HiCacheStorageConfig, pool: Any, name: str = "dynamic") -> HiCach
     backend = StorageBackendFactory.create_backend(name, sc, pool)
     backend.register_mem_pool_host(pool)
     backend.register_mem_host_pool_v2(pool, "kv")
-    backend.on_host_pools_registered()
+    if hasattr(HiCacheStorage, "on_host_pools_registered"):
+        backend.on_host_pools_registered()
     return backend
 
 
 def hicache_file(path: str, pool: Any, **kw: Any) -> HiCacheFile:
-    """SGLang's own HiCacheFile, built as the factory builds it."""
-    f = HiCacheFile(storage_config(None, extra={"file_storage_path": path}, **kw))
+    """SGLang's own HiCacheFile, built as the factory builds it, in `path` (0.5.17 takes only the
+    argument, 0.5.23 the injected extra-config key first)."""
+    f = HiCacheFile(storage_config(None, extra={"file_storage_path": path}, **kw), path)
     f.register_mem_pool_host(pool)
     return f
 

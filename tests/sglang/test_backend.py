@@ -12,12 +12,12 @@ import threading
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
 
 from hicache_gds import ConfigError, PageReader
 from hicache_gds_sglang import HiCacheGDS
-from sgl_helpers import (KINDS, LAYOUTS, attach, generic_get, generic_set, hicache_file, indices, keys, leading,
-                         make_pool, page_bytes, poison, same_pages, storage_config)
+from sgl_helpers import (KINDS, LAYOUTS, FailureInjector, attach, dp_group, generic_get, generic_set, hicache_file,
+                         indices, keys, leading, make_pool, needs_injector, page_bytes, poison, same_pages,
+                         storage_config)
 
 GRID = [(k, lay) for k in KINDS for lay in LAYOUTS]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -226,6 +226,30 @@ def test_tp_and_pp_ranks_are_isolated(gds_dir):
             b.close()
 
 
+def test_dp_attention_groups_get_their_own_namespaces(gds_dir, monkeypatch):
+    """DP attention: every group's rank 0 has tp_rank 0 and writes (DeepSeek's deployment). Each must
+    attach (one writer per namespace) and keep its own pages, in 0.5.17 too, whose storage config
+    has no dp_rank."""
+    ks = keys(6)
+    pools = [make_pool("mla", "page_first", seed=40 + r) for r in range(2)]
+    backends = []
+    try:
+        for r, pool in enumerate(pools):
+            backends.append(attach(storage_config(gds_dir, is_mla_model=True, **dp_group(monkeypatch, r)), pool))
+        namespaces = [b.stats()["kv"]["namespace"] for b in backends]
+        assert namespaces[0] != namespaces[1] and not any(b.stats()["kv"]["read_only"] for b in backends)
+        for b in backends:
+            assert b.batch_set_v1(ks, indices(range(6))) == [True] * 6
+        for b, pool in zip(backends, pools):
+            poison(pool, range(8, 14))
+            assert b.batch_get_v1(ks, indices(range(8, 14))) == [True] * 6
+            assert same_pages(pool, list(range(6)), pool, list(range(8, 14)))
+        assert not same_pages(pools[0], [0], pools[1], [0])
+    finally:
+        for b in backends:
+            b.close()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mla_one_writer_every_rank_reads(gds_dir, layout):
     ks = keys(12)
@@ -291,12 +315,13 @@ def test_mla_reader_is_the_core_read_only_store_and_writes_nothing(gds_dir):
         reader.close()
 
 
+@needs_injector
 def test_failure_injector_never_raises_and_hits_stay_correct(gds_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.002")
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
     pool = make_pool("mha", "page_first", pages=128)
     b = attach(storage_config(gds_dir), pool)
-    assert isinstance(b, HiCacheStorageFailureInjector) and isinstance(b._backend, HiCacheGDS)
+    assert isinstance(b, FailureInjector) and isinstance(b._backend, HiCacheGDS)
     ks = keys(32)
     try:
         written = 0

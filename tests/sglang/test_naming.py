@@ -1,12 +1,15 @@
 """Keys and namespaces: HiCacheFile's suffixes exactly; identities that separate what must differ."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
+from sglang.srt.layers import dp_attention
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-from hicache_gds_sglang.naming import SGLANG_KEYS, KeyScheme, namespace_identity
-from sgl_helpers import storage_config
+from hicache_gds import ConfigError
+from hicache_gds_sglang.naming import SGLANG_KEYS, KeyScheme, namespace_identity, storage_dp_rank
+from sgl_helpers import dp_group, needs_dcp, storage_config
 
 TOPOLOGIES = [dict(tp_rank=t, tp_size=ts, pp_rank=p, pp_size=ps, attn_cp_rank=c, attn_cp_size=cs)
               for (t, ts), (p, ps), (c, cs) in itertools.product([(0, 1), (3, 4)], [(0, 1), (1, 2)], [(0, 1), (1, 2)])]
@@ -16,27 +19,39 @@ TOPOLOGIES = [dict(tp_rank=t, tp_size=ts, pp_rank=p, pp_size=ps, attn_cp_rank=c,
 @pytest.mark.parametrize("topo", TOPOLOGIES)
 def test_suffixes_are_hicache_files(tmp_path, mla, topo):
     sc = storage_config(None, extra={"file_storage_path": str(tmp_path)}, is_mla_model=mla, **topo)
-    ref = HiCacheFile(sc)
+    ref = HiCacheFile(sc, str(tmp_path))
     ours = KeyScheme.from_storage_config(sc)
-    assert (ours.config_suffix, ours.tp_config_suffix) == (ref.config_suffix, ref.tp_config_suffix)
     key = "ab" * 32
+    assert ours.config_suffix == ref.config_suffix
     assert ours.key(key) == ref._get_suffixed_key(key)
-    assert ours.key(key, "mamba") == ref._get_component_key(key, "mamba")
     assert ours.key(key, "swa") == ref._get_component_key(key, "swa")
     assert ours.keys([key], "swa") == [ours.key(key, "swa")]
+    if hasattr(ref, "tp_config_suffix") or not mla:  # 0.5.23; 0.5.17 MHA: one suffix for everything
+        assert ours.tp_config_suffix == getattr(ref, "tp_config_suffix", ref.config_suffix)
+        assert ours.key(key, "mamba") == ref._get_component_key(key, "mamba")
+    else:
+        # 0.5.17's HiCacheFile keys MLA Mamba state without the TP rank, though every TP rank writes
+        # its own shard of it; ours keeps the rank (0.5.23's rule): the suffix of this rank's MHA keys.
+        assert ref._get_component_key(key, "mamba") == f"{key}.mamba{ref.config_suffix}"
+        mha_ref = HiCacheFile(storage_config(None, is_mla_model=False, **topo), str(tmp_path))
+        assert ours.tp_config_suffix == mha_ref.config_suffix != ours.config_suffix
+        assert ours.key(key, "mamba") == f"{key}.mamba{ours.tp_config_suffix}"
 
 
+@needs_dcp
 def test_dcp_suffix_is_hicache_files(tmp_path):
     sc = storage_config(None, extra={"file_storage_path": str(tmp_path)}, is_mla_model=True, tp_rank=1, tp_size=4,
                         dcp_size=2, dcp_rank=1, logical_page_size=64)
-    ref, ours = HiCacheFile(sc), KeyScheme.from_storage_config(sc)
+    ref, ours = HiCacheFile(sc, str(tmp_path)), KeyScheme.from_storage_config(sc)
     assert (ours.config_suffix, ours.tp_config_suffix) == (ref.config_suffix, ref.tp_config_suffix)
 
 
-def test_identities_separate_ranks_except_mla_tp_and_include_the_geometry():
+def test_identities_separate_ranks_except_mla_tp_and_include_the_geometry(monkeypatch):
     geo = {"kind": "mha", "page_order": "token_major", "dtype": "torch.bfloat16", "page_size": 16}
 
-    def ident(mla=False, pool="kv", g=None, **kw):
+    def ident(mla=False, pool="kv", g=None, dp=None, **kw):
+        if dp is not None:
+            kw.update(dp_group(monkeypatch, dp))
         sc = storage_config(None, is_mla_model=mla, **kw)
         return namespace_identity(KeyScheme.from_storage_config(sc), sc, pool, g or geo)
 
@@ -44,7 +59,8 @@ def test_identities_separate_ranks_except_mla_tp_and_include_the_geometry():
     assert ident(True, tp_rank=0, tp_size=2) == ident(True, tp_rank=1, tp_size=2)  # MLA: one shared copy
     assert ident(True, "mamba", tp_rank=0, tp_size=2) != ident(True, "mamba", tp_rank=1, tp_size=2)
     assert ident(pp_rank=0, pp_size=2) != ident(pp_rank=1, pp_size=2)
-    assert ident(dp_rank=0) != ident(dp_rank=1)
+    assert ident(dp=0) != ident(dp=1)
+    assert ident(True, dp=0) != ident(True, dp=1)
     assert ident() != ident(pool="swa")
     assert ident() != ident(g=dict(geo, page_order="layer_major"))
     assert ident() != ident(g=dict(geo, dtype="torch.float8_e4m3fn"))
@@ -53,5 +69,23 @@ def test_identities_separate_ranks_except_mla_tp_and_include_the_geometry():
 
 def test_sglang_keys_cover_what_the_controller_and_loader_pass():
     for k in ("backend_name", "module_path", "class_name", "interface_v1", "file_storage_path",
-              "prefetch_threshold", "hicache_storage_pass_prefix_keys", "tp_lcm_size"):
+              "prefetch_threshold", "hicache_storage_pass_prefix_keys", "tp_lcm_size", "prefetch_timeout_max"):
         assert k in SGLANG_KEYS
+
+
+def test_dp_rank_comes_from_sglang_when_the_storage_config_has_none(monkeypatch):
+    """0.5.17's HiCacheStorageConfig has no dp_rank; its controller reads SGLang's DP-attention state."""
+    no_field = SimpleNamespace()
+    monkeypatch.setattr(dp_attention, "is_dp_attention_enabled", lambda: False)
+    assert storage_dp_rank(no_field) == 0
+    monkeypatch.setattr(dp_attention, "is_dp_attention_enabled", lambda: True)
+    monkeypatch.setattr(dp_attention, "get_attention_dp_rank", lambda: 3, raising=False)
+    assert storage_dp_rank(no_field) == 3
+    assert storage_dp_rank(SimpleNamespace(dp_rank=1)) == 1  # the config's field wins where it exists
+
+    def not_initialized():
+        raise AssertionError("dp attention not initialized!")
+
+    monkeypatch.setattr(dp_attention, "get_attention_dp_rank", not_initialized)
+    with pytest.raises(ConfigError, match="DP rank is unknown"):
+        storage_dp_rank(no_field)

@@ -1,4 +1,9 @@
-"""Sidecar pools (v2 calls) against HiCacheFile: same hits, same restorable prefixes, same bytes."""
+"""Sidecar pools (v2 calls) against HiCacheFile: same hits, same restorable prefixes, same bytes.
+
+0.5.17's HiCacheFile folds several pools differently (the minimum of each pool's longest
+restorable prefix, which one pool may be unable to restore); there the expected answer is
+built from HiCacheFile's one-pool answers, on which both releases agree.
+"""
 
 import itertools
 
@@ -6,7 +11,13 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-from sgl_helpers import attach, generic_set, hicache_file, indices, keys, make_pool, storage_config
+from sgl_helpers import (HAS_RESTORABLE, attach, generic_get, generic_set, hicache_file, indices, keys, make_pool,
+                         poison, same_pages, storage_config)
+
+try:  # 0.5.17's hybrid controller registers this group as the KV pool (0.5.23: the group's anchor pool)
+    from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup, PoolEntry
+except ImportError:
+    HostPoolGroup = PoolEntry = None
 
 ALL, TRAIL = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
 
@@ -56,6 +67,17 @@ def _write(backends, kv, ks, kv_n, swa_has, mamba_has):
         assert res[PoolName.SWA] == [True] * len(swa_has) and res[PoolName.MAMBA] == [True] * len(mamba_has)
 
 
+def _restorable(theirs, probe, transfer):
+    """The prefix lengths `transfer`'s pool can restore, by HiCacheFile: one pool at a time, for probe[:p]."""
+    t = len(transfer.keys or [])
+    out = set()
+    for p in range(1, len(probe) + 1):
+        one = PoolTransfer(name=transfer.name, keys=probe[p - t:p] if t else None, hit_policy=transfer.hit_policy)
+        if theirs.batch_exists_v2(probe[:p], [one]).kv_hit_pages == p:
+            out.add(p)
+    return out
+
+
 @pytest.mark.parametrize("mla", [False, True])
 def test_exists_v2_matches_hicache_file(gds_dir, tmp_path, mla):
     kv, swa, mamba, ours, theirs = _setup(gds_dir, tmp_path, mla)
@@ -69,10 +91,37 @@ def test_exists_v2_matches_hicache_file(gds_dir, tmp_path, mla):
                 tr = [PoolTransfer(name=PoolName.SWA, keys=probe[n - ns:] if ns else None, hit_policy=ps),
                       PoolTransfer(name=PoolName.MAMBA, keys=probe[n - nm:] if nm else None, hit_policy=pm)]
                 a, b = ours.batch_exists_v2(probe, tr), theirs.batch_exists_v2(probe, tr)
-                assert (a.kv_hit_pages, a.extra_pool_hit_pages, a.restorable_prefix_pages) == \
-                       (b.kv_hit_pages, b.extra_pool_hit_pages, b.restorable_prefix_pages), (n, ps, ns, pm, nm)
+                both = sorted(_restorable(theirs, probe, tr[0]) & _restorable(theirs, probe, tr[1]))
+                assert (a.kv_hit_pages, getattr(a, "restorable_prefix_pages", both)) == (max(both, default=0), both)
+                if HAS_RESTORABLE:
+                    assert (a.kv_hit_pages, a.extra_pool_hit_pages, a.restorable_prefix_pages) == \
+                           (b.kv_hit_pages, b.extra_pool_hit_pages, b.restorable_prefix_pages), (n, ps, ns, pm, nm)
+                else:  # 0.5.17: never a longer prefix than HiCacheFile, each pool's own count the same
+                    assert not hasattr(a, "restorable_prefix_pages") and a.kv_hit_pages <= b.kv_hit_pages
+                    assert all(b.extra_pool_hit_pages[k] == v for k, v in a.extra_pool_hit_pages.items())
+                for one in tr:  # one pool: the releases agree, and so do we
+                    a1, b1 = ours.batch_exists_v2(probe, [one]), theirs.batch_exists_v2(probe, [one])
+                    assert (a1.kv_hit_pages, a1.extra_pool_hit_pages) == (b1.kv_hit_pages, b1.extra_pool_hit_pages)
             a, b = ours.batch_exists_v2(probe, None), theirs.batch_exists_v2(probe, None)
-            assert (a.kv_hit_pages, a.restorable_prefix_pages) == (b.kv_hit_pages, b.restorable_prefix_pages)
+            assert a.kv_hit_pages == b.kv_hit_pages
+            assert getattr(a, "restorable_prefix_pages", None) == getattr(b, "restorable_prefix_pages", None)
+    finally:
+        ours.close()
+
+
+def test_exists_v2_answers_in_the_installed_result_shape_and_never_raises(gds_dir, tmp_path):
+    """A malformed or unsupported transfer list is a miss, in the PoolTransferResult this SGLang has."""
+    kv, swa, mamba, ours, theirs = _setup(gds_dir, tmp_path)
+    try:
+        ks = keys(4)
+        _write((ours, theirs), kv, ks, 4, [0, 1, 2, 3], [3])
+        for tr in ([PoolTransfer(name=PoolName.SWA, keys=ks, hit_policy="no-such-policy")], [object()]):
+            r = ours.batch_exists_v2(ks, tr)
+            assert (r.kv_hit_pages, r.extra_pool_hit_pages) == (0, {})
+            assert getattr(r, "restorable_prefix_pages", []) == []
+        r = ours.batch_exists_v2(ks, [PoolTransfer(name=PoolName.SWA, keys=ks, hit_policy=ALL)])
+        r.update_kv_hit_pages(1)  # what SGLang's controller does with it
+        assert r.kv_hit_pages == 4 and r.extra_pool_hit_pages == {PoolName.KV: 4, PoolName.SWA: 4}
     finally:
         ours.close()
 
@@ -137,3 +186,28 @@ def test_mla_sidecars_follow_sglang_writers(gds_dir):
     finally:
         for b in backends:
             b.close()
+
+
+@pytest.mark.skipif(HostPoolGroup is None, reason="this SGLang hands storage backends the hybrid group's anchor pool, "
+                                                  "not its HostPoolGroup")
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_host_pool_group_is_served_zero_copy_through_its_anchor(gds_dir, kind):
+    kv, mamba = make_pool(kind, "page_first", seed=3), StatePool(seed=4)
+    group = HostPoolGroup([PoolEntry(PoolName.KV, kv, None, lambda layer: layer, is_primary_index_anchor=True),
+                           PoolEntry(PoolName.MAMBA, mamba, None, lambda layer: None)])
+    b = attach(storage_config(gds_dir, is_mla_model=kind == "mla"), group)  # create_backend + register_mem_pool_host
+    try:
+        for entry in group.entries:  # then HybridCacheController.attach_storage_backend's burst
+            b.register_mem_host_pool_v2(entry.host_pool, entry.name)
+        st = b.stats()
+        assert st["kv"]["pool_path"] == "zero-copy" and st["kv"]["pool_class"] == type(kv).__name__
+        assert b.mem_pool_host is group and st["mamba"]["pool_path"] == "copy"
+        ks = keys(8)
+        assert b.batch_set_v1(ks, indices(range(8))) == [True] * 8
+        poison(kv, range(16, 24))
+        assert b.batch_get_v1(ks, indices(range(16, 24))) == [True] * 8
+        assert same_pages(kv, list(range(8)), kv, list(range(16, 24)))
+        assert generic_get(b, group, ks, list(range(32, 40))) == 8  # the controller's copy path, through the group
+        assert same_pages(kv, list(range(8)), kv, list(range(32, 40)))
+    finally:
+        b.close()

@@ -5,11 +5,11 @@ Construction (both work)::
     HiCacheGDS(storage_config, {})              # --hicache-storage-backend dynamic (SGLang's loader)
     HiCacheGDS(storage_config, mem_pool_host)   # --hicache-storage-backend gds (this plugin's hook)
 
-Then SGLang calls `register_mem_pool_host` (the KV anchor pool), `register_mem_host_pool_v2` for
-every pool of the group (KV included) and `on_host_pools_registered` -- all on the scheduler
-thread. Each pool is bound to its own `PageStore` namespace (`naming`), its ``kv_buffer``
-registered once; a pool or layout we cannot serve raises `ConfigError` there, which fails the
-attach with the reason.
+Then SGLang calls `register_mem_pool_host` (the KV anchor pool, or 0.5.17's `HostPoolGroup` of
+it), `register_mem_host_pool_v2` for every pool of the group (KV included) and, where SGLang has
+it (0.5.23), `on_host_pools_registered` -- all on the scheduler thread. Each pool is bound to its
+own `PageStore` namespace (`naming`), its ``kv_buffer`` registered once; a pool or layout we
+cannot serve raises `ConfigError` there, which fails the attach with the reason.
 
 Data path (called from three SGLang threads at once): `batch_exists`, `batch_get_v1`,
 `batch_set_v1` (zero-copy between host-pool slots and NVMe), the copy path `get` / `set` /
@@ -24,6 +24,7 @@ written, every page checked against its checksum).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -49,6 +50,18 @@ log = logging.getLogger("hicache_gds_sglang")
 
 def _pool_name(name: Any) -> str:
     return str(getattr(name, "value", name))
+
+
+# 0.5.23's PoolTransferResult carries the restorable prefix lengths (its controller intersects
+# them across ranks); 0.5.17's has only the two counts, and a third argument is a TypeError.
+_HAS_RESTORABLE = "restorable_prefix_pages" in {f.name for f in dataclasses.fields(PoolTransferResult)}
+
+
+def _transfer_result(kv_pages: int, hit_count: dict, restorable: List[int]) -> PoolTransferResult:
+    """`PoolTransferResult` in the installed SGLang's shape."""
+    if _HAS_RESTORABLE:
+        return PoolTransferResult(kv_pages, hit_count, restorable)
+    return PoolTransferResult(kv_pages, hit_count)
 
 
 class _Metrics:
@@ -166,9 +179,14 @@ class HiCacheGDS(HiCacheStorage):
             self._bindings[name] = self._bind(name, pool)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Bind the KV anchor pool: its own namespace, its kv_buffer registered once."""
+        """Bind the KV anchor pool: its own namespace, its kv_buffer registered once.
+
+        A hybrid model's controller hands over its anchor pool (0.5.23) or, in 0.5.17, the whole
+        ``HostPoolGroup``, whose page methods only forward to the anchor's: the anchor is bound
+        either way, so KV pages take the zero-copy path and land in the same namespace."""
         self.mem_pool_host = mem_pool_host
-        self._set_binding("kv", mem_pool_host)
+        anchor = getattr(getattr(mem_pool_host, "anchor_entry", None), "host_pool", None)
+        self._set_binding("kv", mem_pool_host if anchor is None else anchor)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Bind a pool of the host pool group; "kv" is the anchor, bound by `register_mem_pool_host`."""
@@ -325,7 +343,14 @@ class HiCacheGDS(HiCacheStorage):
     # -- hybrid pools (v2) -----------------------------------------------------------------------
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Any = None) -> PoolTransferResult:
-        """HiCacheFile's fold: KV longest prefix, then each pool's hit policy; `restorable_prefix_pages`."""
+        """HiCacheFile's fold (0.5.23): KV longest prefix, then each pool's hit policy.
+
+        `kv_hit_pages` is the longest prefix every pool can restore, and `restorable_prefix_pages`
+        all such lengths where the installed `PoolTransferResult` has that field. 0.5.17's has not
+        (nor does its controller read it); the counts are the same answer, which is never longer
+        than 0.5.17's HiCacheFile gives and shorter only when two pools' trailing windows end at
+        different lengths (where HiCacheFile 0.5.17 reports a prefix one pool cannot restore).
+        """
         try:
             kv = self._bindings.get("kv")
             kv_pages = kv.prefix(keys) if kv is not None and keys else 0
@@ -349,14 +374,14 @@ class HiCacheGDS(HiCacheStorage):
                     boundary = max(pool_ok, default=0)
                 else:
                     self._fail("batch_exists_v2", f"hit policy {t.hit_policy} of pool {t.name} is not supported")
-                    return PoolTransferResult(0, {}, [])
+                    return _transfer_result(0, {}, [])
                 if boundary:
                     hit_count[t.name] = boundary
                 restorable = [p for p in restorable if p in pool_ok]
-            return PoolTransferResult(restorable[-1] if restorable else 0, hit_count, restorable)
+            return _transfer_result(restorable[-1] if restorable else 0, hit_count, restorable)
         except Exception as exc:  # noqa: BLE001
             self._fail("batch_exists_v2", exc)
-            return PoolTransferResult(0, {}, [])
+            return _transfer_result(0, {}, [])
 
     def _batch_v2(self, op: str, transfers: List[PoolTransfer], write: bool) -> dict:
         out = {}

@@ -16,6 +16,11 @@ Three rules live here and nowhere else:
   bytes meaningful: model, the rank suffix, the DP rank, the pool, its kind, dtype, page geometry
   and the *byte order* of a page (`PoolGeometry.page_order`). Layouts with the same byte order
   (``layer_first`` and ``page_first_direct``) share pages; others never see each other's.
+
+SGLang 0.5.17 differs in two places, both handled here: its ``HiCacheStorageConfig`` has no
+``dp_rank`` (`storage_dp_rank` asks SGLang's DP-attention state, as its controller does), and its
+HiCacheFile keys MLA Mamba state without the TP rank (we keep the rank: every TP rank writes its
+own shard of that state, in 0.5.17 as in 0.5.23).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any, Mapping
 
 from hicache_gds import Config, ConfigError
 
-__all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity"]
+__all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity", "storage_dp_rank"]
 
 SCHEMA = "hicache-gds-sglang/1"
 
@@ -36,6 +41,7 @@ SGLANG_KEYS = (
     "allocator",  # host allocator choice (get_allocator_type)
     "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
     "hicache_storage_pass_prefix_keys", "tp_lcm_size",  # popped by the controller
+    "prefetch_timeout_max",  # 0.5.17's; its hybrid-model controller leaves it in the config
 )
 
 
@@ -92,14 +98,40 @@ class KeyScheme:
         return [f"{k}.{pool}{suffix}" for k in keys]
 
 
+def storage_dp_rank(sc: Any) -> int:
+    """The attention-DP rank of this process's storage namespaces.
+
+    Under DP attention ``tp_rank`` is group-local, so ranks of different DP groups share it.
+    ``HiCacheStorageConfig.dp_rank`` (0.5.23) tells them apart; a config without the field
+    (0.5.17) gets it from SGLang's DP-attention state, exactly as that release's controller
+    computes its own ``dp_rank``. Without it, DP groups would contend for one namespace and every
+    group but the first would fail to attach (the core's one-writer lock).
+    """
+    rank = getattr(sc, "dp_rank", None)
+    if rank is not None:
+        return int(rank)
+    try:
+        from sglang.srt.layers import dp_attention
+        enabled = dp_attention.is_dp_attention_enabled()
+    except Exception:  # noqa: BLE001 -- no DP-attention state to ask: a single DP group
+        return 0
+    if not enabled:
+        return 0
+    try:
+        return int(dp_attention.get_attention_dp_rank())
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError("hicache-gds: DP attention is enabled but its DP rank is unknown "
+                          f"({type(exc).__name__}: {exc}); cannot name this rank's namespaces") from exc
+
+
 def namespace_identity(scheme: KeyScheme, sc: Any, pool: str, geometry: Mapping[str, Any]) -> dict[str, str]:
     """Identity of one pool's namespace on one rank (rank-replicated MLA pools: same on every TP rank).
 
-    The DP rank is in it because a namespace has one writer process: DP attention groups keep
-    their own copies.
+    The DP rank (`storage_dp_rank`) is in it because a namespace has one writer process: DP
+    attention groups keep their own copies.
     """
     ident = {"schema": SCHEMA, "model": scheme.model, "pool": pool, "suffix": scheme.suffix_for(pool),
-             "dp_rank": getattr(sc, "dp_rank", 0)}
+             "dp_rank": storage_dp_rank(sc)}
     ident.update(geometry)
     return {str(k): str(v) for k, v in ident.items()}
 

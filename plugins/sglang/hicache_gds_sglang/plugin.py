@@ -13,9 +13,18 @@ calls early):
 3. ``HiCacheController.attach_storage_backend`` (AFTER): select the zero-copy page functions
    (``batch_get_v1`` / ``batch_set_v1``) for ``gds``, as SGLang does for its own zero-copy names.
 
-These are SGLang internals (tested against 0.5.17 and 0.5.23). When one is missing (another
-SGLang version), nothing is hooked and one log line gives the ``dynamic`` command line, which
-needs no hook.
+One more, only where SGLang has it (0.5.17, which keeps a speculative-decoding draft model's KV
+in a host pool of its own; 0.5.23 packs draft layers into the KV pool and has nothing to hook):
+
+4. ``HiCacheController._maybe_register_draft_with_storage`` (AFTER): bind the draft host pool
+   to its own namespace (``register_mem_host_pool_v2(pool, "draft")``) and move draft pages
+   through the v2 calls, as SGLang does for mooncake. Without it SGLang's generic draft path
+   would send draft pages of the wrong size to the KV namespace, and no draft page would ever
+   be stored.
+
+These are SGLang internals (tested against 0.5.17 and 0.5.23). When one of 1-3 is missing
+(another SGLang version), nothing is hooked and one log line gives the ``dynamic`` command line,
+which needs no hook.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ _FACTORY_CLASS = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFac
 # First that exists wins: 0.5.23 builds backends in `_do_create_backend` (wrapped by `create_backend`).
 _FACTORY_METHODS = ("_do_create_backend", "create_backend")
 _ATTACH = "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend"
+_DRAFT = "sglang.srt.managers.cache_controller.HiCacheController._maybe_register_draft_with_storage"
 _registered = False
 
 
@@ -78,6 +88,27 @@ def _select_zero_copy(result: Any, controller: Any, *args: Any, **kwargs: Any) -
     return None
 
 
+def _bind_draft(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None:
+    """After SGLang picked its draft L3 functions: serve the draft host pool from its own namespace."""
+    if not (getattr(controller, "has_draft", False) and getattr(controller, "enable_storage", False)):
+        return None
+    from .backend import HiCacheGDS
+    backend = getattr(controller, "storage_backend", None)
+    if not isinstance(backend, HiCacheGDS):
+        return None
+    try:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+        backend.register_mem_host_pool_v2(controller.mem_pool_host_draft, PoolName.DRAFT)
+        get_v2, set_v2 = controller._draft_page_get_v2, controller._draft_page_set_v2
+    except Exception as exc:  # noqa: BLE001 -- draft L3 is best effort in SGLang too: disable, never fail
+        log.warning("hicache-gds: draft KV is not stored in L3 (%s: %s); speculative decoding runs on without it",
+                    type(exc).__name__, exc)
+        controller.draft_page_get_func = controller.draft_page_set_func = None
+        return None
+    controller.draft_page_get_func, controller.draft_page_set_func = get_v2, set_v2
+    return None
+
+
 def _factory_target() -> str:
     """The factory method to hook in the installed SGLang; AttributeError when there is none."""
     cls = pkgutil.resolve_name(_FACTORY_CLASS)
@@ -107,10 +138,12 @@ def register() -> None:
             if not hasattr(ctl, attr):
                 raise AttributeError(f"HiCacheController.{attr} does not exist")
     except Exception as exc:  # noqa: BLE001 -- a plugin must never break SGLang's start
-        log.warning("hicache-gds: SGLang's internals differ from 0.5.23 (%s); `--hicache-storage-backend gds` "
+        log.warning("hicache-gds: SGLang's internals differ from 0.5.17-0.5.23 (%s); `--hicache-storage-backend gds` "
                     "is not available. Select the backend with: %s", exc, dynamic_command())
         return
     HookRegistry.register(_ARGS, _add_choice, HookType.AFTER)
     HookRegistry.register(factory, _create, HookType.AROUND)
     HookRegistry.register(_ATTACH, _select_zero_copy, HookType.AFTER)
+    if hasattr(ctl, _DRAFT.rsplit(".", 1)[1]):  # 0.5.17's separate draft host pool
+        HookRegistry.register(_DRAFT, _bind_draft, HookType.AFTER)
     _registered = True
