@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Run the server comparison on a GPU machine prepared by gpu_prepare.sh (or any machine where
+# `sglang`, `hicache-gds` and `hicache-gds-sglang` are installed):
+#
+#   bash benchmarks/e2e/run_e2e.sh [prefix|multiturn|ops|all] [CONFIGS]    # default: all
+#
+# prefix     bench_sglang_server.py, 16k-token prefix revisits (CONFIGS default recompute,hicache,file,nixl,gds)
+# multiturn  bench_sglang_server.py --mode multiturn (CONFIGS default recompute,nixl,gds)
+# ops        check_server_ops.py: restart, runtime detach/attach, /flush_cache, a second server, shutdown
+#
+# Resumable: configurations already measured under $E2E_OUT are kept (--resume), so a run longer
+# than one call continues where it stopped. E2E_DIR is the disk under test (default
+# /var/tmp/e2e-store), E2E_OUT the results (default /var/tmp/e2e-out).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+[ -f /var/tmp/hgds-e2e/env.sh ] && source /var/tmp/hgds-e2e/env.sh
+DIR=${E2E_DIR:-/var/tmp/e2e-store}
+OUT=${E2E_OUT:-/var/tmp/e2e-out}
+what=${1:-all}
+rc=0
+if [ "$what" = prefix ] || [ "$what" = all ]; then
+  python3 benchmarks/e2e/bench_sglang_server.py --dir "$DIR" --out "$OUT" --resume \
+    --configs "${2:-recompute,hicache,file,nixl,gds}" || rc=1
+fi
+if [ "$what" = multiturn ] || [ "$what" = all ]; then
+  python3 benchmarks/e2e/bench_sglang_server.py --dir "$DIR" --out "$OUT" --resume --mode multiturn \
+    --clients 16 --rounds 3 --configs "${2:-recompute,nixl,gds}" --raw-size 0 || rc=1
+fi
+if [ "$what" = ops ] || [ "$what" = all ]; then
+  python3 benchmarks/e2e/check_server_ops.py --dir "$DIR/ops" --out "$OUT/ops" || rc=1
+fi
+exit $rc
