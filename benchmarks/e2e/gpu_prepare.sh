@@ -34,9 +34,12 @@ if [ ! -f "$D/READY" ] || [ "$(cat "$D/READY")" != "$want" ]; then
   echo "[prepare] unpacked $(du -sh "$D/site" | cut -f1) in $(( $(date +%s) - t )) s"
   echo "$want" > "$D/READY"
 fi
-# Wheels carried beside the bundle (.e2e/extra/*.whl): additions found after the bundle was built.
-if ls .e2e/extra/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target "$D/site" .e2e/extra/*.whl 2>&1 \
+# Wheels carried beside the bundle (.e2e/extra/*.whl or .e2e-parts/extra/*.whl): additions made
+# after the bundle was built, or tools a diagnostic needs (cufile-python).
+extra=$(ls .e2e/extra/*.whl .e2e-parts/extra/*.whl 2>/dev/null || true)
+if [ -n "$extra" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target "$D/site" $extra 2>&1 \
     | grep -v -e '^WARNING' -e 'already exists' || true
 fi
 # This checkout's hicache-gds and plugin: installed for their metadata (SGLang finds the plugin
