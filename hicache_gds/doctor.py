@@ -91,7 +91,7 @@ def o_direct_ok(directory: str) -> tuple[bool, str]:
 
 
 def _gpus() -> dict[str, Any]:
-    from .engines.gds_probe import gpu_present
+    from .engines.cufile_env import gpu_present
     out: dict[str, Any] = {"visible": gpu_present(), "devices": [], "driver": None, "source": None}
     smi = shutil.which("nvidia-smi")
     if smi:
@@ -130,7 +130,7 @@ def _nvidia_fs() -> dict[str, Any]:
 
 
 def _cufile(cfg: Any) -> dict[str, Any]:
-    from .engines.nixl_file import cufile_bounce_pool
+    from .engines.cufile_env import cufile_bounce_pool
     env = os.environ.get("CUFILE_ENV_PATH_JSON", "")
     out: dict[str, Any] = {}
     if env and os.path.isfile(env):
