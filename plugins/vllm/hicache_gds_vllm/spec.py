@@ -24,13 +24,13 @@ import hashlib
 import os
 from typing import Any, Mapping
 
-from vllm.v1.kv_offload.base import (CanonicalKVCaches, LoadStoreSpec, OffloadingManager, OffloadingSpec,
-                                     OffloadingWorker, OffloadKey)
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicache_gds import Config, ConfigError, namespace_id
 from hicache_gds.memory import align_up
 
+from .shared import HiCacheLoadSpec, HiCacheStoreSpec, store_key
 from .sidecar import SideDir
 
 __all__ = ["HiCacheGDSOffloadingSpec", "HiCacheLoadSpec", "HiCacheStoreSpec", "VLLM_KEYS", "hicache_config",
@@ -45,38 +45,6 @@ VLLM_KEYS = (
 )
 _ENV_SPELLINGS = {"ENABLE_GDS": "enable_gds", "GDS_PATH": "gds_path"}
 ADAPTER_FORMAT = "vllm-offloading/1"  # bump when the page layout below changes
-
-
-def store_key(key: OffloadKey) -> str:
-    """The store key of a vLLM offload key (block hash + group index, as hex)."""
-    return bytes(key).hex()
-
-
-class HiCacheLoadSpec(LoadStoreSpec):
-    """What a worker reads: the keys, in vLLM's group-then-chunk order. Pickled every step."""
-
-    __slots__ = ("keys",)
-
-    def __init__(self, keys: list[str]) -> None:
-        self.keys = keys
-
-    def __repr__(self) -> str:
-        return f"HiCacheLoadSpec({len(self.keys)} keys)"
-
-
-class HiCacheStoreSpec(LoadStoreSpec):
-    """What a worker writes (`keys`), and what it must delete first (`drops`, or everything when
-    `clear`): the manager's evictions and failed chunks ride on the next store job."""
-
-    __slots__ = ("keys", "drops", "clear")
-
-    def __init__(self, keys: list[str], drops: list[str] | None = None, clear: bool = False) -> None:
-        self.keys = keys
-        self.drops = drops or []
-        self.clear = clear
-
-    def __repr__(self) -> str:
-        return f"HiCacheStoreSpec({len(self.keys)} keys, {len(self.drops)} drops, clear={self.clear})"
 
 
 def hicache_config(extra: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:

@@ -38,7 +38,7 @@ from hicache_gds.memory import HostBuffer, align_up
 
 from .regions import GroupGeometry, chunks_for, coalesce, plan_group, scratch_bytes_needed
 from .sidecar import FailureLog
-from .spec import HiCacheGDSOffloadingSpec, HiCacheLoadSpec, HiCacheStoreSpec
+from .shared import HiCacheLoadSpec, HiCacheStoreSpec, SpecView
 
 __all__ = ["HiCacheGDSWorker"]
 
@@ -78,7 +78,7 @@ class _Scratch:
 class HiCacheGDSWorker(OffloadingWorker):
     """OffloadingWorker over hicache-gds page stores (one per KV-cache group on this rank)."""
 
-    def __init__(self, spec: HiCacheGDSOffloadingSpec, kv_caches: CanonicalKVCaches) -> None:
+    def __init__(self, spec: SpecView, kv_caches: CanonicalKVCaches) -> None:
         self.spec = spec
         self.rank = spec.config.parallel.rank
         self.bpc = spec.blocks_per_chunk
