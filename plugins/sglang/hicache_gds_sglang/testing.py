@@ -1,8 +1,12 @@
-"""SGLang-side helpers for the reliability runs: storage configs, mimic host pools, attach like SGLang.
+"""The SGLang test target of hicache-gds's reliability runs: storage configs, mimic host pools,
+attach like SGLang, and SGLang's own failure injector around the backend.
 
-Needs SGLang 0.5.23 and `hicache_gds_sglang` importable (the `.venv-sgl` environment), and the
-CPU mimics of SGLang's host pools in the repository's ``tests/sglang_pools.py`` (SGLang's real
-pools load CUDA kernels at import). Nothing here is imported by the core.
+Registered as the ``sglang`` target (entry-point group ``hicache_gds.testing.targets``), so the
+core's runs reach it by name without importing this plugin (`hicache_gds.testing.targets` says
+what a target provides). Needs SGLang 0.5.23 (the `scripts/install-sglang-test-deps.sh`
+environment) and the CPU mimics of SGLang's host pools in the repository's
+``tests/sglang_pools.py`` (SGLang's real pools load CUDA kernels at import;
+``HICACHE_GDS_TESTS_DIR`` names that directory when this plugin is not run from the repository).
 
     sc = storage_config(gds_path, capacity="64M")
     pool = make_pool("mha", "page_first", pages=64)
@@ -18,7 +22,8 @@ import sys
 from typing import Any, Iterable, Sequence
 
 __all__ = ["available", "why_unavailable", "storage_config", "make_pool", "attach", "host_indices", "page_bytes",
-           "set_page", "sgl_key", "kv_store", "POOL_SHAPES"]
+           "set_page", "sgl_key", "key", "kv_store", "open_client", "AdapterClient", "fault_cases", "injector_case",
+           "POOL_SHAPES"]
 
 DYNAMIC = {"backend_name": "gds", "module_path": "hicache_gds_sglang", "class_name": "HiCacheGDS", "interface_v1": 1}
 
@@ -32,18 +37,19 @@ def _tests_dir() -> str:
     env = os.environ.get("HICACHE_GDS_TESTS_DIR")
     if env:
         return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(os.path.dirname(os.path.dirname(here)), "tests")
+    here = os.path.dirname(os.path.abspath(__file__))  # <repo>/plugins/sglang/hicache_gds_sglang
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(here))), "tests")
 
 
 def why_unavailable() -> str:
     """'' when SGLang, the plugin and the mimic pools import; else the reason."""
     try:
-        import hicache_gds_sglang.backend  # noqa: F401
+        from . import backend  # noqa: F401
         import sglang.srt.mem_cache.hicache_storage  # noqa: F401
         import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401
     except Exception as exc:  # noqa: BLE001 -- any import failure means "not this environment"
-        return f"SGLang or hicache_gds_sglang is not importable ({type(exc).__name__}: {exc}); use .venv-sgl"
+        return (f"SGLang or hicache_gds_sglang is not importable ({type(exc).__name__}: {exc}); "
+                f"use the scripts/install-sglang-test-deps.sh environment")
     try:
         _pools()
     except Exception as exc:  # noqa: BLE001
@@ -152,3 +158,161 @@ def set_page(pool: Any, page: int, data: Any) -> None:
 def sgl_key(tag: str) -> str:
     """An SGLang-like page key (64 lowercase hex characters) derived from `tag`."""
     return hashlib.sha256(tag.encode()).hexdigest()
+
+
+def key(tag: str) -> str:
+    """The target's page key for `tag` (`hicache_gds.testing.targets` contract)."""
+    return sgl_key(tag)
+
+
+class AdapterClient:
+    """`HiCacheGDS` on a mimic host pool, driven as SGLang's controller drives it (v1 zero-copy calls).
+
+    The `hicache_gds.testing.clients.Client` of the ``sglang`` target delegates here: page bytes
+    go through host-pool pages ``at .. at + n`` and ``batch_set_v1`` / ``batch_get_v1``."""
+
+    def __init__(self, gds_path: str, *, slots: int, pages: int, shape: int, identity: Any = None,
+                 extra: dict | None = None, options: dict | None = None) -> None:
+        """`identity` is not used: SGLang names the namespace from its storage config (`options`)."""
+        from hicache_gds.memory import align_up
+        sh = POOL_SHAPES[shape % len(POOL_SHAPES)]
+        self.pool = pool_for_shape(sh, pages)
+        self.page = flat_page_nbytes(self.pool)
+        kw = dict(options or {})
+        kw.setdefault("is_mla_model", sh[0] == "mla")
+        sc = storage_config(gds_path, capacity=slots * align_up(self.page), extra=dict(extra or {}), **kw)
+        self.backend = attach(sc, self.pool)
+        self.raw = inner(self.backend)
+        self.binding = self.raw._bindings["kv"]
+        self.store = self.binding.store
+
+    def store_keys(self, keys: Sequence[str]) -> list[str]:
+        return self.binding.skeys(list(keys))
+
+    def put(self, keys: list[str], blobs: list[Any], at: int) -> list[bool]:
+        for j, blob in enumerate(blobs):
+            set_page(self.pool, at + j, blob)
+        return self.backend.batch_set_v1(keys, host_indices(self.pool, range(at, at + len(keys))))
+
+    def read(self, keys: list[str], at: int) -> list[bytes | None]:
+        import numpy as np
+        poison = np.full(self.page, 0xEE, dtype=np.uint8)
+        for j in range(len(keys)):
+            set_page(self.pool, at + j, poison)
+        res = self.backend.batch_get_v1(keys, host_indices(self.pool, range(at, at + len(keys))))
+        return [page_bytes(self.pool, at + j) if ok else None for j, ok in enumerate(res)]
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [bool(self.backend.exists(k)) for k in keys]
+
+    def prefix(self, keys: Sequence[str]) -> int:
+        return self.backend.batch_exists(list(keys))
+
+    def clear(self) -> bool:
+        return bool(self.backend.clear())
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def open_client(gds_path: str, **kw: Any) -> AdapterClient:
+    """An `AdapterClient` (`hicache_gds.testing.targets` contract)."""
+    return AdapterClient(gds_path, **kw)
+
+
+# -- SGLang's failure injector ----------------------------------------------------------------------------
+
+def injector_case(root: str, *, delay: float = 0.002, failure: float = 0.3, seconds: float = 5.0) -> Any:
+    """Three SGLang-like threads through SGLang's HiCacheStorageFailureInjector around HiCacheGDS."""
+    import threading
+    import time
+
+    from hicache_gds.testing.cases import Case, guarded
+    from hicache_gds.testing.clients import expected
+    from hicache_gds.testing.crash import page_bytes_of
+    from hicache_gds.testing.invariants import index_problems
+
+    case = Case("faults", f"SGLang injector (delay<={delay}s, failure {failure})", "sglang")
+    os.environ["SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY"] = str(delay)
+    os.environ["SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE"] = str(failure)
+    try:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+        d = os.path.join(root, "sglang-injector")
+        os.makedirs(d, exist_ok=True)
+        pool = make_pool("mha", "page_first", pages=96)
+        b = attach(storage_config(d, capacity="32M"), pool)
+    finally:
+        os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", None)
+        os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", None)
+    if not case.check(isinstance(b, HiCacheStorageFailureInjector), "SGLang did not wrap the backend"):
+        b.close()
+        return case
+    injected, calls = [0], [0]
+    orig = b._inject_failure
+
+    def counting(name: str) -> bool:
+        hit = orig(name)
+        injected[0] += hit
+        calls[0] += 1
+        return hit
+    b._inject_failure = counting
+    page = flat_page_nbytes(pool)
+    keys = [sgl_key(f"inj-{i}") for i in range(32)]
+    for j, k in enumerate(keys):
+        set_page(pool, j, page_bytes_of(k, page))
+    stop = threading.Event()
+    errors: list[str] = []
+    counts = {"set": 0, "get": 0, "exists": 0, "hits": 0}
+
+    def run(fn: Any) -> None:
+        try:
+            while not stop.is_set():
+                fn()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    def setter() -> None:
+        res = b.batch_set_v1(keys, host_indices(pool, range(32)))
+        counts["set"] += len(res)
+
+    def getter() -> None:
+        res = b.batch_get_v1(keys[:16], host_indices(pool, range(40, 56)))
+        counts["get"] += len(res)
+        for i, ok in enumerate(res):
+            if ok:
+                counts["hits"] += 1
+                if page_bytes(pool, 40 + i) != expected(keys[i], page):
+                    case.wrong_bytes += 1
+
+    def exister() -> None:
+        n = b.batch_exists(keys)
+        counts["exists"] += 1
+        if not 0 <= n <= 32:
+            errors.append(f"batch_exists returned {n}")
+    ts = [threading.Thread(target=run, args=(f,)) for f in (setter, getter, exister)]
+    for t in ts:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in ts:
+        t.join(60)
+    case.exceptions = len(errors)
+    case.problems.extend(errors[:5])
+    case.check(not any(t.is_alive() for t in ts), "a thread hung")
+    case.check(case.wrong_bytes == 0, f"{case.wrong_bytes} hit(s) with wrong bytes")
+    case.injected = injected[0]
+    case.caught = injected[0]
+    with guarded(case, "after"):
+        case.check(b._backend.batch_exists(keys) == 32, "not every page got stored")
+    case.problems.extend(index_problems(kv_store(b).index))
+    b.close()
+    case.outcome = (f"{injected[0]} of {calls[0]} calls failed by the injector; "
+                    f"{counts['hits']} hits all byte-exact; every page stored in the end; exceptions {len(errors)}")
+    return case
+
+
+def fault_cases(root: str, seconds: float = 5.0) -> list[Any]:
+    """Faults only SGLang can inject: its random failures and delays around the backend
+    (`hicache_gds.testing.targets` contract)."""
+    return [injector_case(root, seconds=seconds), injector_case(root, delay=0.05, failure=0.0, seconds=seconds)]
