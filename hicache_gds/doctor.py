@@ -1,6 +1,7 @@
 """`hicache-gds doctor`: can this machine run hicache-gds, and along which path?
 
-Reports GPUs and driver, whether nvidia-fs is loaded, which cufile.json applies and its compat
+Reports GPUs, the driver and the CUDA versions found (the driver's, torch's build), which NIXL
+build was imported (nixl-cu12 / nixl-cu13) and why, whether nvidia-fs is loaded, which cufile.json applies and its compat
 bounce pool, whether cuFile will run in compat mode on `GDS_PATH`'s file system, the NIXL plugins
 that load, O_DIRECT and free space on `GDS_PATH`, and the engine `auto` picks and why.
 
@@ -20,6 +21,7 @@ import json
 import mmap
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -103,6 +105,10 @@ def _gpus() -> dict[str, Any]:
                 out["devices"].append({"index": idx, "name": name, "memory": mem, "pci": bus})
                 out["driver"] = drv
             out["source"] = "nvidia-smi" if r.returncode == 0 else f"nvidia-smi exit {r.returncode}"
+            if r.returncode == 0:  # the header names the newest CUDA the driver supports
+                head = subprocess.run([smi], capture_output=True, text=True, timeout=20).stdout
+                m = re.search(r"CUDA Version:\s*([0-9.]+)", head)
+                out["driver_cuda"] = m.group(1) if m else None
         except (OSError, subprocess.TimeoutExpired) as exc:
             out["source"] = f"nvidia-smi failed: {exc}"
     try:
@@ -193,13 +199,15 @@ def _directory(path: str, gpu: bool, nvfs: bool) -> dict[str, Any]:
 
 
 def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
-    from ._nixl import loadable_plugins, nixl_version
-    out: dict[str, Any] = {"version": nixl_version()}
-    try:
-        out["plugins"] = loadable_plugins()
-    except Exception as exc:  # noqa: BLE001 -- NIXL missing or broken
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        out["plugins"] = {}
+    from ._nixl import loadable_plugins, nixl_info
+    out: dict[str, Any] = nixl_info()
+    out["version"] = out.get("version") or "not installed"
+    out["plugins"] = {}
+    if not out.get("error"):
+        try:
+            out["plugins"] = loadable_plugins()
+        except Exception as exc:  # noqa: BLE001 -- NIXL broken
+            out["error"] = f"{type(exc).__name__}: {exc}"
     gds: dict[str, Any] = {}
     for name in ("nixl-gds", "nixl-gds-mt"):
         if not gpu:
@@ -209,6 +217,29 @@ def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
         p = probe_gds(probe_dir, name, timeout=timeout)
         gds[name] = {"ok": p.ok, "compat_mode": p.compat_mode, "reason": p.reason}
     out["gds"] = gds
+    return out
+
+
+def _major(version: Any) -> int | None:
+    m = re.match(r"(\d+)", str(version or ""))
+    return int(m.group(1)) if m else None
+
+
+def _cuda_mismatch(nixl: dict[str, Any], gpu: dict[str, Any]) -> list[str]:
+    """Warnings where the NIXL build does not fit torch's CUDA build or the driver: its GDS plugins
+    load the CUDA runtime of their own major version."""
+    out = []
+    built = _major((nixl.get("variant") or "")[2:])
+    if built is None:
+        return out
+    torch_major = _major(gpu.get("torch_cuda"))
+    if torch_major is not None and torch_major != built:
+        out.append(f"{nixl['version']} is built for CUDA {built} but torch for CUDA {gpu['torch_cuda']}: "
+                   f"install hicache-gds[cu{torch_major}] instead (one NIXL build per process)")
+    driver = _major(gpu.get("driver_cuda"))
+    if driver is not None and driver < built:
+        out.append(f"{nixl['version']} needs a driver for CUDA {built}; this driver supports CUDA "
+                   f"{gpu['driver_cuda']}: install hicache-gds[cu{driver}] or update the driver")
     return out
 
 
@@ -274,6 +305,7 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
     rep["nixl"] = _nixl(probe_root, gpu["visible"], probe_timeout)
     if rep["nixl"].get("error"):
         warnings.append(f"NIXL: {rep['nixl']['error']}")
+    warnings.extend(_cuda_mismatch(rep["nixl"], gpu))
     rep["engine_auto"] = {}
     if cfg is not None:
         for label, kinds in (("host_memory", ("DRAM",)), ("device_memory", ("VRAM",))):
@@ -328,9 +360,17 @@ def render_text(rep: dict[str, Any]) -> str:
                    f"{_gib(d['free_bytes'])} free, O_DIRECT {'ok' if d['o_direct'] else d['o_direct_error']}")
         out.append(f"  cuFile     : {'compat mode' if d['cufile_compat_mode'] else 'GPUDirect Storage'}: "
                    f"{d['cufile_mode_reason']}")
+    cuda = [f"driver supports CUDA {g['driver_cuda']}" if g.get("driver_cuda") else "no driver CUDA version",
+            f"torch {g.get('torch')} built for " + (f"CUDA {g['torch_cuda']}" if g.get("torch_cuda") else "CPU only")]
+    out.append(f"CUDA         : {'; '.join(cuda)}")
     n = rep["nixl"]
+    if n.get("module"):
+        built = f"CUDA {n['variant'][2:]} build" if n.get("variant") else "a source build"
+        out.append(f"NIXL         : {n['version']} ({built}, module {n['module']}); chosen: {n['chosen_by']}")
+    else:
+        out.append(f"NIXL         : not installed ({n.get('chosen_by', '?')}); the bounce engine serves instead")
     plugins = ", ".join(f"{k} ({', '.join(v) if v else 'does not load'})" for k, v in n["plugins"].items())
-    out.append(f"NIXL         : {n['version']}; plugins {plugins or '(none)'}")
+    out.append(f"  plugins    : {plugins or '(none)'}")
     for name, p in n["gds"].items():
         out.append(f"  {name:<11}: {'works' if p['ok'] else 'no'}: {p['reason']}")
     cfg = rep["config"]
