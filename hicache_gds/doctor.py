@@ -220,6 +220,22 @@ def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
     return out
 
 
+def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
+    """The capacity a new namespace would get on `roots`, and what the file systems look like."""
+    from .capacity import default_budget
+    if cfg is None or not roots:
+        return {}
+    b = default_budget(roots, cfg.capacity_fraction, cfg.max_fill)
+    out: dict[str, Any] = {
+        "configured": cfg.capacity or None, "capacity_fraction": cfg.capacity_fraction, "max_fill": cfg.max_fill,
+        "default_per_namespace": b.total, "default_how": b.how,
+        "dirs": [{"path": s.root, "fill": round(s.fill, 4), "available": s.available, "total": s.total,
+                  "hicache_namespaces": s.namespaces, "hicache_held": s.held} for s in b.dirs]}
+    if not cfg.capacity and b.per_dir < 4096:
+        out["problem"] = str(b.no_room(cfg.max_fill))
+    return out
+
+
 def _major(version: Any) -> int | None:
     m = re.match(r"(\d+)", str(version or ""))
     return int(m.group(1)) if m else None
@@ -300,6 +316,9 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
                 f"use a real disk")
         if d.get("udev_hint"):
             warnings.append(d["udev_hint"])
+    rep["capacity"] = _capacity(cfg, [d["path"] for d in rep["gds_path"] if d.get("writable")] if dirs else [])
+    if rep["capacity"].get("problem"):
+        problems.append(rep["capacity"]["problem"])
     usable = [d["path"] for d in rep["gds_path"] if d.get("writable")]
     probe_root = usable[0] if usable else tempfile.gettempdir()
     rep["nixl"] = _nixl(probe_root, gpu["visible"], probe_timeout)
@@ -330,7 +349,8 @@ def _size(n: int) -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
+    from .capacity import gib
+    return gib(n)
 
 
 def render_text(rep: dict[str, Any]) -> str:
@@ -360,6 +380,14 @@ def render_text(rep: dict[str, Any]) -> str:
                    f"{_gib(d['free_bytes'])} free, O_DIRECT {'ok' if d['o_direct'] else d['o_direct_error']}")
         out.append(f"  cuFile     : {'compat mode' if d['cufile_compat_mode'] else 'GPUDirect Storage'}: "
                    f"{d['cufile_mode_reason']}")
+    cap = rep.get("capacity") or {}
+    if cap:
+        for d in cap["dirs"]:
+            out.append(f"  space      : {d['path']}: {d['fill']:.0%} full; {d['hicache_namespaces']} hicache-gds "
+                       f"namespace(s) hold {_gib(d['hicache_held'])} (`hicache-gds ls`)")
+        out.append("capacity     : " + (f"{_gib(cap['configured'])} per namespace (configured)" if cap["configured"]
+                                        else f"a new namespace would get {_gib(cap['default_per_namespace'])} "
+                                             f"({cap['default_how']})"))
     cuda = [f"driver supports CUDA {g['driver_cuda']}" if g.get("driver_cuda") else "no driver CUDA version",
             f"torch {g.get('torch')} built for " + (f"CUDA {g['torch_cuda']}" if g.get("torch_cuda") else "CPU only")]
     out.append(f"CUDA         : {'; '.join(cuda)}")

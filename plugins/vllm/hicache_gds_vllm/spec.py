@@ -21,13 +21,13 @@ the two share the store.
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Any, Mapping
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicache_gds import Config, ConfigError, namespace_id
+from hicache_gds.capacity import default_budget
 from hicache_gds.memory import align_up
 
 from .shared import HiCacheLoadSpec, HiCacheStoreSpec, store_key
@@ -83,17 +83,19 @@ def engine_identity(config: OffloadingConfig) -> dict[str, Any]:
 def _proposed_capacity(cfg: Config, config: OffloadingConfig) -> int:
     """Chunks per (rank, group) namespace.
 
-    `capacity` is read as bytes per rank (all groups); 0 means `capacity_fraction` of the free
-    space under `GDS_PATH`, shared by `world_size` ranks. A chunk is counted at vLLM's padded
-    per-block size, an upper bound of the un-padded page each worker stores.
+    `capacity` is read as bytes per rank (all groups); 0 means the core's default budget under
+    `GDS_PATH` (`hicache_gds.capacity.default_budget`: `capacity_fraction` of the space available
+    plus what hicache-gds namespaces hold, never past `max_fill`), shared by `world_size` ranks. A
+    chunk is counted at vLLM's padded per-block size, an upper bound of the un-padded page each
+    worker stores.
     """
     chunk = align_up(max(1, config.worker_kv_bytes_per_block) * config.cache.blocks_per_chunk)
     ngroups = max(1, len(config.groups))
     if cfg.capacity:
         per_rank = cfg.capacity
     else:
-        free = min(os.statvfs(d).f_bavail * os.statvfs(d).f_frsize for d in cfg.gds_path)
-        per_rank = int(free * len(cfg.gds_path) * cfg.capacity_fraction) // max(1, config.parallel.world_size)
+        budget = default_budget(cfg.gds_path, cfg.capacity_fraction, cfg.max_fill)
+        per_rank = budget.total // max(1, config.parallel.world_size)
     chunks = per_rank // (chunk * ngroups)
     if chunks < 1:
         raise ConfigError(f"capacity: {per_rank} bytes per rank hold no chunk of {chunk * ngroups} bytes; "

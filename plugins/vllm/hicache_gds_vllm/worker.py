@@ -102,7 +102,9 @@ class HiCacheGDSWorker(OffloadingWorker):
         try:
             for pos, geo in enumerate(self.geos):
                 ident = dict(spec.identity, rank=self.rank, group=pos, ref_pages=geo.ref_page.tolist())
-                cfg = spec.hicache.replace(capacity=spec.capacity_chunks * align_up(geo.page_bytes))
+                cfg = spec.hicache.replace(capacity=spec.capacity_chunks * align_up(geo.page_bytes),
+                                           source=f"vLLM: {spec.capacity_chunks} chunks per rank and group, as the "
+                                                  f"scheduler and every worker agreed")
                 store = PageStore(geo.page_bytes, ident, config=cfg, mem_kinds=(self.kind,))
                 self.stores.append(store)
                 for addr, nbytes in self._regions(tensors):
