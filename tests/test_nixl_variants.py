@@ -213,7 +213,8 @@ def test_this_environment_cuda13_torch_with_sglang(tmp_path):
 
 def test_doctor_names_the_build_and_the_cuda_it_found(sites, tmp_path):
     for path, variant in (([sites["cu12"], sites["deps"]], "cu12"), ([sites["cu13"], sites["deps"]], "cu13")):
-        e = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [REPO]))
+        # sized: a default capacity depends on how full the (shared) disk is
+        e = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [REPO]), HICACHE_GDS_CAPACITY="64M")
         p = subprocess.run([sys.executable, "-S", "-m", "hicache_gds.cli", "doctor", "--path", str(tmp_path)],
                            capture_output=True, text=True, env=e, timeout=300)
         assert p.returncode == 0, p.stdout + p.stderr
