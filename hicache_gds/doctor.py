@@ -1,9 +1,10 @@
 """`hicache-gds doctor`: can this machine run hicache-gds, and along which path?
 
 Reports GPUs, the driver and the CUDA versions found (the driver's, torch's build), which NIXL
-build was imported (nixl-cu12 / nixl-cu13) and why, whether nvidia-fs is loaded, which cufile.json applies and its compat
-bounce pool, whether cuFile will run in compat mode on `GDS_PATH`'s file system, the NIXL plugins
-that load, O_DIRECT and free space on `GDS_PATH`, and the engine `auto` picks and why.
+build was imported (nixl-cu12 / nixl-cu13) and why, whether nvidia-fs is loaded, which cufile.json
+applies and its compat bounce pool, whether cuFile will run in compat mode on `GDS_PATH`'s file
+system, the NIXL plugins that load, O_DIRECT, free space and how full each `GDS_PATH` file system
+is, the capacity a new namespace would get there, and the engine `auto` picks and why.
 
 Nothing here touches cuFile in this process: GDS is probed only through
 `engines.gds_probe.probe_gds` (a subprocess with a timeout) and only when a GPU is visible,

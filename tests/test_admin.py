@@ -15,7 +15,6 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
 
 from hicache_gds import PageStore, Pages
 from hicache_gds.cli import main
