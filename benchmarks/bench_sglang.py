@@ -106,10 +106,12 @@ def make_backends(root, pool, npages, rounds, which):
         b.register_mem_pool_host(pool)
         out.append(Driver("HiCacheFile", b, pool, False))
     if "nixl" in which:
-        import nixl_cu13
-        import nixl_cu13._api
-        sys.modules.setdefault("nixl", nixl_cu13)
-        sys.modules.setdefault("nixl._api", nixl_cu13._api)
+        # HiCacheNixl imports `nixl._api`; where NIXL's meta-package is missing, hand it the NIXL
+        # hicache-gds imported (one NIXL per process: the cu12 and cu13 builds cannot both load).
+        from hicache_gds._nixl import nixl_api
+        api = nixl_api()
+        sys.modules.setdefault("nixl", sys.modules[api.__name__.split(".")[0]])
+        sys.modules.setdefault("nixl._api", api)
         os.environ["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] = os.path.join(root, "nixl")
         os.environ.setdefault("SGLANG_HICACHE_NIXL_BACKEND_PLUGIN", "POSIX")
         try:

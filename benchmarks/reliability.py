@@ -27,7 +27,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hicache_gds.testing import sglang_harness  # noqa: E402
+from hicache_gds.testing import targets as test_targets  # noqa: E402
 from hicache_gds.testing.bugs import BUG_CASES, BUGS, CORRUPTION_KNOWN  # noqa: E402
 from hicache_gds.testing.cases import Case  # noqa: E402
 
@@ -68,7 +68,7 @@ def main() -> None:
     plan = QUICK if args.quick else FULL
     root = args.gds_path or tempfile.mkdtemp(prefix="hicache-gds-reliability-", dir="/var/tmp")
     os.makedirs(root, exist_ok=True)
-    sgl_why = sglang_harness.why_unavailable()
+    sgl_why = test_targets.why_unavailable("sglang")
     targets = ["store"] + ([] if sgl_why else ["sglang"])
     if sgl_why:
         log(f"SGLang parts skipped: {sgl_why}")

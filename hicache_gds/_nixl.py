@@ -1,7 +1,8 @@
-"""Import NIXL once, the same way everywhere, and name its errors.
+"""Import NIXL once, the way this environment allows, and name what was imported.
 
-`nixl_cu13` is preferred; the `nixl` meta-package is the fallback (it imports one of nixl_cu12 /
-nixl_cu13, which cannot both live in one process).
+Which build (nixl-cu12 / nixl-cu13, directly or through the ``nixl`` meta-package) is decided by
+`_nixl_variant.choose`, so that hicache-gds and SGLang's HiCacheNixl always share one NIXL in a
+process (the two variants cannot both be imported). `nixl_info()` says what was chosen and why.
 """
 
 from __future__ import annotations
@@ -9,12 +10,17 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from importlib import metadata
 from types import ModuleType
 from typing import Any
 
+from . import _nixl_variant
 from .errors import EngineUnavailable
 
-__all__ = ["nixl_api", "new_agent", "nixl_version", "loadable_plugins"]
+__all__ = ["nixl_api", "nixl_info", "new_agent", "nixl_version", "loadable_plugins", "INSTALL_HINT"]
+
+INSTALL_HINT = ("pip install 'hicache-gds[cu13]' (CUDA 13) or 'hicache-gds[cu12]' (CUDA 12), "
+                "or NIXL's meta-package: pip install nixl")
 
 # UCX's InfiniBand module makes every process that created a UCX backend crash at exit (rc 139,
 # in a bundled libnl during _dl_fini). Excluding it costs nothing on machines without IB ports.
@@ -22,34 +28,74 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 
 _api: ModuleType | None = None
+_info: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
+def _dist_version(module: str) -> str:
+    """'nixl-cu13 1.5.1' for module 'nixl_cu13._api' (the distribution that installed it)."""
+    top = module.split(".")[0]
+    dist = top.replace("_", "-")
+    try:
+        return f"{dist} {metadata.version(dist)}"
+    except metadata.PackageNotFoundError:
+        return f"{dist} (version unknown)"
+
+
 def nixl_api() -> ModuleType:
-    """The `_api` module of the installed NIXL; `EngineUnavailable` when none imports."""
+    """The `_api` module of the NIXL this process uses; `EngineUnavailable` when none imports."""
     global _api
     with _lock:
         if _api is None:
+            facts = _nixl_variant.facts()
+            choice = _nixl_variant.choose(facts)
             errors = []
-            for name in ("nixl_cu13._api", "nixl._api"):
+            for name in choice.modules:
                 try:
-                    _api = __import__(name, fromlist=["nixl_agent"])
-                    break
+                    api = __import__(name, fromlist=["nixl_agent"])
                 except ImportError as exc:
                     errors.append(f"{name}: {exc}")
-            else:
-                raise EngineUnavailable("NIXL is not installed (pip install nixl-cu13): " + "; ".join(errors))
+                    continue
+                _api = api
+                break
+            _info.clear()
+            _info.update(installed=list(facts.installed), meta_package=_meta_version(), torch_cuda=facts.cuda,
+                         chosen_by=choice.reason, errors=errors)
+            if _api is None:
+                _info.update(module=None, variant=None, version=None)
+                raise EngineUnavailable(f"NIXL cannot be imported ({choice.reason}"
+                                        + (f"; {'; '.join(errors)}" if errors else "") + f"): {INSTALL_HINT}")
+            real = _api.__name__  # the meta-package's nixl._api is the variant's own module
+            top = real.split(".")[0]
+            _info.update(module=top, variant=top[len("nixl_"):] if top.startswith("nixl_") else None,
+                         version=_dist_version(real))
         return _api
 
 
+def _meta_version() -> str | None:
+    try:
+        return metadata.version("nixl")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def nixl_info() -> dict[str, Any]:
+    """What `nixl_api` imported and why, as plain JSON types (imports NIXL if not done yet).
+
+    Keys: module ('nixl_cu13'), variant ('cu13'), version ('nixl-cu13 1.5.1'), installed
+    (variants importable here), meta_package (its version or None), torch_cuda (torch's CUDA
+    build), chosen_by (the rule, in words), errors (imports tried and failed), and error (why
+    none imported, when none did)."""
+    try:
+        nixl_api()
+    except EngineUnavailable as exc:
+        return dict(_info, error=str(exc))
+    return dict(_info)
+
+
 def nixl_version() -> str:
-    from importlib import metadata
-    for dist in ("nixl-cu13", "nixl-cu12", "nixl"):
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "unknown"
+    """'nixl-cu13 1.5.1' for the NIXL in use, 'not installed' when none imports."""
+    return nixl_info().get("version") or "not installed"
 
 
 def new_agent(role: str, backends: list[str] | None = None, **config: Any) -> Any:

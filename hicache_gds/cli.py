@@ -1,6 +1,9 @@
 """`hicache-gds`: the command-line entry point, one subcommand per tool.
 
     hicache-gds doctor [--json] [--path DIRS]   # can this machine run hicache-gds, and how?
+    hicache-gds ls [--json]                     # namespaces under GDS_PATH: pages, bytes, capacity, writer
+    hicache-gds verify [NS ...] [--json]        # check every page's checksum; drop the bad ones
+    hicache-gds clear (NS ... | --all) [--json] # remove namespaces (refuses open ones unless --force)
     hicache-gds serve ...                       # the remote-memory tier server
     hicache-gds bench ...                       # the same as `hicache-gds-bench ...`
 
@@ -21,6 +24,21 @@ def _doctor(argv: Sequence[str]) -> int:
     return doctor_main(argv)
 
 
+def _ls(argv: Sequence[str]) -> int:
+    from .admin import ls_main
+    return ls_main(argv)
+
+
+def _verify(argv: Sequence[str]) -> int:
+    from .admin import verify_main
+    return verify_main(argv)
+
+
+def _clear(argv: Sequence[str]) -> int:
+    from .admin import clear_main
+    return clear_main(argv)
+
+
 def _serve(argv: Sequence[str]) -> int:
     from .remote.server import main as serve_main
     return serve_main(list(argv))
@@ -33,7 +51,10 @@ def _bench(argv: Sequence[str]) -> int:
 
 SUBCOMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "doctor": (_doctor, "check GPUs, nvidia-fs, cufile.json, NIXL, GDS_PATH; say which engine `auto` picks"),
-    "serve": (_serve, "run the remote-memory tier server"),
+    "ls": (_ls, "list namespaces under GDS_PATH: identity, pages, bytes, capacity, last use, writer pid"),
+    "verify": (_verify, "check every page's checksum; report and drop the bad ones (safe while a server writes)"),
+    "clear": (_clear, "remove namespaces (one, several or --all); refuses open ones unless --force"),
+    "serve": (_serve, "run the remote-memory tier server (--metrics-port: Prometheus metrics)"),
     "bench": (_bench, "fio-style benchmark of the page store (same as hicache-gds-bench)"),
 }
 

@@ -139,8 +139,12 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
                    "1: GPU-direct engines or fail at open; 0: host path only; auto: GDS where cuFile accepts the path"),
     "gds_path": ("GDS_PATH", _paths, (), "directory, or comma-separated directories (one per NVMe), pages striped"),
     "engine": (ENV_PREFIX + "ENGINE", _engine, "auto", "transfer engine name, or auto"),
-    "capacity": (ENV_PREFIX + "CAPACITY", _size, 0, "bytes of page slots per namespace (0: capacity_fraction of free space)"),
-    "capacity_fraction": (ENV_PREFIX + "CAPACITY_FRACTION", _fraction, 0.5, "share of free space used when capacity is 0"),
+    "capacity": (ENV_PREFIX + "CAPACITY", _size, 0,
+                 "bytes of page slots per namespace (0: the default rule, see capacity_fraction and max_fill)"),
+    "capacity_fraction": (ENV_PREFIX + "CAPACITY_FRACTION", _fraction, 0.5,
+                          "capacity 0: this share of the space available plus what hicache-gds namespaces hold"),
+    "max_fill": (ENV_PREFIX + "MAX_FILL", _fraction, 0.9,
+                 "capacity 0: never take a file system fuller than this (1 - available/total)"),
     "evict": (ENV_PREFIX + "EVICT", _bool, True,
               "evict least recently used pages when full (off: a put into a full store fails)"),
     "preallocate": (ENV_PREFIX + "PREALLOCATE", _bool, True, "fallocate slab files at open, so a full disk fails early"),
@@ -176,6 +180,7 @@ class Config:
     engine: str = "auto"
     capacity: int = 0
     capacity_fraction: float = 0.5
+    max_fill: float = 0.9
     evict: bool = True
     preallocate: bool = True
     verify: bool = True
@@ -228,9 +233,12 @@ class Config:
                 sources[name] = "default"
         return cls(**values, sources=sources)
 
-    def replace(self, **changes: Any) -> "Config":
-        """A copy with `changes` validated like dict overrides."""
+    def replace(self, *, source: str = "", **changes: Any) -> "Config":
+        """A copy with `changes` validated like dict overrides; `source` (say, an adapter and its
+        rule) is recorded in `sources` for each changed key, so logs can say where a value came from."""
         parsed = {k: _SPEC[k][1](v, k) if k in _SPEC else v for k, v in changes.items()}
+        if source:
+            parsed["sources"] = {**self.sources, **{k: source for k in changes}}
         return dataclasses.replace(self, **parsed)
 
 

@@ -1,8 +1,10 @@
 """`hicache-gds doctor`: can this machine run hicache-gds, and along which path?
 
-Reports GPUs and driver, whether nvidia-fs is loaded, which cufile.json applies and its compat
-bounce pool, whether cuFile will run in compat mode on `GDS_PATH`'s file system, the NIXL plugins
-that load, O_DIRECT and free space on `GDS_PATH`, and the engine `auto` picks and why.
+Reports GPUs, the driver and the CUDA versions found (the driver's, torch's build), which NIXL
+build was imported (nixl-cu12 / nixl-cu13) and why, whether nvidia-fs is loaded, which cufile.json
+applies and its compat bounce pool, whether cuFile will run in compat mode on `GDS_PATH`'s file
+system, the NIXL plugins that load, O_DIRECT, free space and how full each `GDS_PATH` file system
+is, the capacity a new namespace would get there, and the engine `auto` picks and why.
 
 Nothing here touches cuFile in this process: GDS is probed only through
 `engines.gds_probe.probe_gds` (a subprocess with a timeout) and only when a GPU is visible,
@@ -20,6 +22,7 @@ import json
 import mmap
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -91,7 +94,7 @@ def o_direct_ok(directory: str) -> tuple[bool, str]:
 
 
 def _gpus() -> dict[str, Any]:
-    from .engines.gds_probe import gpu_present
+    from .engines.cufile_env import gpu_present
     out: dict[str, Any] = {"visible": gpu_present(), "devices": [], "driver": None, "source": None}
     smi = shutil.which("nvidia-smi")
     if smi:
@@ -103,6 +106,10 @@ def _gpus() -> dict[str, Any]:
                 out["devices"].append({"index": idx, "name": name, "memory": mem, "pci": bus})
                 out["driver"] = drv
             out["source"] = "nvidia-smi" if r.returncode == 0 else f"nvidia-smi exit {r.returncode}"
+            if r.returncode == 0:  # the header names the newest CUDA the driver supports
+                head = subprocess.run([smi], capture_output=True, text=True, timeout=20).stdout
+                m = re.search(r"CUDA Version:\s*([0-9.]+)", head)
+                out["driver_cuda"] = m.group(1) if m else None
         except (OSError, subprocess.TimeoutExpired) as exc:
             out["source"] = f"nvidia-smi failed: {exc}"
     try:
@@ -130,7 +137,7 @@ def _nvidia_fs() -> dict[str, Any]:
 
 
 def _cufile(cfg: Any) -> dict[str, Any]:
-    from .engines.nixl_file import cufile_bounce_pool
+    from .engines.cufile_env import cufile_bounce_pool
     env = os.environ.get("CUFILE_ENV_PATH_JSON", "")
     out: dict[str, Any] = {}
     if env and os.path.isfile(env):
@@ -193,13 +200,15 @@ def _directory(path: str, gpu: bool, nvfs: bool) -> dict[str, Any]:
 
 
 def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
-    from ._nixl import loadable_plugins, nixl_version
-    out: dict[str, Any] = {"version": nixl_version()}
-    try:
-        out["plugins"] = loadable_plugins()
-    except Exception as exc:  # noqa: BLE001 -- NIXL missing or broken
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        out["plugins"] = {}
+    from ._nixl import loadable_plugins, nixl_info
+    out: dict[str, Any] = nixl_info()
+    out["version"] = out.get("version") or "not installed"
+    out["plugins"] = {}
+    if not out.get("error"):
+        try:
+            out["plugins"] = loadable_plugins()
+        except Exception as exc:  # noqa: BLE001 -- NIXL broken
+            out["error"] = f"{type(exc).__name__}: {exc}"
     gds: dict[str, Any] = {}
     for name in ("nixl-gds", "nixl-gds-mt"):
         if not gpu:
@@ -209,6 +218,45 @@ def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
         p = probe_gds(probe_dir, name, timeout=timeout)
         gds[name] = {"ok": p.ok, "compat_mode": p.compat_mode, "reason": p.reason}
     out["gds"] = gds
+    return out
+
+
+def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
+    """The capacity a new namespace would get on `roots`, and what the file systems look like."""
+    from .capacity import default_budget
+    if cfg is None or not roots:
+        return {}
+    b = default_budget(roots, cfg.capacity_fraction, cfg.max_fill)
+    out: dict[str, Any] = {
+        "configured": cfg.capacity or None, "capacity_fraction": cfg.capacity_fraction, "max_fill": cfg.max_fill,
+        "default_per_namespace": b.total, "default_how": b.how,
+        "dirs": [{"path": s.root, "fill": round(s.fill, 4), "available": s.available, "total": s.total,
+                  "hicache_namespaces": s.namespaces, "hicache_held": s.held} for s in b.dirs]}
+    if not cfg.capacity and b.per_dir < 4096:
+        out["problem"] = str(b.no_room(cfg.max_fill))
+    return out
+
+
+def _major(version: Any) -> int | None:
+    m = re.match(r"(\d+)", str(version or ""))
+    return int(m.group(1)) if m else None
+
+
+def _cuda_mismatch(nixl: dict[str, Any], gpu: dict[str, Any]) -> list[str]:
+    """Warnings where the NIXL build does not fit torch's CUDA build or the driver: its GDS plugins
+    load the CUDA runtime of their own major version."""
+    out = []
+    built = _major((nixl.get("variant") or "")[2:])
+    if built is None:
+        return out
+    torch_major = _major(gpu.get("torch_cuda"))
+    if torch_major is not None and torch_major != built:
+        out.append(f"{nixl['version']} is built for CUDA {built} but torch for CUDA {gpu['torch_cuda']}: "
+                   f"install hicache-gds[cu{torch_major}] instead (one NIXL build per process)")
+    driver = _major(gpu.get("driver_cuda"))
+    if driver is not None and driver < built:
+        out.append(f"{nixl['version']} needs a driver for CUDA {built}; this driver supports CUDA "
+                   f"{gpu['driver_cuda']}: install hicache-gds[cu{driver}] or update the driver")
     return out
 
 
@@ -269,11 +317,15 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
                 f"use a real disk")
         if d.get("udev_hint"):
             warnings.append(d["udev_hint"])
+    rep["capacity"] = _capacity(cfg, [d["path"] for d in rep["gds_path"] if d.get("writable")] if dirs else [])
+    if rep["capacity"].get("problem"):
+        problems.append(rep["capacity"]["problem"])
     usable = [d["path"] for d in rep["gds_path"] if d.get("writable")]
     probe_root = usable[0] if usable else tempfile.gettempdir()
     rep["nixl"] = _nixl(probe_root, gpu["visible"], probe_timeout)
     if rep["nixl"].get("error"):
         warnings.append(f"NIXL: {rep['nixl']['error']}")
+    warnings.extend(_cuda_mismatch(rep["nixl"], gpu))
     rep["engine_auto"] = {}
     if cfg is not None:
         for label, kinds in (("host_memory", ("DRAM",)), ("device_memory", ("VRAM",))):
@@ -298,7 +350,8 @@ def _size(n: int) -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
+    from .capacity import gib
+    return gib(n)
 
 
 def render_text(rep: dict[str, Any]) -> str:
@@ -328,9 +381,25 @@ def render_text(rep: dict[str, Any]) -> str:
                    f"{_gib(d['free_bytes'])} free, O_DIRECT {'ok' if d['o_direct'] else d['o_direct_error']}")
         out.append(f"  cuFile     : {'compat mode' if d['cufile_compat_mode'] else 'GPUDirect Storage'}: "
                    f"{d['cufile_mode_reason']}")
+    cap = rep.get("capacity") or {}
+    if cap:
+        for d in cap["dirs"]:
+            out.append(f"  space      : {d['path']}: {d['fill']:.0%} full; {d['hicache_namespaces']} hicache-gds "
+                       f"namespace(s) hold {_gib(d['hicache_held'])} (`hicache-gds ls`)")
+        out.append("capacity     : " + (f"{_gib(cap['configured'])} per namespace (configured)" if cap["configured"]
+                                        else f"a new namespace would get {_gib(cap['default_per_namespace'])} "
+                                             f"({cap['default_how']})"))
+    cuda = [f"driver supports CUDA {g['driver_cuda']}" if g.get("driver_cuda") else "no driver CUDA version",
+            f"torch {g.get('torch')} built for " + (f"CUDA {g['torch_cuda']}" if g.get("torch_cuda") else "CPU only")]
+    out.append(f"CUDA         : {'; '.join(cuda)}")
     n = rep["nixl"]
+    if n.get("module"):
+        built = f"CUDA {n['variant'][2:]} build" if n.get("variant") else "a source build"
+        out.append(f"NIXL         : {n['version']} ({built}, module {n['module']}); chosen: {n['chosen_by']}")
+    else:
+        out.append(f"NIXL         : not installed ({n.get('chosen_by', '?')}); the bounce engine serves instead")
     plugins = ", ".join(f"{k} ({', '.join(v) if v else 'does not load'})" for k, v in n["plugins"].items())
-    out.append(f"NIXL         : {n['version']}; plugins {plugins or '(none)'}")
+    out.append(f"  plugins    : {plugins or '(none)'}")
     for name, p in n["gds"].items():
         out.append(f"  {name:<11}: {'works' if p['ok'] else 'no'}: {p['reason']}")
     cfg = rep["config"]

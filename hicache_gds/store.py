@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import xxhash
 
+from .capacity import Sizing, gib, size_namespace
 from .config import Config
 from .engines.base import MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
 from .engines.select import choose_engine
@@ -233,7 +234,8 @@ class PageStore:
                 self.engine_reason = f"{engine.name}: given by the caller"
             self.engine = engine
             self._write_meta()
-            nslots = self._nslots(cfg)
+            self.sizing = self._nslots(cfg)
+            nslots = self.sizing.nslots
             slab0 = os.path.join(self.dirs[0], SlabSet.FILE_NAME)
             had_slots = os.path.exists(slab0) and os.path.getsize(slab0) > 0
             gone = self._short_slabs(nslots)  # before SlabSet extends the files back
@@ -252,8 +254,9 @@ class PageStore:
             raise
         self._staging = _Staging(engine)
         self._stats = StoreStats()
-        log.info("hicache-gds store %s: %d slots of %d bytes on %s; engine %s",
-                 self.namespace, nslots, self.slot_bytes, ",".join(self.dirs), self.engine_reason)
+        log.info("hicache-gds store %s: capacity %s (%d slots of %d bytes) in %s, %s; engine %s",
+                 self.namespace, gib(self.sizing.capacity), nslots, self.slot_bytes, ",".join(self.dirs),
+                 self.sizing.how, self.engine_reason)
 
     # -- open ------------------------------------------------------------------------------------
     @staticmethod
@@ -283,21 +286,13 @@ class PageStore:
             json.dump({"identity": self.identity, "slot_bytes": self.slot_bytes, "dirs": self.dirs}, f, indent=1)
         os.replace(tmp, path)
 
-    def _nslots(self, cfg: Config) -> int:
-        nd = len(self.dirs)
-        existing = [os.path.join(d, SlabSet.FILE_NAME) for d in self.dirs]
-        sizes = [os.path.getsize(p) if os.path.exists(p) else 0 for p in existing]
-        if cfg.capacity:
-            nslots = cfg.capacity // self.slot_bytes
-        elif sizes[0]:
-            nslots = sum(s // self.slot_bytes for s in sizes)  # keep the size chosen at first open
-        else:
-            free = min(os.statvfs(d).f_bavail * os.statvfs(d).f_frsize + s for d, s in zip(self.dirs, sizes))
-            nslots = int(free * cfg.capacity_fraction) // self.slot_bytes * nd
-        if nslots < 1:
-            raise ConfigError(f"capacity: {cfg.capacity or 'the free space'} holds no page of {self.slot_bytes} "
-                              f"bytes; raise HICACHE_GDS_CAPACITY or free space under GDS_PATH")
-        return nslots
+    def _nslots(self, cfg: Config) -> Sizing:
+        """Slots of this namespace and how they were chosen (`capacity.size_namespace` has the rule)."""
+        sizing = size_namespace(cfg, self.dirs, self.slot_bytes)
+        if sizing.nslots < 1:
+            raise ConfigError(f"capacity: {cfg.capacity} bytes hold no page of {self.slot_bytes} bytes; "
+                              f"raise HICACHE_GDS_CAPACITY")
+        return sizing
 
     def _short_slabs(self, nslots: int) -> list[tuple[int, int]]:
         """Slots past the end of a slab file truncated or deleted while the store was closed, as

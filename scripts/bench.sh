@@ -9,5 +9,6 @@ VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 # Install the CPU build of torch from local disk first, so pip never pulls a multi-GB CUDA build.
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
-"$PY" -m pip install -q -e .
+# NIXL's build for that torch's CUDA (cu12 / cu13; a CPU torch gets cu13, which runs POSIX on CPU)
+"$PY" -m pip install -q -e ".[$("$PY" hicache_gds/_nixl_variant.py --extra)]"
 exec "$VENV/bin/hicache-gds-bench" "$@"

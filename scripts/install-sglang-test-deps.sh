@@ -163,6 +163,8 @@ xxhash==4.1.0
 numpy==2.4.6
 pytest==9.2.0
 hypothesis==6.170.15
+# page servers' metrics (hicache-gds serve --metrics-port) and SGLang's StorageMetricsCollector
+prometheus-client==0.26.0
 # --- torch 2.14.1's own dependencies ---
 cuda-bindings==13.5.0
 cuda-pathfinder==1.9.0
@@ -264,7 +266,8 @@ import sglang.srt.plugins
 sglang.srt.plugins.load_plugins()
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang.srt.managers.cache_controller import HiCacheController
-from sglang.srt.observability.metrics_collector import StorageMetrics
+from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector
+import prometheus_client
 import nixl, nixl._api, nixl_cu13, xxhash, numpy, pytest, hypothesis, torch, sglang
 assert nixl._api.__name__.startswith("nixl_cu13"), nixl._api.__name__
 print(f"ok: sglang {sglang.__version__}, torch {torch.__version__} (cuda build {torch.version.cuda}, "

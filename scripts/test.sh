@@ -22,7 +22,9 @@ if [ -x scripts/install-sglang-test-deps.sh ]; then
 else
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[test]"
+# NIXL's build for the CUDA of the torch installed above (cu12 / cu13: one NIXL per process)
+NIXL_EXTRA=$("$PY" hicache_gds/_nixl_variant.py --extra)
+"$PY" -m pip install -q -e ".[test,$NIXL_EXTRA]"
 [ -f plugins/sglang/pyproject.toml ] && "$PY" -m pip install -q --no-deps -e plugins/sglang
 set +e
 # vLLM's tests run in their own virtualenv: vLLM pins versions that SGLang's set does not share.

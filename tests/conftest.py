@@ -15,6 +15,24 @@ def gds_dir(tmp_path):
 
 
 @pytest.fixture(autouse=True)
+def _no_slabs_left(request):
+    """Slab files are the bulk of a test's bytes (preallocated): remove those under the test's
+    tmp_path even when it fails, so a failing run keeps the small files worth reading (index,
+    logs, namespace.json) and not gigabytes. (pytest removes a passing test's whole tmp_path.)"""
+    yield
+    tmp = request.node.funcargs.get("tmp_path")
+    if tmp is None:
+        return
+    for d, _dirs, files in os.walk(tmp):
+        for f in files:
+            if f == "slab.bin":
+                try:
+                    os.unlink(os.path.join(d, f))
+                except OSError:
+                    pass
+
+
+@pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for k in list(os.environ):
         if k.startswith("HICACHE_GDS_") or k in ("ENABLE_GDS", "GDS_PATH"):

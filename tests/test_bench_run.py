@@ -17,7 +17,7 @@ from hicache_gds.bench.options import expand_sweeps, parse_argv
 from hicache_gds.bench.plot import series, summary_table
 from hicache_gds.bench.raw import drop_caches, scratch_root
 from hicache_gds.bench.runner import Session
-from hicache_gds.engines.gds_probe import gpu_present
+from hicache_gds.engines.cufile_env import gpu_present
 
 JOBS = Path(__file__).resolve().parent.parent / "benchmarks" / "jobs"
 no_gpu = pytest.mark.skipif(gpu_present(), reason="expects a machine without a GPU (the CPU machine)")

@@ -9,7 +9,7 @@ import pytest
 
 from hicache_gds import cli
 from hicache_gds.doctor import _cufile_mode, collect, fs_info, main, o_direct_ok, render_text
-from hicache_gds.engines.gds_probe import gpu_present
+from hicache_gds.engines.cufile_env import gpu_present
 
 no_gpu = pytest.mark.skipif(gpu_present(), reason="expects a machine without a GPU (the CPU machine)")
 
@@ -34,6 +34,7 @@ def test_default_environment_is_ok(capsys):
 def test_enable_gds_1_without_a_gpu_fails_and_says_why(capsys, monkeypatch, gds_dir):
     monkeypatch.setenv("ENABLE_GDS", "1")
     monkeypatch.setenv("GDS_PATH", gds_dir)
+    monkeypatch.setenv("HICACHE_GDS_CAPACITY", "64M")  # sized: the default depends on how full the disk is
     rc, out, _ = doctor(capsys)
     assert rc == 1
     (problem,) = [line for line in out.splitlines() if line.startswith("PROBLEM")]
@@ -45,6 +46,7 @@ def test_enable_gds_1_without_a_gpu_fails_and_says_why(capsys, monkeypatch, gds_
 @no_gpu
 def test_json_report(capsys, monkeypatch, gds_dir):
     monkeypatch.setenv("GDS_PATH", gds_dir)
+    monkeypatch.setenv("HICACHE_GDS_CAPACITY", "64M")  # sized: the default depends on how full the disk is
     rc, out, _ = doctor(capsys, "--json")
     rep = json.loads(out)
     assert rc == 0 and rep["ok"] is True and rep["problems"] == []
@@ -55,7 +57,8 @@ def test_json_report(capsys, monkeypatch, gds_dir):
     assert rep["nixl"]["plugins"]["POSIX"] and rep["nixl"]["gds"]["nixl-gds"]["ok"] is False
     assert rep["engine_auto"]["host_memory"]["engine"] == "nixl-posix"
     assert rep["cufile"]["chosen_by"] in ("libcufile's built-in defaults", "/etc/cufile.json")
-    assert rep["config"]["sources"] == {"gds_path": "env"}
+    assert rep["config"]["sources"] == {"gds_path": "env", "capacity": "env"}
+    assert rep["capacity"]["configured"] == 64 << 20 and rep["capacity"]["dirs"][0]["path"] == gds_dir
     monkeypatch.setenv("ENABLE_GDS", "1")
     rc, out, _ = doctor(capsys, "--json")
     assert rc == 1 and json.loads(out)["ok"] is False

@@ -43,7 +43,7 @@ def test_reregistering_a_name_is_an_error():
 
 
 def test_gds_on_a_machine_without_gpu_is_unavailable_not_a_hang():
-    from hicache_gds.engines.gds_probe import gpu_present
+    from hicache_gds.engines.cufile_env import gpu_present
     if gpu_present():
         pytest.skip("a GPU is present")
     for name in ("nixl-gds", "nixl-gds-mt"):
@@ -53,7 +53,7 @@ def test_gds_on_a_machine_without_gpu_is_unavailable_not_a_hang():
 
 def test_shipped_cufile_json_raises_the_compat_bounce_pool(monkeypatch):
     import os
-    from hicache_gds.engines.nixl_file import cufile_bounce_pool
+    from hicache_gds.engines.cufile_env import cufile_bounce_pool
     monkeypatch.delenv("CUFILE_ENV_PATH_JSON", raising=False)
     here = os.path.join(os.path.dirname(__file__), "..", "configs", "cufile.json")
     pool = dict((s >> 10, c) for s, c in cufile_bounce_pool(here))

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from hicache_gds import MemKind, PageStore, Pages  # noqa: E402
 from hicache_gds.engines.gds_probe import probe_gds  # noqa: E402
-from hicache_gds.engines.nixl_file import cufile_bounce_pool, gds_compat_mode  # noqa: E402
+from hicache_gds.engines.cufile_env import cufile_bounce_pool, gds_compat_mode  # noqa: E402
 from hicache_gds.testing import EngineTests  # noqa: E402
 
 

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plugins", "sglang"))
 
 from hicache_gds.engines.gds_probe import probe_gds  # noqa: E402
-from hicache_gds.engines.nixl_file import cufile_bounce_pool  # noqa: E402
+from hicache_gds.engines.cufile_env import cufile_bounce_pool  # noqa: E402
 from hicache_gds.errors import EngineUnavailable  # noqa: E402
 from hicache_gds_sglang.gather import DevicePages, gather_pages, scatter_pages  # noqa: E402
 from hicache_gds_sglang.linker import GDSLinker  # noqa: E402

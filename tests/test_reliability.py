@@ -15,13 +15,13 @@ import sys
 
 import pytest
 
-from hicache_gds.testing import sglang_harness
+from hicache_gds.testing import targets
 from hicache_gds.testing.bugs import CORRUPTION_KNOWN
 from hicache_gds.testing.cases import Case
 from hicache_gds.testing.corruption import CASES, corruption_cases
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SGL = sglang_harness.why_unavailable()
+SGL = targets.why_unavailable("sglang")
 TARGETS = ["store", pytest.param("sglang", marks=pytest.mark.skipif(bool(SGL), reason=SGL or "-"))]
 
 

@@ -37,7 +37,7 @@ import xxhash
 from ..config import Config
 from ..engines import engine_class
 from ..engines.base import MemKind
-from ..engines.gds_probe import gpu_present
+from ..engines.cufile_env import gpu_present
 from ..errors import ConfigError, EngineUnavailable
 from ..layout import Pages
 from ..memory import HostBuffer, align_up, view

@@ -22,14 +22,15 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "hicache_gds.engines"
 
+_NIXL_HINT = "pip install 'hicache-gds[cu13]' or 'hicache-gds[cu12]' (NIXL for CUDA 13 or 12)"
 # name -> (dotted path, install hint). Kept sorted.
 _known: dict[str, tuple[str, str]] = {
     "bounce": ("hicache_gds.engines.bounce:BounceEngine", ""),
     "cufile": ("hicache_gds.engines.cufile_engine:CuFileEngine", "pip install 'hicache-gds[cufile]'"),
     "kvikio": ("hicache_gds.engines.kvikio_engine:KvikioEngine", "pip install 'hicache-gds[kvikio]'"),
-    "nixl-gds": ("hicache_gds.engines.nixl_file:NixlGdsEngine", "pip install nixl-cu13"),
-    "nixl-gds-mt": ("hicache_gds.engines.nixl_file:NixlGdsMtEngine", "pip install nixl-cu13"),
-    "nixl-posix": ("hicache_gds.engines.nixl_file:NixlPosixEngine", "pip install nixl-cu13"),
+    "nixl-gds": ("hicache_gds.engines.nixl_file:NixlGdsEngine", _NIXL_HINT),
+    "nixl-gds-mt": ("hicache_gds.engines.nixl_file:NixlGdsMtEngine", _NIXL_HINT),
+    "nixl-posix": ("hicache_gds.engines.nixl_file:NixlPosixEngine", _NIXL_HINT),
 }
 assert list(_known) == sorted(_known)
 registry = types.MappingProxyType(_known)

@@ -94,7 +94,7 @@ class BounceEngine(ThreadPoolEngine):
 
 
 def _gpu() -> bool:
-    from .gds_probe import gpu_present
+    from .cufile_env import gpu_present
     return gpu_present()
 
 

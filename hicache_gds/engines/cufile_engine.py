@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import EngineUnavailable, TransferError
 from .base import Capabilities, EngineOptions, MemKind, Op
-from .gds_probe import libcufile_loadable, require_gpu_for_cufile
+from .cufile_env import libcufile_loadable, require_gpu_for_cufile
 from .per_descriptor import ThreadPoolEngine
 
 __all__ = ["CuFileEngine", "load_cufile"]

@@ -9,61 +9,16 @@ Run as a module for the probe itself: `python -m hicache_gds.engines.gds_probe D
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
 
-from ..errors import EngineUnavailable
+from .cufile_env import gds_compat_mode, gpu_present, libcufile_loadable
 
-__all__ = ["gpu_present", "libcufile_loadable", "require_gpu_for_cufile", "GDSProbe", "probe_gds"]
-
-
-@lru_cache(maxsize=1)
-def gpu_present() -> bool:
-    """A CUDA device is visible (checked through torch, without loading cuFile)."""
-    try:
-        import torch
-        return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
-    except Exception:  # noqa: BLE001 -- any torch failure means no usable GPU
-        return False
-
-
-@lru_cache(maxsize=1)
-def libcufile_loadable() -> str:
-    """The libcufile that would load, or '' if none (looked up without calling into it)."""
-    candidates = ["libcufile.so.0", "libcufile.so"]
-    try:  # nvidia-cufile wheels put it under site-packages/nvidia/cu13/lib
-        import nvidia  # type: ignore
-        for base in nvidia.__path__:
-            for sub in ("cu13/lib", "cufile/lib", "cu12/lib"):
-                p = os.path.join(base, sub, "libcufile.so.0")
-                if os.path.exists(p):
-                    candidates.append(p)
-    except ImportError:
-        pass
-    for name in candidates:
-        try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-            return name
-        except OSError:
-            continue
-    return ""
-
-
-def require_gpu_for_cufile(engine: str) -> None:
-    """Raise `EngineUnavailable` unless a GPU and libcufile are both present."""
-    if not gpu_present():
-        raise EngineUnavailable(f"{engine}: no CUDA GPU is visible, and cuFile hangs without one")
-    if not libcufile_loadable():
-        raise EngineUnavailable(f"{engine}: libcufile.so.0 is not installed (pip install nvidia-cufile)")
-    # cuFile's driver open asserts (cufio-plat) in a process with no CUDA context yet.
-    import torch
-    torch.empty(1, device="cuda")
+__all__ = ["GDSProbe", "probe_gds"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +31,6 @@ class GDSProbe:
 
 def probe_gds(directory: str, engine: str = "nixl-gds", timeout: float = 60.0) -> GDSProbe:
     """Write and read back 1 MiB of VRAM through `engine` in a subprocess; never hangs past `timeout`."""
-    from .nixl_file import gds_compat_mode
     compat = gds_compat_mode()
     if not gpu_present():
         return GDSProbe(False, engine, compat, "no CUDA GPU is visible")

@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import EngineUnavailable, TransferError
 from ..memory import view
 from .base import Capabilities, EngineOptions, MemKind, Op
-from .gds_probe import require_gpu_for_cufile
+from .cufile_env import require_gpu_for_cufile
 from .per_descriptor import DescriptorEngine
 
 __all__ = ["KvikioEngine"]

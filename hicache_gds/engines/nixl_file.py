@@ -9,9 +9,7 @@ NIXL_THREAD_SYNC_RW (the default sync mode corrupts the heap with several thread
 from __future__ import annotations
 
 import functools
-import json
 import os
-import re
 import stat
 import threading
 import time
@@ -22,41 +20,12 @@ import numpy as np
 
 from ..errors import TransferError
 from .base import Capabilities, EngineOptions, MemKind, Op, Transfer
+from .cufile_env import cufile_bounce_pool, gds_compat_mode, require_gpu_for_cufile
 from .nixl_agent import NixlAgentEngine, NixlTransfer
 
-__all__ = ["NixlPosixEngine", "NixlGdsEngine", "NixlGdsMtEngine", "cufile_bounce_pool", "gds_compat_mode"]
+__all__ = ["NixlPosixEngine", "NixlGdsEngine", "NixlGdsMtEngine"]
 
 _GiB = 1 << 30
-
-
-def gds_compat_mode() -> bool:
-    """True when cuFile has no nvidia-fs driver and will run in compat mode (POSIX underneath)."""
-    return not os.path.exists("/proc/driver/nvidia-fs/devcount")
-
-
-def _strip_json_comments(text: str) -> str:
-    # cufile.json allows // comments; drop them outside strings.
-    return re.sub(r'("(?:\\.|[^"\\])*")|//[^\n]*', lambda m: m.group(1) or "", text)
-
-
-def cufile_bounce_pool(cufile_json: str = "") -> list[tuple[int, int]]:
-    """(slab bytes, buffer count) of cuFile's compat-mode POSIX bounce pool, smallest slab first.
-
-    Read from `CUFILE_ENV_PATH_JSON`, then `cufile_json`, then /etc/cufile.json; libcufile's
-    defaults when none says otherwise.
-    """
-    sizes_kb, counts = [4, 1024, 16384], [128, 64, 64]
-    for path in (os.environ.get("CUFILE_ENV_PATH_JSON", ""), cufile_json, "/etc/cufile.json"):
-        if path and os.path.isfile(path):
-            try:
-                with open(path) as f:
-                    props = json.loads(_strip_json_comments(f.read())).get("properties", {})
-                sizes_kb = [int(x) for x in props.get("posix_pool_slab_size_kb", sizes_kb)]
-                counts = [int(x) for x in props.get("posix_pool_slab_count", counts)]
-            except (OSError, ValueError, TypeError):
-                pass
-            break
-    return sorted(zip((s << 10 for s in sizes_kb), counts))
 
 
 class _DescBudget:
@@ -267,7 +236,6 @@ class NixlGdsEngine(_NixlFileEngine):
     uses_cufile = True
 
     def __init__(self, options: EngineOptions) -> None:
-        from .gds_probe import require_gpu_for_cufile
         require_gpu_for_cufile(self.name)
         if options.cufile_json and "CUFILE_ENV_PATH_JSON" not in os.environ:
             os.environ["CUFILE_ENV_PATH_JSON"] = options.cufile_json

@@ -16,7 +16,8 @@ directory entries in the same script. The main thread polls the UCX worker, whic
 set-up from new clients needs.
 
 UCX listens on the loopback device only (`UCX_NET_DEVICES=lo`) unless `--net-devices` or the
-environment says otherwise; Redis defaults to 127.0.0.1.
+environment says otherwise; Redis defaults to 127.0.0.1. ``--metrics-port`` serves Prometheus
+metrics (`metrics.py` lists them) on ``--metrics-addr`` (127.0.0.1 unless told).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class PageServer:
         self.epoch = ""
         self.registered = False
         self.last_state: dict[str, int] = {}
+        self.last_beat = 0.0  # monotonic time of the last heartbeat Redis answered
+        self.counts = {"heartbeats": 0, "heartbeat_failures": 0, "registrations": 0}
         self._stop = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -82,6 +85,9 @@ class PageServer:
         self.epoch = uuid.uuid4().hex[:12]
         self.dir.register_server(self._info(), self.ttl)
         self.registered = True
+        self.counts["registrations"] += 1
+        self.last_state = {"free": self.nslots, "used": 0, "pending": 0, "evictions": 0}
+        self.last_beat = time.monotonic()
         log.info("hicache-gds serve %s: registered epoch %s, %d slots of %d bytes", self.name, self.epoch,
                  self.nslots, self.slot_bytes)
 
@@ -99,7 +105,10 @@ class PageServer:
                 self.register()
             else:
                 self.last_state = state
+                self.counts["heartbeats"] += 1
+                self.last_beat = time.monotonic()
         except DirectoryUnavailable as exc:
+            self.counts["heartbeat_failures"] += 1
             # Keep serving: once Redis answers, the heartbeat tells whether the registration
             # survived (same epoch) or must be made again (new epoch, older pages dropped).
             log.warning("hicache-gds serve %s: %s", self.name, exc)
@@ -158,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--net-devices", default="",
                    help="UCX_NET_DEVICES for this server (default: the environment's, else lo: loopback only)")
     p.add_argument("--no-prefault", action="store_true", help="do not touch the pool at start")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on this port at /metrics (default: off)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics listen on (default %(default)s)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -180,15 +192,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HiCacheGDSError, ValueError, OSError) as exc:
         print(f"hicache-gds serve: {exc}", file=sys.stderr)
         return 2
+    httpd = None
+    if args.metrics_port:
+        from .metrics import start_metrics
+        try:
+            httpd = start_metrics(server, args.metrics_port, args.metrics_addr)
+        except (HiCacheGDSError, OSError) as exc:
+            server.stop()
+            print(f"hicache-gds serve: metrics on {args.metrics_addr}:{args.metrics_port}: {exc}", file=sys.stderr)
+            return 2
     signal.signal(signal.SIGTERM, lambda *_: server._stop.set())
     signal.signal(signal.SIGINT, lambda *_: server._stop.set())
     server.start()
     print(f"hicache-gds serve: {server.name} ready: {server.nslots} slots of {server.slot_bytes} bytes, "
-          f"redis {args.redis} prefix {args.prefix}, registered={server.registered}", flush=True)
+          f"redis {args.redis} prefix {args.prefix}, registered={server.registered}"
+          + (f", metrics http://{args.metrics_addr}:{args.metrics_port}/metrics" if httpd else ""), flush=True)
     try:
         server.serve()
     finally:
         server.stop()
+        if httpd is not None:
+            httpd.shutdown()
     return 0
 
 

@@ -1,8 +1,9 @@
 """One interface over the two ways pages reach the store, for the reliability runs.
 
-`Client("store", ...)` puts and gets through `PageStore` from a host buffer; `Client("sglang", ...)`
-builds `HiCacheGDS` on a mimic SGLang host pool through SGLang's `StorageBackendFactory` and uses
-``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists`` / ``clear`` as SGLang's controller does.
+`Client("store", ...)` puts and gets through `PageStore` from a host buffer; any other target is an
+adapter's harness found by name (`targets`): `Client("sglang", ...)` builds `HiCacheGDS` on a mimic
+SGLang host pool through SGLang's `StorageBackendFactory` and uses ``batch_set_v1`` /
+``batch_get_v1`` / ``batch_exists`` / ``clear`` as SGLang's controller does.
 Page bytes always derive from the key (`crash.page_bytes_of`), so any page read back can be
 checked without remembering what was written.
 """
@@ -14,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .crash import page_bytes_of
+from .targets import STORE, harness
 
 __all__ = ["Client", "expected"]
 
@@ -23,10 +25,12 @@ def expected(key: str, nbytes: int) -> bytes:
 
 
 class Client:
-    """put / read / exists / prefix / clear / close by keys, through `target` ("store" or "sglang").
+    """put / read / exists / prefix / clear / close by keys, through `target` ("store", or an
+    adapter's target such as "sglang").
 
     pages: host pages available to one call (batches are cut to it).
-    shape: index into `sglang_harness.POOL_SHAPES` (sglang target).
+    shape: which of the adapter's pool shapes (the sglang harness's `POOL_SHAPES`).
+    sglang: options of the adapter's storage config (SGLang: tp_rank, tp_size, ...).
     """
 
     def __init__(self, target: str, gds_path: str, *, page: int = 64 << 10, slots: int = 1024,
@@ -39,7 +43,8 @@ class Client:
         extra = dict(config or {})
         if engine_obj is None:
             extra.setdefault("engine", engine)
-        if target == "store":
+        self.adapter: Any = None
+        if target == STORE:
             from hicache_gds import PageStore
             from hicache_gds.memory import HostBuffer
             self.page = page
@@ -49,29 +54,18 @@ class Client:
             self.buf = HostBuffer(pages * page)
             self.store.register_memory(self.buf.addr, self.buf.nbytes)
             self.backend = self.raw = None
-        elif target == "sglang":
-            from hicache_gds.memory import align_up
-
-            from . import sglang_harness as h
-            sh = h.POOL_SHAPES[shape % len(h.POOL_SHAPES)]
-            self.pool = h.pool_for_shape(sh, pages)
-            self.page = h.flat_page_nbytes(self.pool)
-            kw = dict(sglang or {})
-            kw.setdefault("is_mla_model", sh[0] == "mla")
-            sc = h.storage_config(gds_path, capacity=slots * align_up(self.page), extra=extra, **kw)
-            self.backend = h.attach(sc, self.pool)
-            self.raw = h.inner(self.backend)
-            self.binding = self.raw._bindings["kv"]
-            self.store = self.binding.store
         else:
-            raise ValueError(f"target must be 'store' or 'sglang', got {target!r}")
+            self.adapter = a = harness(target).open_client(gds_path, slots=slots, pages=pages, shape=shape,
+                                                           identity=identity, extra=extra, options=sglang)
+            self.page, self.store, self.backend = a.page, a.store, a.backend
+            self.pool, self.raw, self.binding = (getattr(a, n, None) for n in ("pool", "raw", "binding"))
 
     @property
     def index(self) -> Any:
         return self.store.index
 
     def store_keys(self, keys: Sequence[str]) -> list[str]:
-        return self.binding.skeys(list(keys)) if self.backend is not None else list(keys)
+        return self.adapter.store_keys(keys) if self.adapter is not None else list(keys)
 
     # -- data path ---------------------------------------------------------------------------
     def expected(self, key: str) -> bytes:
@@ -93,16 +87,13 @@ class Client:
         return out
 
     def _put(self, keys: list[str], blobs: list[np.ndarray], at: int) -> list[bool]:
-        if self.backend is None:
-            from hicache_gds import Pages
-            arr = self.buf.numpy()
-            for j, blob in enumerate(blobs):
-                arr[(at + j) * self.page:(at + j + 1) * self.page] = blob
-            return self.store.put(keys, Pages.contiguous(self.buf.addr, self.page, range(at, at + len(keys))))
-        from . import sglang_harness as h
+        if self.adapter is not None:
+            return self.adapter.put(keys, blobs, at)
+        from hicache_gds import Pages
+        arr = self.buf.numpy()
         for j, blob in enumerate(blobs):
-            h.set_page(self.pool, at + j, blob)
-        return self.backend.batch_set_v1(keys, h.host_indices(self.pool, range(at, at + len(keys))))
+            arr[(at + j) * self.page:(at + j + 1) * self.page] = blob
+        return self.store.put(keys, Pages.contiguous(self.buf.addr, self.page, range(at, at + len(keys))))
 
     def read(self, keys: Sequence[str], *, at: int = 0) -> list[bytes | None]:
         """Page bytes per key; None for a miss or a failed read."""
@@ -114,19 +105,14 @@ class Client:
         return out
 
     def _read(self, keys: list[str], at: int) -> list[bytes | None]:
-        if self.backend is None:
-            from hicache_gds import Pages
-            arr = self.buf.numpy()
-            arr[at * self.page:(at + len(keys)) * self.page] = 0xEE
-            res = self.store.get(keys, Pages.contiguous(self.buf.addr, self.page, range(at, at + len(keys))))
-            return [arr[(at + j) * self.page:(at + j + 1) * self.page].tobytes() if ok else None
-                    for j, ok in enumerate(res)]
-        from . import sglang_harness as h
-        poison = np.full(self.page, 0xEE, dtype=np.uint8)
-        for j in range(len(keys)):
-            h.set_page(self.pool, at + j, poison)
-        res = self.backend.batch_get_v1(keys, h.host_indices(self.pool, range(at, at + len(keys))))
-        return [h.page_bytes(self.pool, at + j) if ok else None for j, ok in enumerate(res)]
+        if self.adapter is not None:
+            return self.adapter.read(keys, at)
+        from hicache_gds import Pages
+        arr = self.buf.numpy()
+        arr[at * self.page:(at + len(keys)) * self.page] = 0xEE
+        res = self.store.get(keys, Pages.contiguous(self.buf.addr, self.page, range(at, at + len(keys))))
+        return [arr[(at + j) * self.page:(at + j + 1) * self.page].tobytes() if ok else None
+                for j, ok in enumerate(res)]
 
     def verify(self, keys: Sequence[str]) -> dict[str, int]:
         """Read `keys`: how many came back byte-exact, missed, or came back wrong."""
@@ -141,23 +127,23 @@ class Client:
         return {"good": good, "miss": miss, "wrong": wrong}
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        if self.backend is None:
-            return self.store.exists(list(keys))
-        return [bool(self.backend.exists(k)) for k in keys]
+        if self.adapter is not None:
+            return self.adapter.exists(keys)
+        return self.store.exists(list(keys))
 
     def prefix(self, keys: Sequence[str]) -> int:
-        if self.backend is None:
-            return self.store.prefix(list(keys))
-        return self.backend.batch_exists(list(keys))
+        if self.adapter is not None:
+            return self.adapter.prefix(keys)
+        return self.store.prefix(list(keys))
 
     def clear(self) -> bool:
-        if self.backend is None:
-            self.store.clear()
-            return True
-        return bool(self.backend.clear())
+        if self.adapter is not None:
+            return self.adapter.clear()
+        self.store.clear()
+        return True
 
     def close(self) -> None:
-        (self.backend if self.backend is not None else self.store).close()
+        (self.adapter if self.adapter is not None else self.store).close()
 
     def __enter__(self) -> "Client":
         return self

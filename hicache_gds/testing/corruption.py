@@ -31,6 +31,7 @@ import numpy as np
 from .cases import Case, capture_logs, guarded
 from .clients import Client
 from .invariants import index_problems
+from .targets import STORE, key
 
 __all__ = ["corruption_cases", "CASES"]
 
@@ -40,9 +41,8 @@ _NPAGES = 48
 
 
 def _keys(target: str, tag: str, n: int, start: int = 0) -> list[str]:
-    if target == "sglang":
-        from .sglang_harness import sgl_key
-        return [sgl_key(f"{tag}-{i}") for i in range(start, start + n)]
+    if target != STORE:
+        return [key(target, f"{tag}-{i}") for i in range(start, start + n)]
     return [f"{tag}-{i}" for i in range(start, start + n)]
 
 

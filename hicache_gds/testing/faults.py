@@ -1,5 +1,5 @@
 """Resource faults: EIO, hangs and slow IO (`FaultyEngine`), a full disk (small tmpfs), and SGLang's
-own failure injector around our backend.
+own failure injector around our backend (the `sglang` target's harness brings that one).
 
 In every case the pages the fault touches come back False, everything else keeps working, and
 service resumes once the fault clears. `FaultyEngine` reaches `HiCacheGDS` through the engine
@@ -17,9 +17,8 @@ import json
 import os
 import random
 import subprocess
-import threading
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 from ..engines import create_engine, register_engine
 from ..engines.base import EngineOptions, Op
@@ -27,9 +26,9 @@ from ..engines.faulty import Faults, FaultyEngine
 from .cases import Case, guarded
 from .clients import Client, expected
 from .invariants import index_problems
+from .targets import STORE, harness, key
 
-__all__ = ["fault_cases", "set_faults", "FaultyNixlPosix", "FaultyBounce", "small_tmpfs", "sglang_injector_case",
-           "fill_filesystem"]
+__all__ = ["fault_cases", "set_faults", "FaultyNixlPosix", "FaultyBounce", "small_tmpfs", "fill_filesystem"]
 
 _live: list[FaultyEngine] = []
 _current = Faults()
@@ -84,10 +83,7 @@ def _injected() -> dict[str, int]:
 
 
 def _keys(target: str, tag: str, n: int) -> list[str]:
-    if target == "sglang":
-        from .sglang_harness import sgl_key
-        return [sgl_key(f"{tag}-{i}") for i in range(n)]
-    return [f"{tag}-{i}" for i in range(n)]
+    return [key(target, f"{tag}-{i}") for i in range(n)]
 
 
 # -- EIO / hang / delay -----------------------------------------------------------------------------
@@ -244,96 +240,6 @@ def _enospc_case(root: str, target: str, what: str) -> Case:
     return case
 
 
-# -- SGLang's failure injector ----------------------------------------------------------------------------
-
-def sglang_injector_case(root: str, *, delay: float = 0.002, failure: float = 0.3, seconds: float = 5.0) -> Case:
-    """Three SGLang-like threads through SGLang's HiCacheStorageFailureInjector around HiCacheGDS."""
-    case = Case("faults", f"SGLang injector (delay<={delay}s, failure {failure})", "sglang")
-    os.environ["SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY"] = str(delay)
-    os.environ["SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE"] = str(failure)
-    try:
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
-
-        from . import sglang_harness as h
-        d = os.path.join(root, "sglang-injector")
-        os.makedirs(d, exist_ok=True)
-        pool = h.make_pool("mha", "page_first", pages=96)
-        b = h.attach(h.storage_config(d, capacity="32M"), pool)
-    finally:
-        os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", None)
-        os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", None)
-    if not case.check(isinstance(b, HiCacheStorageFailureInjector), "SGLang did not wrap the backend"):
-        b.close()
-        return case
-    injected, calls = [0], [0]
-    orig = b._inject_failure
-
-    def counting(name: str) -> bool:
-        hit = orig(name)
-        injected[0] += hit
-        calls[0] += 1
-        return hit
-    b._inject_failure = counting
-    page = h.flat_page_nbytes(pool)
-    keys = [h.sgl_key(f"inj-{i}") for i in range(32)]
-    for j, k in enumerate(keys):
-        h.set_page(pool, j, expected_array(k, page))
-    stop = threading.Event()
-    errors: list[str] = []
-    counts = {"set": 0, "get": 0, "exists": 0, "hits": 0}
-
-    def run(fn: Any) -> None:
-        try:
-            while not stop.is_set():
-                fn()
-        except Exception as exc:  # noqa: BLE001
-            errors.append(f"{type(exc).__name__}: {exc}")
-
-    def setter() -> None:
-        res = b.batch_set_v1(keys, h.host_indices(pool, range(32)))
-        counts["set"] += len(res)
-
-    def getter() -> None:
-        res = b.batch_get_v1(keys[:16], h.host_indices(pool, range(40, 56)))
-        counts["get"] += len(res)
-        for i, ok in enumerate(res):
-            if ok:
-                counts["hits"] += 1
-                if h.page_bytes(pool, 40 + i) != expected(keys[i], page):
-                    case.wrong_bytes += 1
-
-    def exister() -> None:
-        n = b.batch_exists(keys)
-        counts["exists"] += 1
-        if not 0 <= n <= 32:
-            errors.append(f"batch_exists returned {n}")
-    ts = [threading.Thread(target=run, args=(f,)) for f in (setter, getter, exister)]
-    for t in ts:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in ts:
-        t.join(60)
-    case.exceptions = len(errors)
-    case.problems.extend(errors[:5])
-    case.check(not any(t.is_alive() for t in ts), "a thread hung")
-    case.check(case.wrong_bytes == 0, f"{case.wrong_bytes} hit(s) with wrong bytes")
-    case.injected = injected[0]
-    case.caught = injected[0]
-    with guarded(case, "after"):
-        case.check(b._backend.batch_exists(keys) == 32, "not every page got stored")
-    case.problems.extend(index_problems(h.kv_store(b).index))
-    b.close()
-    case.outcome = (f"{injected[0]} of {calls[0]} calls failed by the injector; "
-                    f"{counts['hits']} hits all byte-exact; every page stored in the end; exceptions {len(errors)}")
-    return case
-
-
-def expected_array(key: str, n: int) -> Any:
-    from .crash import page_bytes_of
-    return page_bytes_of(key, n)
-
-
 def fault_cases(root: str, target: str = "store", *, sglang_seconds: float = 5.0) -> list[Case]:
     """Every resource-fault case for `target`."""
     w, r = Op.WRITE, Op.READ
@@ -347,16 +253,16 @@ def fault_cases(root: str, target: str = "store", *, sglang_seconds: float = 5.0
         _enospc_case(root, target, "index"),
         _enospc_case(root, target, "open"),
     ]
-    if target == "sglang":
-        out.append(sglang_injector_case(root, seconds=sglang_seconds))
-        out.append(sglang_injector_case(root, delay=0.05, failure=0.0, seconds=sglang_seconds))
+    extra = getattr(harness(target), "fault_cases", None) if target != STORE else None
+    if extra is not None:  # faults only the adapter can inject (SGLang's own injector)
+        out.extend(extra(root, seconds=sglang_seconds))
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gds-path", required=True)
-    ap.add_argument("--target", choices=["store", "sglang"], default="store")
+    ap.add_argument("--target", default="store", help="store, or a target an adapter registered (sglang)")
     args = ap.parse_args(argv)
     print(json.dumps([c.as_dict() for c in fault_cases(args.gds_path, args.target)], indent=1))
 

@@ -24,6 +24,7 @@ from ..errors import ConfigError, HiCacheGDSError
 from .cases import Case, capture_logs, snapshot_tree, tree_changes
 from .clients import Client
 from .invariants import index_problems
+from .targets import harness, key
 
 __all__ = ["hostile_store", "hostile_sglang", "hostile_paths", "fuzz", "privacy_modes", "tenant_isolation",
            "log_leaks"]
@@ -61,8 +62,7 @@ def _still_works(case: Case, c: Client, tag: str) -> None:
 
 
 def _sgl_keys(tag: str, n: int) -> list[str]:
-    from .sglang_harness import sgl_key
-    return [sgl_key(f"{tag}-{i}") for i in range(n)]
+    return [key("sglang", f"{tag}-{i}") for i in range(n)]
 
 
 class _Parent:
@@ -371,7 +371,7 @@ def wrapping_region(gds: str, target: str) -> Case:
 def hostile_sglang(root: str) -> list[Case]:
     import torch
 
-    from . import sglang_harness as h
+    h = harness("sglang")
     par = _Parent(root, "hostile-sglang")
     c = Client("sglang", par.gds, slots=64, pages=16, identity={"model": "hostile"})
     b = c.backend
@@ -513,7 +513,7 @@ def fuzz(root: str, target: str = "store", examples: int = 200, *, surrogates: b
             assert c.store.get(keys, Pages.contiguous(c.buf.addr, c.page, range(m))) == res
             c.store.delete(keys)
     else:
-        from . import sglang_harness as h
+        h = harness(target)
         b = c.backend
         ntok = c.pool.size
 

@@ -41,6 +41,7 @@ from typing import Any, Callable
 from .cases import Case
 from .clients import Client
 from .invariants import index_problems
+from .targets import STORE, key
 
 __all__ = ["concurrency", "two_processes", "same_namespace_refused"]
 
@@ -48,9 +49,8 @@ _LANE = 16  # host pages per thread
 
 
 def _keyset(target: str, n: int) -> list[str]:
-    if target == "sglang":
-        from .sglang_harness import sgl_key
-        return [sgl_key(f"stress-{i}") for i in range(n)]
+    if target != STORE:
+        return [key(target, f"stress-{i}") for i in range(n)]
     return [f"stress-{i}" for i in range(n)]
 
 

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from .clients import Client, expected
+from .targets import STORE, key, why_unavailable
 
 __all__ = ["Plan", "run_torture", "recovery_at_scale", "fork_call"]
 
@@ -215,9 +216,8 @@ class _Lines:
 # -- targets ---------------------------------------------------------------------------------------
 
 def _key(plan: Plan, rnd: int, i: int) -> str:
-    if plan.target == "sglang":
-        from .sglang_harness import sgl_key
-        return sgl_key(f"torture-r{rnd}-p{i}")
+    if plan.target != STORE:
+        return key(plan.target, f"torture-r{rnd}-p{i}")
     return f"r{rnd}-p{i}"
 
 
@@ -332,9 +332,8 @@ def _preload(target: str) -> None:
     except ImportError:
         pass
     nixl_api()
-    if target == "sglang":
-        from .sglang_harness import why_unavailable
-        why = why_unavailable()
+    if target != STORE:
+        why = why_unavailable(target)
         if why:
             raise RuntimeError(why)
 

@@ -75,10 +75,11 @@ class ServerProc:
     """One `hicache-gds serve` subprocess."""
 
     def __init__(self, url: str, name: str, prefix: str, size: str, page: int, ttl: float,
-                 low_water: float = 0.02, log_dir: Path | None = None) -> None:
+                 low_water: float = 0.02, log_dir: Path | None = None, extra: tuple[str, ...] = ()) -> None:
         self.args = [sys.executable, "-c", "import sys; from hicache_gds.remote.server import main; sys.exit(main())",
                      "--redis", url, "--size", size, "--page-bytes", str(page), "--name", name,
-                     "--prefix", prefix, "--ttl", str(ttl), "--low-water", str(low_water), "--log-level", "WARNING"]
+                     "--prefix", prefix, "--ttl", str(ttl), "--low-water", str(low_water), "--log-level", "WARNING",
+                     *extra]
         self.name = name
         self.log = (log_dir or Path("/tmp")) / f"serve-{name}-{uuid.uuid4().hex[:6]}.log"
         self.proc: subprocess.Popen | None = None

@@ -444,19 +444,52 @@ def test_pools_we_cannot_serve_are_refused_at_attach(gds_dir, pool, match):
 
 
 def test_default_capacity_is_split_between_writer_ranks_and_kept_on_restart(gds_dir):
-    extra = {"gds_path": gds_dir, "preallocate": False, "capacity": 0}
-    st = os.statvfs(gds_dir)
-    free = st.f_bavail * st.f_frsize
+    from hicache_gds.capacity import default_budget
+    # max_fill 1: the split is tested here, not the fill ceiling (a shared disk may be above 90 % used)
+    extra = {"gds_path": gds_dir, "preallocate": False, "capacity": 0, "max_fill": 1.0}
+    want = default_budget([gds_dir], 0.5, 1.0).total / 4
     pool = make_pool("mha", "page_first")
     b = attach(storage_config(gds_dir, extra=dict(extra), tp_size=4, tp_rank=1), pool)
     kv_bytes = b.stats()["kv"]["slots"] * b.stats()["kv"]["slot_bytes"]
     b.close()
-    assert abs(kv_bytes - free * 0.5 / 4) < free * 0.02
+    assert abs(kv_bytes - want) < want * 0.02
+    # a second rank, opened after the first: the same share (the first's slab counts as held, not gone)
+    other = attach(storage_config(gds_dir, extra=dict(extra), tp_size=4, tp_rank=2), pool)
+    try:
+        assert abs(other.stats()["kv"]["slots"] * other.stats()["kv"]["slot_bytes"] - kv_bytes) < want * 0.02
+    finally:
+        other.close()
     again = attach(storage_config(gds_dir, extra=dict(extra, capacity_fraction=0.1), tp_size=4, tp_rank=1), pool)
     try:
         assert again.stats()["kv"]["slots"] * again.stats()["kv"]["slot_bytes"] == kv_bytes
     finally:
         again.close()
+
+
+def test_writer_ranks_get_equal_preallocated_shares_whichever_opens_first(tmp_path):
+    # On a 64 MiB tmpfs, 4 TP ranks with the default capacity: each preallocates 1/4 of half the
+    # mount, the same size in the order they open (earlier ranks' slabs count as held by hicache-gds).
+    from hicache_gds.testing.faults import small_tmpfs
+    with small_tmpfs(str(tmp_path / "mnt"), "64m") as mnt:
+        if mnt is None:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        extra = {"gds_path": mnt, "engine": "bounce", "direct_io": False, "capacity": 0}
+        pool = make_pool("mha", "page_first")
+        opened = []
+        try:
+            for rank in (2, 0, 3, 1):
+                opened.append(attach(storage_config(mnt, extra=dict(extra), tp_size=4, tp_rank=rank), pool))
+            sizes = [b.stats()["kv"]["slots"] * b.stats()["kv"]["slot_bytes"] for b in opened]
+            slot = opened[0].stats()["kv"]["slot_bytes"]
+            assert max(sizes) - min(sizes) <= slot and abs(sizes[0] - (8 << 20)) <= 2 * slot, sizes
+            ks = keys(4)
+            assert opened[3].batch_set_v1(ks, indices(range(4))) == [True] * 4
+            poison(pool, range(8, 12))
+            assert opened[3].batch_get_v1(ks, indices(range(8, 12))) == [True] * 4
+            assert same_pages(pool, list(range(4)), pool, list(range(8, 12)))
+        finally:
+            for b in opened:
+                b.close()
 
 
 def test_a_new_host_pool_rebinds_the_same_namespace(gds_dir):

@@ -39,9 +39,12 @@ if VLLM_MISSING:
 
 
 @pytest.fixture
-def gds_dir(tmp_path_factory):
-    """A GDS_PATH on the real disk (tmp_path is, on these machines; O_DIRECT needs a real filesystem)."""
-    return str(tmp_path_factory.mktemp("gds"))
+def gds_dir(tmp_path):
+    """A GDS_PATH on the real disk (tmp_path is, on these machines; O_DIRECT needs a real filesystem).
+    Under the test's tmp_path, so it goes when the test passes (tmp_path_retention_policy)."""
+    d = tmp_path / "gds"
+    d.mkdir()
+    return str(d)
 
 
 @pytest.fixture

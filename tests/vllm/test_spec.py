@@ -79,7 +79,8 @@ def test_scheduler_and_workers_agree_on_capacity_from_free_space(gds_dir):
     free, chunk = st.f_bavail * st.f_frsize, 32 * 64 * 1024 * BASE_EXTRA["blocks_per_chunk"]
     if free < 32 * chunk:
         pytest.skip(f"{free} bytes free under {gds_dir}: too little for a capacity from free space")
-    extra = {**BASE_EXTRA, "gds_path": gds_dir, "capacity_fraction": 16 * chunk / free}
+    # max_fill 1: a shared disk may already be fuller than the default ceiling; agreement is tested here
+    extra = {**BASE_EXTRA, "gds_path": gds_dir, "capacity_fraction": 16 * chunk / free, "max_fill": 1.0}
     first = HiCacheGDSOffloadingSpec(make_config(extra, world_size=2))
     worker = HiCacheGDSOffloadingSpec(make_config(extra, rank=1, world_size=2))
     assert first.spec_id == worker.spec_id

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
                                                   PoolName, PoolTransfer, PoolTransferResult)
 
 from hicache_gds import ConfigError, PageReader, PageStore, namespace_location
+from hicache_gds.capacity import default_budget
 from hicache_gds.memory import align_up
 from hicache_gds.slabs import SlabSet
 
@@ -126,23 +127,30 @@ class HiCacheGDS(HiCacheStorage):
 
     # -- attach (scheduler thread) ----------------------------------------------------------------
     def _store_config(self, name: str, ident: dict, page_bytes: int):
-        """Capacity when none is configured: this server's writer ranks split `capacity_fraction` of
-        the free space evenly; a sidecar gets as many slots as KV within that share. An existing
-        namespace keeps the size chosen when it was created (the core's rule for capacity 0)."""
+        """Capacity when none is configured: this server's writer ranks split the core's default
+        budget (`hicache_gds.capacity.default_budget`: `capacity_fraction` of the space available
+        plus what hicache-gds namespaces hold, never past `max_fill`) evenly, so every rank gets the
+        same share whichever opens first; a sidecar gets as many slots as KV within that share. An
+        existing namespace keeps the size chosen when it was created (the core's rule)."""
         cfg = self.config
         if cfg.capacity:
             return cfg
-        dirs = namespace_location(page_bytes, ident, cfg).dirs
-        if os.path.exists(os.path.join(dirs[0], SlabSet.FILE_NAME)):
+        loc = namespace_location(page_bytes, ident, cfg)
+        if os.path.exists(os.path.join(loc.dirs[0], SlabSet.FILE_NAME)):
             return cfg
-        free = min(os.statvfs(r).f_bavail * os.statvfs(r).f_frsize for r in cfg.gds_path) * len(cfg.gds_path)
+        budget = default_budget(cfg.gds_path, cfg.capacity_fraction, cfg.max_fill, exclude=loc.namespace)
         sc = self.storage_config
         writers = sc.pp_size * sc.attn_cp_size * sc.tp_size if name == "mamba" else self._writers  # per-rank state
-        share = int(free * cfg.capacity_fraction) // writers
+        share = budget.total // writers
+        how = f"SGLang: 1/{writers} of the {budget.how}"
         kv = self._bindings.get("kv")
         if name != "kv" and kv is not None and isinstance(kv.store, PageStore) and not kv.read_only:
-            share = min(share, int(kv.store.stats()["slots"]) * align_up(page_bytes))
-        return cfg.replace(capacity=max(align_up(page_bytes) * len(cfg.gds_path), share))
+            kv_bytes = int(kv.store.stats()["slots"]) * align_up(page_bytes)
+            if kv_bytes < share:
+                share, how = kv_bytes, f"SGLang: as many slots as the KV namespace ({how})"
+        if share < align_up(page_bytes) * len(cfg.gds_path):
+            raise budget.no_room(cfg.max_fill)
+        return cfg.replace(capacity=share, source=how)
 
     def _bind(self, name: str, pool: Any) -> PoolBinding:
         geo = describe_pool(pool, name)

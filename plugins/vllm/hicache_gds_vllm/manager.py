@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingEvent, Offl
                                      get_offload_group_idx)
 
 from .sidecar import FailureLog, read_store_keys
-from .spec import HiCacheGDSOffloadingSpec, HiCacheLoadSpec, HiCacheStoreSpec, store_key
+from .shared import HiCacheLoadSpec, HiCacheStoreSpec, SpecView, store_key
 
 __all__ = ["HiCacheGDSManager", "ChunkState"]
 
@@ -65,7 +65,7 @@ class HiCacheGDSManager(OffloadingManager):
     state: it hands its result over in one assignment, and the next manager call merges it.
     """
 
-    def __init__(self, spec: HiCacheGDSOffloadingSpec, *, warm_start: bool = True) -> None:
+    def __init__(self, spec: SpecView, *, warm_start: bool = True) -> None:
         self.spec = spec
         self.capacity = spec.capacity_chunks  # per group
         self.world_size = spec.config.parallel.world_size

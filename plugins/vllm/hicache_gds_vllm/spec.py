@@ -21,16 +21,16 @@ the two share the store.
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Any, Mapping
 
-from vllm.v1.kv_offload.base import (CanonicalKVCaches, LoadStoreSpec, OffloadingManager, OffloadingSpec,
-                                     OffloadingWorker, OffloadKey)
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicache_gds import Config, ConfigError, namespace_id
+from hicache_gds.capacity import default_budget
 from hicache_gds.memory import align_up
 
+from .shared import HiCacheLoadSpec, HiCacheStoreSpec, store_key
 from .sidecar import SideDir
 
 __all__ = ["HiCacheGDSOffloadingSpec", "HiCacheLoadSpec", "HiCacheStoreSpec", "VLLM_KEYS", "hicache_config",
@@ -45,38 +45,6 @@ VLLM_KEYS = (
 )
 _ENV_SPELLINGS = {"ENABLE_GDS": "enable_gds", "GDS_PATH": "gds_path"}
 ADAPTER_FORMAT = "vllm-offloading/1"  # bump when the page layout below changes
-
-
-def store_key(key: OffloadKey) -> str:
-    """The store key of a vLLM offload key (block hash + group index, as hex)."""
-    return bytes(key).hex()
-
-
-class HiCacheLoadSpec(LoadStoreSpec):
-    """What a worker reads: the keys, in vLLM's group-then-chunk order. Pickled every step."""
-
-    __slots__ = ("keys",)
-
-    def __init__(self, keys: list[str]) -> None:
-        self.keys = keys
-
-    def __repr__(self) -> str:
-        return f"HiCacheLoadSpec({len(self.keys)} keys)"
-
-
-class HiCacheStoreSpec(LoadStoreSpec):
-    """What a worker writes (`keys`), and what it must delete first (`drops`, or everything when
-    `clear`): the manager's evictions and failed chunks ride on the next store job."""
-
-    __slots__ = ("keys", "drops", "clear")
-
-    def __init__(self, keys: list[str], drops: list[str] | None = None, clear: bool = False) -> None:
-        self.keys = keys
-        self.drops = drops or []
-        self.clear = clear
-
-    def __repr__(self) -> str:
-        return f"HiCacheStoreSpec({len(self.keys)} keys, {len(self.drops)} drops, clear={self.clear})"
 
 
 def hicache_config(extra: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
@@ -115,17 +83,19 @@ def engine_identity(config: OffloadingConfig) -> dict[str, Any]:
 def _proposed_capacity(cfg: Config, config: OffloadingConfig) -> int:
     """Chunks per (rank, group) namespace.
 
-    `capacity` is read as bytes per rank (all groups); 0 means `capacity_fraction` of the free
-    space under `GDS_PATH`, shared by `world_size` ranks. A chunk is counted at vLLM's padded
-    per-block size, an upper bound of the un-padded page each worker stores.
+    `capacity` is read as bytes per rank (all groups); 0 means the core's default budget under
+    `GDS_PATH` (`hicache_gds.capacity.default_budget`: `capacity_fraction` of the space available
+    plus what hicache-gds namespaces hold, never past `max_fill`), shared by `world_size` ranks. A
+    chunk is counted at vLLM's padded per-block size, an upper bound of the un-padded page each
+    worker stores.
     """
     chunk = align_up(max(1, config.worker_kv_bytes_per_block) * config.cache.blocks_per_chunk)
     ngroups = max(1, len(config.groups))
     if cfg.capacity:
         per_rank = cfg.capacity
     else:
-        free = min(os.statvfs(d).f_bavail * os.statvfs(d).f_frsize for d in cfg.gds_path)
-        per_rank = int(free * len(cfg.gds_path) * cfg.capacity_fraction) // max(1, config.parallel.world_size)
+        budget = default_budget(cfg.gds_path, cfg.capacity_fraction, cfg.max_fill)
+        per_rank = budget.total // max(1, config.parallel.world_size)
     chunks = per_rank // (chunk * ngroups)
     if chunks < 1:
         raise ConfigError(f"capacity: {per_rank} bytes per rank hold no chunk of {chunk * ngroups} bytes; "

@@ -38,7 +38,7 @@ from hicache_gds.memory import HostBuffer, align_up
 
 from .regions import GroupGeometry, chunks_for, coalesce, plan_group, scratch_bytes_needed
 from .sidecar import FailureLog
-from .spec import HiCacheGDSOffloadingSpec, HiCacheLoadSpec, HiCacheStoreSpec
+from .shared import HiCacheLoadSpec, HiCacheStoreSpec, SpecView
 
 __all__ = ["HiCacheGDSWorker"]
 
@@ -78,7 +78,7 @@ class _Scratch:
 class HiCacheGDSWorker(OffloadingWorker):
     """OffloadingWorker over hicache-gds page stores (one per KV-cache group on this rank)."""
 
-    def __init__(self, spec: HiCacheGDSOffloadingSpec, kv_caches: CanonicalKVCaches) -> None:
+    def __init__(self, spec: SpecView, kv_caches: CanonicalKVCaches) -> None:
         self.spec = spec
         self.rank = spec.config.parallel.rank
         self.bpc = spec.blocks_per_chunk
@@ -102,7 +102,9 @@ class HiCacheGDSWorker(OffloadingWorker):
         try:
             for pos, geo in enumerate(self.geos):
                 ident = dict(spec.identity, rank=self.rank, group=pos, ref_pages=geo.ref_page.tolist())
-                cfg = spec.hicache.replace(capacity=spec.capacity_chunks * align_up(geo.page_bytes))
+                cfg = spec.hicache.replace(capacity=spec.capacity_chunks * align_up(geo.page_bytes),
+                                           source=f"vLLM: {spec.capacity_chunks} chunks per rank and group, as the "
+                                                  f"scheduler and every worker agreed")
                 store = PageStore(geo.page_bytes, ident, config=cfg, mem_kinds=(self.kind,))
                 self.stores.append(store)
                 for addr, nbytes in self._regions(tensors):
