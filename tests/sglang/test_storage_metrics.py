@@ -1,7 +1,8 @@
-"""HiCacheGDS's `get_stats()` reaches SGLang's storage metrics (``--enable-metrics``), through SGLang
-0.5.23's own classes: the collector `StorageAttachment._resolve_metrics_collector` builds (a real
-prometheus-client `StorageMetricsCollector`), fed the way `UnifiedRadixCache.check_hicache_events`
-feeds it every scheduler tick (unified_radix_cache.py:3701-3707)."""
+"""HiCacheGDS's `get_stats()` reaches SGLang's storage metrics (``--enable-metrics``), through the
+installed SGLang's own classes: under 0.5.23 the collector `StorageAttachment._resolve_metrics_collector`
+builds, fed the way `UnifiedRadixCache.check_hicache_events` feeds it every scheduler tick
+(unified_radix_cache.py:3701-3707); under 0.5.17 the `StorageMetricsCollector` HiRadixCache builds
+with the same labels and feeds `get_stats()` straight into (hiradix_cache.py:1513-1516)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,23 @@ import pytest
 from sgl_helpers import attach, indices, keys, make_pool, poison, same_pages, storage_config
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="SGLang's metrics need prometheus-client")
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector  # noqa: E402
-from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment  # noqa: E402
 from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector  # noqa: E402
+
+try:  # 0.5.23; 0.5.17 has neither (its HiRadixCache builds the collector itself, without an injector)
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+    from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment
+except ImportError:
+    HiCacheStorageFailureInjector = StorageAttachment = None
 
 
 @pytest.fixture(scope="module")
 def collector():
     """One collector per process, as in SGLang (a second would register its metrics twice)."""
     sc = storage_config(None)
+    if StorageAttachment is None:  # 0.5.17: HiRadixCache._init_storage's labels and class
+        return StorageMetricsCollector(labels={
+            "storage_backend": "dynamic", "tp_rank": sc.tp_rank, "dp_rank": 0, "pp_rank": 0, "pp_size": 1,
+            "attn_cp_rank": 0, "attn_cp_size": 1})
     cache = types.SimpleNamespace(storage_metrics_collector=None, cache_controller=types.SimpleNamespace(
         storage_config=sc, get_attn_cp_rank_and_size=lambda: (0, 1)))
     c = StorageAttachment._resolve_metrics_collector(types.SimpleNamespace(_cache=cache), "dynamic", None)
@@ -46,6 +55,8 @@ def sample(collector, name: str) -> float:
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "failure-injector"])
 def test_get_stats_reaches_sglangs_storage_histograms(gds_dir, collector, monkeypatch, wrapped):
+    if wrapped and HiCacheStorageFailureInjector is None:
+        pytest.skip("this SGLang has no HiCacheStorageFailureInjector")
     if wrapped:  # SGLang wraps the backend when its test injector is on; get_stats passes through it
         monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.0001")
         monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.0")
@@ -53,7 +64,8 @@ def test_get_stats_reaches_sglangs_storage_histograms(gds_dir, collector, monkey
     pool = make_pool("mha", "page_first")
     b = attach(storage_config(gds_dir), pool)
     try:
-        assert isinstance(b, HiCacheStorageFailureInjector) == wrapped
+        if HiCacheStorageFailureInjector is not None:
+            assert isinstance(b, HiCacheStorageFailureInjector) == wrapped
         ks = keys(20)
         assert b.batch_set_v1(ks[:16], indices(range(16))) == [True] * 16
         assert b.batch_set_v1(ks[16:], indices(range(16, 20))) == [True] * 4
