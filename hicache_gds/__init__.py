@@ -8,7 +8,7 @@ from .config import Config
 from .engines.base import MemKind, Op
 from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSError, ReadOnlyError, RegionError,
                      StoreFullError, StoreLockedError, TransferError, TransferTimeout)
-from .index import read_keys
+from .index_reader import read_keys
 from .layout import Pages, namespace_id, namespace_location, page_bytes_for
 from .reader import PageReader
 from .store import PageStore

@@ -80,7 +80,7 @@ class PageReader(PageStore):
         self.config = cfg
         self.page_bytes = page_bytes
         self.identity, self.namespace, self.dirs, self.slot_bytes = loc
-        self._lock_fd = -1
+        self._member = None
         self._closed = False
         self._sync_fds: list[int] = []
         self._fids: list[int] = []
