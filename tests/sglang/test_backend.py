@@ -149,6 +149,60 @@ def test_pages_survive_a_process_restart(gds_dir):
             b.close()
 
 
+_PEER = textwrap.dedent("""
+    import sys
+    sys.path[:0] = sys.argv[2:4]
+    from sgl_helpers import *
+    kind, layout = sys.argv[4], sys.argv[5]
+    pool = make_pool(kind, layout, seed=200)
+    b = attach(storage_config(sys.argv[1], is_mla_model=kind == "mla", dp_rank=1), pool)
+    assert b.batch_set_v1(keys(12, "peer"), indices(range(12))) == [True] * 12
+    print("WROTE", flush=True)
+    for line in sys.stdin:  # read what the other server stored, while both have the namespace open
+        n = int(line)
+        poison(pool, range(32, 32 + n))
+        got = b.batch_get_v1(keys(n, "main"), indices(range(32, 32 + n)))
+        ref = make_pool(kind, layout, seed=201)
+        print("READ", sum(got), same_pages(ref, list(range(n)), pool, list(range(32, 32 + n))), flush=True)
+    b.close()
+""")
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first_direct")])
+def test_two_servers_in_two_processes_share_pages_byte_exact(gds_dir, kind, layout):
+    """Two HiCacheGDS backends (DP ranks 0 and 1: once two servers' worth of namespaces) in two
+    processes, both attached at once: each loads what the other stored, byte-exact."""
+    tests = os.path.dirname(HERE)
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, gds_dir, HERE, tests, kind, layout], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = peer.stdout.readline()
+        assert line.strip() == "WROTE", peer.stderr.read()[-4000:]
+        pool = make_pool(kind, layout, seed=201)
+        b = attach(storage_config(gds_dir, is_mla_model=kind == "mla", dp_rank=0), pool)
+        try:
+            ref = make_pool(kind, layout, seed=200)
+            peer_keys = keys(12, "peer")
+            assert b.batch_exists(peer_keys) == 12
+            poison(pool, range(40, 52))
+            assert b.batch_get_v1(peer_keys, indices(range(40, 52))) == [True] * 12
+            assert same_pages(ref, list(range(12)), pool, list(range(40, 52)))
+            assert b.batch_set_v1(keys(10, "main"), indices(range(10))) == [True] * 10
+            peer.stdin.write("10\n")
+            peer.stdin.flush()
+            assert peer.stdout.readline().split() == ["READ", "10", "True"]
+            assert b.batch_set_v1(peer_keys[:4], indices(range(10, 14))) == [True] * 4  # present: stored once
+            assert b.stats()["kv"]["put_skipped_present"] == 4
+        finally:
+            b.close()
+        peer.stdin.close()
+        assert peer.wait(120) == 0, peer.stderr.read()[-4000:]
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+
+
 @pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mla", "layer_first"), ("mha", "layer_first")])
 def test_three_threads_at_once(gds_dir, kind, layout):
     """SGLang's backup, prefetch-IO and prefetch threads call concurrently."""

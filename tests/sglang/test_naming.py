@@ -33,7 +33,7 @@ def test_dcp_suffix_is_hicache_files(tmp_path):
     assert (ours.config_suffix, ours.tp_config_suffix) == (ref.config_suffix, ref.tp_config_suffix)
 
 
-def test_identities_separate_ranks_except_mla_tp_and_include_the_geometry():
+def test_identities_separate_ranks_except_mla_tp_and_dp_and_include_the_geometry():
     geo = {"kind": "mha", "page_order": "token_major", "dtype": "torch.bfloat16", "page_size": 16}
 
     def ident(mla=False, pool="kv", g=None, **kw):
@@ -44,7 +44,7 @@ def test_identities_separate_ranks_except_mla_tp_and_include_the_geometry():
     assert ident(True, tp_rank=0, tp_size=2) == ident(True, tp_rank=1, tp_size=2)  # MLA: one shared copy
     assert ident(True, "mamba", tp_rank=0, tp_size=2) != ident(True, "mamba", tp_rank=1, tp_size=2)
     assert ident(pp_rank=0, pp_size=2) != ident(pp_rank=1, pp_size=2)
-    assert ident(dp_rank=0) != ident(dp_rank=1)
+    assert ident(dp_rank=0) == ident(dp_rank=1)  # DP replicas share one namespace
     assert ident() != ident(pool="swa")
     assert ident() != ident(g=dict(geo, page_order="layer_major"))
     assert ident() != ident(g=dict(geo, dtype="torch.float8_e4m3fn"))

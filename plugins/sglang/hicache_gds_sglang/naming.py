@@ -13,9 +13,13 @@ Three rules live here and nowhere else:
   ``{hash}.{pool}`` and Mamba state always carries the TP rank. So a key names the same page in
   both backends.
 * **Namespaces.** Every pool gets its own PageStore namespace whose identity holds what makes the
-  bytes meaningful: model, the rank suffix, the DP rank, the pool, its kind, dtype, page geometry
-  and the *byte order* of a page (`PoolGeometry.page_order`). Layouts with the same byte order
-  (``layer_first`` and ``page_first_direct``) share pages; others never see each other's.
+  bytes meaningful: model, the rank suffix (TP / PP / attention-CP rank and sizes), the pool, its
+  kind, dtype, page geometry and the *byte order* of a page (`PoolGeometry.page_order`). Nothing
+  else: the DP rank is not in it, so data-parallel replicas -- and any other server on the node
+  with the same model, parallel layout and pool geometry -- open the same namespaces and share
+  their pages (a namespace has any number of writer processes). Layouts with the same byte order
+  (``layer_first`` and ``page_first_direct``) share pages; others never see each other's, and
+  ``HICACHE_GDS_NAMESPACE`` keeps tenants apart.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from hicache_gds import Config, ConfigError
 
 __all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity"]
 
-SCHEMA = "hicache-gds-sglang/1"
+SCHEMA = "hicache-gds-sglang/2"  # 2: the DP rank left the identity (replicas share)
 
 # Keys SGLang itself reads, injects or passes through in the extra config; never ours.
 SGLANG_KEYS = (
@@ -95,11 +99,9 @@ class KeyScheme:
 def namespace_identity(scheme: KeyScheme, sc: Any, pool: str, geometry: Mapping[str, Any]) -> dict[str, str]:
     """Identity of one pool's namespace on one rank (rank-replicated MLA pools: same on every TP rank).
 
-    The DP rank is in it because a namespace has one writer process: DP attention groups keep
-    their own copies.
-    """
-    ident = {"schema": SCHEMA, "model": scheme.model, "pool": pool, "suffix": scheme.suffix_for(pool),
-             "dp_rank": getattr(sc, "dp_rank", 0)}
+    Shared by every process whose pages mean the same bytes: the DP rank is not in it, so DP
+    replicas and other servers of the same model and layout use one copy."""
+    ident = {"schema": SCHEMA, "model": scheme.model, "pool": pool, "suffix": scheme.suffix_for(pool)}
     ident.update(geometry)
     return {str(k): str(v) for k, v in ident.items()}
 
