@@ -2,15 +2,16 @@
 
 One IO is one `PageStore.put` (write) or `get` (read) of `batch` pages of the job's page geometry
 (`--model`/`--layout`, or one `bs`-byte segment). `iodepth` threads per job keep that many batches
-in flight (the store is thread-safe); `numjobs` jobs run side by side on one store, each with its
-own keys, and are reported together (like fio's `group_reporting`). Per IO: slat = building the
+in flight (the store is thread-safe); `numjobs` jobs are processes, as in fio: each opens the one
+namespace with its own `PageStore` and moves its own keys, and they are reported together (like
+fio's `group_reporting`; `jobs.py`). Per IO: slat = building the
 keys and page descriptors, clat = the store call, lat = both.
 
 Keys: job c, pass "generation" g, page i is `c{c}.g{g}.{i}`. Writes always write a fresh
 generation (the store never rewrites a present key); reads read the generation a previous job of
 the same shape left behind (`write` then `read` shares the store), or one written first, untimed.
 Sequential modes take keys in order into consecutive buffer pages; random modes take keys in a
-random order and random pages of the buffer. Buffers hold `iodepth * numjobs * batch` pages laid
+random order and random pages of the buffer. Buffers hold `iodepth * batch` pages per job, laid
 out as one plane per segment (segment s of page p at `plane[s] + p * seg[s]`, the way SGLang's
 host pools keep K and V apart), source pages filled with random bytes. With `--verify` the
 expected xxh3 of every written key is kept, and after the measured phase the job's keys are read
@@ -65,6 +66,7 @@ class _Entry:
 
     store: PageStore
     capacity_pages: int
+    spec: dict[str, Any] = field(default_factory=dict)   # how another process opens the same namespace
     dataset: int | None = None
     next_gen: int = 0
     expected: dict[int, np.ndarray] = field(default_factory=dict)   # gen -> xxh3 per key
@@ -136,9 +138,11 @@ class _Workload:
     """Which keys and buffer pages IO number j moves (see the module docstring)."""
 
     def __init__(self, opts: JobOptions, store: PageStore, bufs: _Buffers, npages: int,
-                 gen_write: int, gen_read: int | None, seed: int) -> None:
+                 gen_write: int, gen_read: int | None, seed: int, job: int | None = None) -> None:
+        """`job`: only that job's IOs (a job process of `--numjobs`); None: every job's."""
         self.opts, self.store, self.bufs, self.npages = opts, store, bufs, npages
-        self.batch, self.njobs = min(opts.batch_size, npages), opts.numjobs
+        self.job = job
+        self.batch, self.njobs = min(opts.batch_size, npages), opts.numjobs if job is None else 1
         self.nb = math.ceil(npages / self.batch)
         self.nios = self.nb * self.njobs
         self.gen_write, self.gen_read = gen_write, gen_read
@@ -146,7 +150,7 @@ class _Workload:
         self.random = opts.rw.startswith("rand")
         rng = np.random.default_rng(seed)
         self.order = rng.permutation(npages) if self.random else np.arange(npages)
-        total = npages * self.njobs
+        total = npages * opts.numjobs  # drawn alike in every job process: the same bytes per key
         self.src_page = (rng.integers(0, bufs.nbuf, total) if self.random
                          else np.arange(total) % bufs.nbuf)
         self.is_read = (rng.random(self.nios) * 100 < opts.rwmixread if opts.rw == "randrw"
@@ -158,7 +162,7 @@ class _Workload:
         """(job, pass, page indices) of IO number j."""
         k, c = divmod(j, self.njobs)
         loop, b = divmod(k, self.nb)
-        return c, loop, self.order[b * self.batch:(b + 1) * self.batch]
+        return c if self.job is None else self.job, loop, self.order[b * self.batch:(b + 1) * self.batch]
 
     @staticmethod
     def keys(c: int, gen: int, idx: np.ndarray) -> list[str]:
@@ -270,7 +274,8 @@ class Session:
                  "mem": opts.mem, "pages": total, "capacity": need}
         kinds = (MemKind.VRAM,) if opts.mem == "vram" else (MemKind.DRAM,)
         store = PageStore(g.page_bytes, ident, config=cfg, mem_kinds=kinds)
-        self._stores[key] = e = _Entry(store, need)
+        spec = {"page_bytes": g.page_bytes, "identity": ident, "config": cfg, "kinds": [k.value for k in kinds]}
+        self._stores[key] = e = _Entry(store, need, spec)
         return e
 
     def _make_room(self, dirs: list[str], nbytes: int) -> None:
@@ -324,8 +329,8 @@ class Session:
         entry = self._store(opts, engine, dirs, total, need)
         store = entry.store
         seed = opts.randseed if opts.randseed is not None else 0x5EED
-        bufs = _Buffers(store, opts.mem, opts.geometry, threads * min(batch, npages), seed,
-                        dst=has_reads(opts.rw) or bool(opts.verify))
+        nbuf = opts.iodepth * min(batch, npages)  # per job: each job process has its own
+        bufs = _Buffers(store, opts.mem, opts.geometry, nbuf, seed, dst=has_reads(opts.rw) or bool(opts.verify))
         label = f"{opts.name} {engine}"
         try:
             prefilled, cache = False, None
@@ -347,9 +352,12 @@ class Session:
             work = _Workload(opts, store, bufs, npages, entry.next_gen, entry.dataset, seed)
             os.sync()                      # earlier jobs' dirty pages must not flush during this one
             s0, t_start = store.stats(), time.time()
-            m = run_phase(threads, Plan.of(opts, work.nios), work.io, self.bars, label,
-                          work.nios and total * work.page_bytes)
-            s1 = store.stats()
+            if nj == 1:
+                m = run_phase(threads, Plan.of(opts, work.nios), work.io, self.bars, label,
+                              work.nios and total * work.page_bytes)
+                s1 = store.stats()
+            else:
+                m, s1 = self._run_processes(opts, entry, bufs, npages, work, seed, label)
             loops = math.ceil(m.issued / work.nios)
             if opts.rw in ("write", "randwrite", "randrw") and loops:
                 if opts.verify:            # xxh3 of the source pages: computed only when asked
@@ -366,6 +374,23 @@ class Session:
             bufs.close()
         return self._result(opts, engine, multi, m, s0, s1, t_start, prefilled, cache, verify, dirs,
                             threads, work)
+
+    def _run_processes(self, opts: JobOptions, entry: _Entry, bufs: _Buffers, npages: int, work: _Workload,
+                       seed: int, label: str) -> tuple[Measured, dict]:
+        """The measured phase as `numjobs` processes on the namespace (`jobs.run_jobs`): job 0 here."""
+        from .jobs import run_jobs
+        store = entry.store
+        mine = _Workload(opts, store, bufs, npages, work.gen_write, work.gen_read, seed, job=0)
+        spec = dict(entry.spec, opts=opts, nbuf=bufs.nbuf, seed=seed, dst="dst" in bufs.base, npages=npages,
+                    gen_write=work.gen_write, gen_read=work.gen_read, counters=_COUNTERS + ("evictions",))
+        limit = (opts.ramp_time or 0) + (opts.runtime or 0) + 3600
+        m, theirs = run_jobs(spec, lambda: run_phase(opts.iodepth, Plan.of(opts, mine.nios), mine.io, self.bars,
+                                                     f"{label} (job 0 of {opts.numjobs})",
+                                                     mine.nios and npages * mine.page_bytes), limit)
+        s1 = dict(store.stats())
+        for k, v in theirs.items():
+            s1[k] = s1.get(k, 0) + v
+        return m, s1
 
     def _verify(self, opts: JobOptions, entry: _Entry, work: _Workload, m: Measured,
                 before_verify: Callable[[PageStore, list[str]], None] | None) -> dict[str, Any]:

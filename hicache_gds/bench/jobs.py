@@ -1,0 +1,119 @@
+"""`--numjobs=N` as fio means it: N processes on one job, here N `PageStore`s on one namespace.
+
+The runner's process opens the namespace first and runs job 0 on its own threads; jobs 1..N-1
+are spawned processes (`multiprocessing` "spawn": a fresh interpreter, no NIXL agent inherited)
+that open the same namespace with the same identity and configuration, build the same buffers
+(same seed: identical source bytes), wait at one barrier and run their share: job c moves the
+keys ``c{c}.g{gen}.*``. Their `Measured` records and store counters come back through a queue
+and are merged with job 0's (fio's ``group_reporting``): bytes and IOs add up, the runtime is the
+longest job's (they start together), latencies are pooled. Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from collections import Counter
+from typing import Any, Callable
+
+from ..engines.base import MemKind
+from .raw import Measured, Plan, drive
+from .stats import DirStats, LatencyRecorder
+
+__all__ = ["run_jobs", "merge_measured"]
+
+START_TIMEOUT_S = 300.0  # a spawned job imports, opens the store and fills its buffers in this time
+
+
+def merge_measured(parts: list[Measured]) -> Measured:
+    """One record of jobs that ran side by side (see the module docstring)."""
+    out = Measured()
+    for ddir in ("read", "write"):
+        ds = [p.dir(ddir) for p in parts]
+        d = DirStats(io_bytes=sum(x.io_bytes for x in ds), total_ios=sum(x.total_ios for x in ds),
+                     runtime_ns=max(x.runtime_ns for x in ds), short_ios=sum(x.short_ios for x in ds),
+                     drop_ios=sum(x.drop_ios for x in ds))
+        for lat in ("slat", "clat", "lat"):
+            setattr(d, lat, LatencyRecorder.merged(getattr(x, lat) for x in ds))
+        for x in ds:  # each job's own interval samples
+            d.rate._bw_kib += x.rate._bw_kib
+            d.rate._iops += x.rate._iops
+        setattr(out, ddir, d)
+    out.depths = sum((p.depths for p in parts), Counter())
+    out.failed = sum((p.failed for p in parts), Counter())
+    out.issued = sum(p.issued for p in parts)
+    out.wall_ns = max(p.wall_ns for p in parts)
+    for k in ("usr_cpu", "sys_cpu"):
+        setattr(out, k, sum(getattr(p, k) for p in parts))
+    for k in ("ctx", "majf", "minf"):
+        setattr(out, k, sum(getattr(p, k) for p in parts))
+    return out
+
+
+def _job_main(spec: dict[str, Any], job: int, barrier: Any, q: Any) -> None:
+    """One spawned job: open the namespace, build its share of the workload, run it, report."""
+    store = bufs = None
+    try:
+        from ..store import PageStore
+        from .runner import _Buffers, _Workload
+        opts = spec["opts"]
+        store = PageStore(spec["page_bytes"], spec["identity"], config=spec["config"],
+                          mem_kinds=tuple(MemKind(k) for k in spec["kinds"]))
+        bufs = _Buffers(store, opts.mem, opts.geometry, spec["nbuf"], spec["seed"], dst=spec["dst"])
+        work = _Workload(opts, store, bufs, spec["npages"], spec["gen_write"], spec["gen_read"], spec["seed"], job=job)
+        s0 = store.stats()
+        barrier.wait(START_TIMEOUT_S)
+        m = drive(opts.iodepth, Plan.of(opts, work.nios), work.io)
+        s1 = store.stats()
+        q.put((job, m, {k: s1.get(k, 0) - s0.get(k, 0) for k in spec["counters"]}, None))
+    except BaseException:  # noqa: BLE001 -- reported to the runner, which raises it
+        barrier.abort()
+        q.put((job, None, None, traceback.format_exc()[-3000:]))
+    finally:
+        if bufs is not None:
+            bufs.close()
+        if store is not None:
+            store.close()
+
+
+def run_jobs(spec: dict[str, Any], local: Callable[[], Measured], timeout_s: float) -> tuple[Measured, dict[str, int]]:
+    """Run jobs 1..numjobs-1 in spawned processes and `local` (job 0) here, started together.
+
+    `spec`: what a job needs to rebuild its share (see `_job_main`). Returns the merged record and
+    the spawned jobs' store counters, summed. Raises `RuntimeError` naming a job that failed."""
+    n = spec["opts"].numjobs
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_job_main, args=(spec, c, barrier, q), daemon=True) for c in range(1, n)]
+    for p in procs:
+        p.start()
+    try:
+        try:
+            barrier.wait(START_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 -- a job failed to start: its error is on the queue
+            raise RuntimeError(f"--numjobs={n}: a job process did not start: {_first_error(q)}") from exc
+        mine = local()
+        parts, counters = [mine], Counter()
+        deadline = time.monotonic() + timeout_s
+        for _ in procs:
+            job, m, delta, err = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            if err is not None:
+                raise RuntimeError(f"--numjobs={n}: job {job} failed:\n{err}")
+            parts.append(m)
+            counters.update(delta)
+        return merge_measured(parts), dict(counters)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
+def _first_error(q: Any) -> str:
+    try:
+        _, _, _, err = q.get(timeout=5)
+        return err or "no error reported"
+    except Exception:  # noqa: BLE001
+        return "no error reported"
