@@ -195,16 +195,19 @@ class Index:
     _load_hook: Callable[[Index], None] | None = None
     """Tests: called in the loader thread with the map built, just before it is put in place."""
 
-    def __init__(self, db_path: str, nslots: int, meta: dict[str, str], existing: bool = False,
+    def __init__(self, db_path: str, nslots: int, meta: dict[str, str] | None, existing: bool = False,
                  gone: Iterable[tuple[int, int]] = (), background: bool = True, *,
-                 member: Membership | None = None, first: bool = True) -> None:
+                 member: Membership | None = None, first: bool = True, load_map: bool = True) -> None:
         """`existing`: the namespace holds slots from an earlier run, so a database without our
         settings means the index was lost (emptied, deleted, or its WAL removed before a checkpoint).
         `gone`: (first, step) pairs naming slots whose bytes no longer exist (slab files found short
         at open): their rows are deleted. `background`: allow the background load. `first`: no
         other process has the namespace open (the caller holds `owners.setup_lock`), so this open
         recovers it: reservations and leases of earlier runs are freed, the size may change, and a
-        database of other settings is started anew."""
+        database of other settings is started anew. `meta=None` (with `first=False`): join the
+        namespace as its stores made it, whatever its settings, `nslots` read from it -- for
+        processes that only look up and lease (a vLLM scheduler). `load_map=False`: no map in
+        memory, lookups go to SQLite."""
         self.db_path = db_path
         self.nslots = nslots
         self.member = member
@@ -238,11 +241,23 @@ class Index:
         try:
             self._open(gone, first)
         except sqlite3.DatabaseError as exc:
+            if meta is None:
+                raise OSError(f"index {db_path} cannot be joined: {exc}") from exc
             self._reset_damaged(exc, locked=True)  # the caller holds the setup lock
         self.reclaim()
         self._rows = self._count("SELECT count(*) FROM pages")
-        self._start_load(background)
+        if load_map:
+            self._start_load(background)
+        else:
+            self._loaded.set()  # nothing to wait for: lookups go to SQLite
         self.recovery_s = time.perf_counter() - self._t0
+
+    @classmethod
+    def join(cls, db_path: str, member: Membership | None, *, load_map: bool = True) -> "Index":
+        """The index of an existing namespace other processes write, for lookups and leases only."""
+        if not os.path.isfile(db_path) or os.path.islink(db_path):
+            raise FileNotFoundError(f"index {db_path}: no such namespace (yet)")
+        return cls(db_path, 0, None, member=member, first=False, load_map=load_map)
 
     # -- open / recover --------------------------------------------------------------------------
     def _open(self, gone: Iterable[tuple[int, int]], first: bool) -> None:
@@ -255,6 +270,12 @@ class Index:
                 os.chmod(self.db_path + suffix, 0o600)
         has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
         stored = dict(db.execute("SELECT name, value FROM meta")) if has_meta else {}
+        if self._meta is None:  # joining as it is
+            if stored.get("schema") != str(SCHEMA):
+                raise OSError(f"index {self.db_path} is of schema {stored.get('schema')}, not {SCHEMA}")
+            self.nslots = self.nslots or int(stored.get("nslots", 0))
+            self._rdb = _connect(self.db_path)
+            return
         want = dict(self._meta, schema=str(SCHEMA))
         changed = sorted(k for k, v in want.items() if k != "nslots" and stored and stored.get(k) != v)
         if first:
@@ -275,8 +296,8 @@ class Index:
             return
         db.execute("BEGIN IMMEDIATE")
         try:
-            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", want.items())
             n = self.nslots
+            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [*want.items(), ("nslots", str(n))])
             # Nobody else has the namespace open: whatever earlier runs held is free again.
             for t in ("held", "doomed"):
                 db.execute(f"INSERT OR IGNORE INTO free SELECT slot FROM {t}")
@@ -319,6 +340,8 @@ class Index:
         lock (`locked`: the caller holds it); other processes find the new file at their next call
         (`_check_file`)."""
         from .owners import setup_lock
+        if self._meta is None:  # joined as it is: the namespace's stores recover it, not us
+            raise OSError(f"index {self.db_path} is damaged ({exc}); left to the namespace's stores")
         with contextlib.nullcontext() if locked else setup_lock(os.path.dirname(self.db_path)):
             try:
                 same = os.stat(self.db_path).st_ino == self._ino or not self._ino
@@ -854,6 +877,8 @@ class Index:
 
     def stats(self) -> dict[str, int]:
         with self._rlock:
+            if self._rdb is None:  # closed
+                return {"pages": len(self._map), "slots": self.nslots, "evictions": self.evictions}
             pages, free, top, held, leased, doomed = self._rdb.execute(
                 "SELECT (SELECT count(*) FROM pages), (SELECT count(*) FROM free), (SELECT top FROM clock), "
                 "(SELECT count(*) FROM held), (SELECT count(*) FROM leases), (SELECT count(*) FROM doomed)").fetchone()
