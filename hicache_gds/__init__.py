@@ -1,7 +1,8 @@
 """hicache-gds: a KV-cache page store on NVMe and remote memory, built on NIXL.
 
-The API adapters use is `PageStore`; `Pages` describes where pages live in memory. Other processes
-read a namespace its writer has open through `PageReader` (read-only, lock-free).
+The API adapters use is `PageStore`; `Pages` describes where pages live in memory. Any number of
+processes open one namespace through `PageStore`s and share it; `PageReader` reads one without
+writing anything.
 """
 
 from .config import Config

@@ -8,9 +8,13 @@
 
 Write order (the crash-safety contract, with `Index`): reserve free slots (evictions committed
 first) -> write page bytes -> [fdatasync] -> publish rows. A page is never visible before its
-bytes are on disk, and `put` returns True only for published pages.
+bytes are on disk, and `put` returns True only for published pages. Reads lease their slots
+(`Index.lookup_pin`) until the bytes are in memory.
 
-Thread-safe: SGLang calls exists, get and put from three threads at once.
+Thread-safe (SGLang calls exists, get and put from three threads at once) and process-safe: any
+number of processes open one namespace, each its own `PageStore`; they share its pages, slots,
+LRU and capacity through the index (`index.py`), and a dead one's reservations are reclaimed
+(`owners.py`). Bytes move straight between each process's memory and the slab files.
 """
 
 from __future__ import annotations
@@ -203,7 +207,9 @@ class PageStore:
         An engine to use instead of choosing one (tests, benchmarks, wrappers).
 
     The namespace holds `config.capacity // slot_bytes` slots (`slot_bytes` = `page_bytes`
-    rounded up to 4 KiB), so callers that must agree on a page count can size it exactly.
+    rounded up to 4 KiB), so callers that must agree on a page count can size it exactly. Opened
+    while other processes have it open, a namespace keeps the size it has (a different capacity
+    is logged and applied at an open when nobody else has it open).
     """
 
     read_only = False  # True for `PageReader`, the lock-free read-only view of a namespace
