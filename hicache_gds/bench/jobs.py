@@ -77,11 +77,14 @@ def _job_main(spec: dict[str, Any], job: int, barrier: Any, q: Any) -> None:
             store.close()
 
 
-def run_jobs(spec: dict[str, Any], local: Callable[[], Measured], timeout_s: float) -> tuple[Measured, dict[str, int]]:
+def run_jobs(spec: dict[str, Any], local: Callable[[], Measured],
+             timeout_s: float) -> tuple[Measured, dict[str, int], list[int]]:
     """Run jobs 1..numjobs-1 in spawned processes and `local` (job 0) here, started together.
 
-    `spec`: what a job needs to rebuild its share (see `_job_main`). Returns the merged record and
-    the spawned jobs' store counters, summed. Raises `RuntimeError` naming a job that failed."""
+    `spec`: what a job needs to rebuild its share (see `_job_main`). Returns the merged record,
+    the spawned jobs' store counters (summed) and the IOs each job issued, job 0 first (time-based
+    jobs loop on their own, so they need not end on the same pass). Raises `RuntimeError` naming
+    a job that failed."""
     n = spec["opts"].numjobs
     ctx = mp.get_context("spawn")
     barrier, q = ctx.Barrier(n), ctx.Queue()
@@ -94,7 +97,8 @@ def run_jobs(spec: dict[str, Any], local: Callable[[], Measured], timeout_s: flo
         except Exception as exc:  # noqa: BLE001 -- a job failed to start: its error is on the queue
             raise RuntimeError(f"--numjobs={n}: a job process did not start: {_first_error(q)}") from exc
         mine = local()
-        parts, counters = [mine], Counter()
+        parts, counters, issued = [mine], Counter(), [0] * n
+        issued[0] = mine.issued
         deadline = time.monotonic() + timeout_s
         for _ in procs:
             job, m, delta, err = q.get(timeout=max(1.0, deadline - time.monotonic()))
@@ -102,7 +106,8 @@ def run_jobs(spec: dict[str, Any], local: Callable[[], Measured], timeout_s: flo
                 raise RuntimeError(f"--numjobs={n}: job {job} failed:\n{err}")
             parts.append(m)
             counters.update(delta)
-        return merge_measured(parts), dict(counters)
+            issued[job] = m.issued
+        return merge_measured(parts), dict(counters), issued
     finally:
         for p in procs:
             p.join(60)

@@ -356,27 +356,28 @@ class Session:
                 m = run_phase(threads, Plan.of(opts, work.nios), work.io, self.bars, label,
                               work.nios and total * work.page_bytes)
                 s1 = store.stats()
-            else:
-                m, s1 = self._run_processes(opts, entry, bufs, npages, work, seed, label)
-            loops = math.ceil(m.issued / work.nios)
+                per_job = [m.issued]
+            else:  # each job process runs its own passes: they need not end on the same one
+                m, s1, per_job = self._run_processes(opts, entry, bufs, npages, work, seed, label)
+            loops = max(math.ceil(i / work.nb) for i in per_job)
             if opts.rw in ("write", "randwrite", "randrw") and loops:
                 if opts.verify:            # xxh3 of the source pages: computed only when asked
                     entry.expected.update(dict.fromkeys(range(work.gen_write, work.gen_write + loops),
                                                         work.expected()))
                 entry.next_gen = work.gen_write + loops
-            if opts.rw in ("write", "randwrite"):
-                complete = m.issued % work.nios == 0
+            if opts.rw in ("write", "randwrite"):  # every job wrote every page of its last pass
+                complete = len(set(per_job)) == 1 and per_job[0] % work.nb == 0
                 entry.dataset = work.gen_write + loops - 1 if complete and loops else None
             elif opts.rw == "randrw" and loops > 1:
                 entry.dataset = None          # later writes may have evicted part of it
-            verify = self._verify(opts, entry, work, m, before_verify) if opts.verify and m.issued else None
+            verify = self._verify(opts, entry, work, per_job, before_verify) if opts.verify and m.issued else None
         finally:
             bufs.close()
         return self._result(opts, engine, multi, m, s0, s1, t_start, prefilled, cache, verify, dirs,
                             threads, work)
 
     def _run_processes(self, opts: JobOptions, entry: _Entry, bufs: _Buffers, npages: int, work: _Workload,
-                       seed: int, label: str) -> tuple[Measured, dict]:
+                       seed: int, label: str) -> tuple[Measured, dict, list[int]]:
         """The measured phase as `numjobs` processes on the namespace (`jobs.run_jobs`): job 0 here."""
         from .jobs import run_jobs
         store = entry.store
@@ -384,20 +385,26 @@ class Session:
         spec = dict(entry.spec, opts=opts, nbuf=bufs.nbuf, seed=seed, dst="dst" in bufs.base, npages=npages,
                     gen_write=work.gen_write, gen_read=work.gen_read, counters=_COUNTERS + ("evictions",))
         limit = (opts.ramp_time or 0) + (opts.runtime or 0) + 3600
-        m, theirs = run_jobs(spec, lambda: run_phase(opts.iodepth, Plan.of(opts, mine.nios), mine.io, self.bars,
+        m, theirs, issued = run_jobs(spec, lambda: run_phase(opts.iodepth, Plan.of(opts, mine.nios), mine.io, self.bars,
                                                      f"{label} (job 0 of {opts.numjobs})",
                                                      mine.nios and npages * mine.page_bytes), limit)
         s1 = dict(store.stats())
         for k, v in theirs.items():
             s1[k] = s1.get(k, 0) + v
-        return m, s1
+        return m, s1, issued
 
-    def _verify(self, opts: JobOptions, entry: _Entry, work: _Workload, m: Measured,
+    def _verify(self, opts: JobOptions, entry: _Entry, work: _Workload, per_job: list[int],
                 before_verify: Callable[[PageStore, list[str]], None] | None) -> dict[str, Any]:
         """Re-read what the job wrote (writes) or read (reads) and compare with the expected xxh3."""
         if opts.rw in ("write", "randwrite"):
-            last = (m.issued - 1) // work.nios
-            todo = [(j, work.gen_write + last) for j in range(last * work.nios, m.issued)]
+            # Each job's last pass: job c's i-th IO is IO number i * numjobs + c (`_Workload.where`).
+            nj = work.njobs
+            todo = []
+            for c, issued in enumerate(per_job):
+                if not issued:
+                    continue
+                last = (issued - 1) // work.nb
+                todo += [(i * nj + c, work.gen_write + last) for i in range(last * work.nb, issued)]
         else:
             todo = [(j, work.gen_read) for j in range(work.nios)]
         batches = []
