@@ -30,6 +30,8 @@ def index_problems(index: Any, *, at_rest: bool = True, check_db: bool = True) -
         return [f"the index map did not load: {index._load_error}"]
     with index._rlock:
         db = index._rdb
+        if db is None:  # closed meanwhile (a watchdog's last look): nothing left to check
+            return []
         db.execute("BEGIN")
         try:
             top, seq = db.execute("SELECT top, seq FROM clock").fetchone()
