@@ -12,7 +12,11 @@ checksum, LRU clock) in a scratch directory, and run the paths the page store ne
 * get: one write transaction leasing 128 slots for reading (and touching their LRU clock), one
   returning the leases;
 * the same put + get loop in 1, 2 and 4 processes at once on one store (aggregate transactions
-  per second and the 99th percentile of one transaction's latency).
+  per second and the 99th percentile of one transaction's latency);
+* ``--real-index``: the product's own `hicache_gds.index.Index` in 1 and 4 processes on one
+  namespace, each looping as a writer does -- reserve 64 slots, `--io-ms` of "IO" (a sleep),
+  publish them, lease and return 8 -- to show the share of a process's time spent in the index
+  when several write at once (needs hicache_gds importable; LMDB not needed).
 
 SQLite: journal_mode=WAL, synchronous=NORMAL, BEGIN IMMEDIATE for writers. LMDB: one environment,
 sync and metasync off (a kill -9 loses nothing either way: both write into the page cache), one
@@ -283,6 +287,52 @@ def multi(cls, d: str, rows: int, procs: int, seconds: float) -> dict:
             "p50_ms": round(statistics.median(lat) * 1e3, 2), "p99_ms": round(lat[int(len(lat) * 0.99) - 1] * 1e3, 2)}
 
 
+def _real_loop(d: str, c: int, seconds: float, io_ms: float, q) -> None:
+    from hicache_gds.index import Index
+    from hicache_gds.owners import Membership
+    m = Membership(d)
+    ix = Index(os.path.join(d, "index.sqlite3"), 1 << 20, {"bench": "index"}, member=m, first=False)
+    lat, n, t_end = [], 0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        keys = [f"{c}-{n}-{i}" for i in range(64)]
+        a = time.perf_counter()
+        slots = ix.reserve(64)
+        b = time.perf_counter()
+        time.sleep(io_ms / 1e3)
+        c0 = time.perf_counter()
+        ix.publish([(k, s, 1 << 21, 1) for k, s in zip(keys, slots)])
+        e = ix.lookup_pin(keys[:8])
+        ix.unpin([x.slot for x in e if x is not None])
+        lat += [b - a, time.perf_counter() - c0]
+        n += 1
+    ix.close()
+    m.close()
+    q.put((n, lat))
+
+
+def real_index(root: str, procs: int, seconds: float, io_ms: float) -> dict:
+    from hicache_gds.index import Index
+    from hicache_gds.owners import Membership
+    d = os.path.join(root, f"real-{procs}")
+    os.mkdir(d)
+    m = Membership(d)
+    Index(os.path.join(d, "index.sqlite3"), 1 << 20, {"bench": "index"}, member=m).close()
+    m.close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_real_loop, args=(d, c, seconds, io_ms, q)) for c in range(procs)]
+    for p in ps:
+        p.start()
+    res = [q.get(timeout=seconds + 120) for _ in ps]
+    for p in ps:
+        p.join()
+    lat = sorted(x for _, ls in res for x in ls)
+    return {"store": "hicache_gds.index (SQLite)", "procs": procs, "io_ms": io_ms,
+            "batches_per_s_per_proc": round(sum(n for n, _ in res) / procs / seconds, 1),
+            "txn_p50_ms": round(statistics.median(lat) * 1e3, 2), "txn_p99_ms": round(lat[int(len(lat) * 0.99) - 1] * 1e3, 2),
+            "index_share_of_time": round(sum(lat) / procs / seconds, 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -290,9 +340,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a new one under /var/tmp)")
     ap.add_argument("--stores", default="sqlite,lmdb")
+    ap.add_argument("--real-index", action="store_true", help="the product's Index instead (see above)")
+    ap.add_argument("--io-ms", type=float, default=40.0)
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="hicache-gds-index-bench-", dir=args.dir or "/var/tmp")
     try:
+        if args.real_index:
+            for p in args.procs.split(","):
+                print(json.dumps(real_index(root, int(p), args.seconds, args.io_ms)), flush=True)
+            return
         for name in args.stores.split(","):
             cls = {"sqlite": Sql, "lmdb": Lmdb}[name]
             d = os.path.join(root, name)
