@@ -33,9 +33,11 @@ from hicache_gds.testing.cases import Case  # noqa: E402
 
 FULL = {"kills": {"put": 100, "evict": 50, "clear": 50}, "conc": [("store", False, 180), ("store", True, 90),
                                                                    ("sglang", False, 180), ("sglang", True, 90)],
-        "two_proc": [("store", 120), ("sglang", 60)], "fuzz": 400, "injector_s": 20, "recovery_pages": 1_000_000}
+        "two_proc": [("store", 120), ("sglang", 60)], "fuzz": 400, "injector_s": 20, "recovery_pages": 1_000_000,
+        "mp_kills": {"put": 110, "evict": 100}}
 QUICK = {"kills": {"put": 8, "evict": 4, "clear": 4}, "conc": [("store", False, 15), ("sglang", False, 15)],
-         "two_proc": [("store", 10)], "fuzz": 60, "injector_s": 3, "recovery_pages": 50_000}
+         "two_proc": [("store", 10)], "fuzz": 60, "injector_s": 3, "recovery_pages": 50_000,
+         "mp_kills": {"put": 8, "evict": 8}}
 
 
 def log(msg: str) -> None:
@@ -74,7 +76,7 @@ def main() -> None:
         log(f"SGLang parts skipped: {sgl_why}")
     R: dict[str, Any] = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
                          "targets": targets, "sglang_skipped": sgl_why, "torture": [], "cases": [],
-                         "concurrency": [], "two_processes": []}
+                         "concurrency": [], "two_processes": [], "torture_mp": []}
     t_all = time.monotonic()
     try:
         # 1. kill -9 torture
@@ -86,6 +88,13 @@ def main() -> None:
                              "--rounds", str(rounds), "--seed", str(len(R["torture"])), "--quiet")
                 R["torture"].append(t)
                 shutil.rmtree(d, ignore_errors=True)
+        for mode, kills in plan["mp_kills"].items():
+            log(f"torture of one namespace, 3 writers, {mode}: {kills} kills")
+            d = fresh(root, f"torture-mp-{mode}")
+            R["torture_mp"].append(run_json("-m", "hicache_gds.testing.torture_mp", "--gds-path", d, "--writers", "3",
+                                            "--mode", mode, "--kills", str(kills), "--seed", str(len(R["torture_mp"])),
+                                            "--quiet"))
+            shutil.rmtree(d, ignore_errors=True)
         log(f"index recovery at {plan['recovery_pages']} pages")
         d = fresh(root, "recovery")
         R["recovery"] = run_json("-m", "hicache_gds.testing.torture", "--gds-path", d, "--recovery-pages",
@@ -110,7 +119,7 @@ def main() -> None:
             cases.append(hostile.privacy_modes(fresh(root, f"modes-{target}"), target))
             cases.append(hostile.tenant_isolation(fresh(root, f"tenants-{target}"), target))
             cases.append(hostile.log_leaks(fresh(root, f"logs-{target}"), target))
-            cases.append(stress.same_namespace_refused(fresh(root, f"lock-{target}"), target))
+            cases.append(stress.same_namespace_shared(fresh(root, f"lock-{target}"), target))
         R["cases"] = [c.as_dict() for c in cases]
         for target, evict, seconds in plan["conc"]:
             if target not in targets:
@@ -170,7 +179,9 @@ def render(R: dict, command: str) -> str:
     two = R["two_processes"]
     conc_min = (sum(c["seconds"] for c in conc) + sum(2 * max(r.get("seconds", 0) for r in t["ranks"]) for t in two)) / 60
     rec = R.get("recovery", {})
+    mp = R.get("torture_mp", [])
     failed = [c for c in cases if not c["ok"] and not c["bug"]] + [t for t in tor if not t["ok"]] + \
+        [t for t in mp if not t["ok"]] + \
         [c for c in conc if not c["ok"]] + [t for t in two if not t["ok"]]
     bugs_seen = sorted({b for c in cases if c["bug"] and not c["ok"] for b in c["bug"].split("+")} |
                        ({"B6"} if _usable_s(rec) > 3 else set()))
@@ -197,6 +208,15 @@ def render(R: dict, command: str) -> str:
     L.append(f"| cleared pages back after restart / clears cut by a kill not atomic | "
              f"{sum(t['cleared_back'] for t in tor)} / {sum(t['clear_not_atomic'] for t in tor)} | 0 / 0 |")
     L.append(f"| index invariant violations after restarts | {sum(t['invariant_violations'] for t in tor)} | 0 |")
+    if mp:
+        per_mp = ", ".join(f"{t['mode']} {t['kills']}" for t in mp)
+        L.append(f"| one namespace, 3 writer processes: kill -9 of any writer (restarted) | "
+                 f"{sum(t['kills'] for t in mp)} ({per_mp}) | >= 200 |")
+        L.append(f"| ... acknowledged puts / **lost** / **torn or wrong bytes served** / **slots held by two keys** / "
+                 f"**leaked reservations after recovery** | {sum(t['acked_pages'] for t in mp)} / "
+                 f"**{sum(t['acked_lost'] for t in mp)}** / **{sum(t['torn_served'] for t in mp)}** / "
+                 f"**{sum(t['two_keys_one_slot'] for t in mp)}** / **{sum(t['leaked_reservations'] for t in mp)}** | "
+                 f"0 / 0 / 0 / 0 |")
     L.append(f"| index recovery after a kill (p50 of the worst run / max over rounds) | "
              f"{max((t['p50_recovery_s'] for t in tor), default=0) * 1000:.0f} ms / "
              f"{max((t['max_recovery_s'] for t in tor), default=0) * 1000:.0f} ms | |")
@@ -265,7 +285,7 @@ def render(R: dict, command: str) -> str:
                  + (f" ({', '.join(f'{x:.1f}' for x in loaded)} s clean, {rec['after_kill_loaded_s']:.1f} s after "
                     f"the kill; {rec.get('lookups_while_loading', 0)} lookups answered during loads, checked)"
                     if loaded else "")
-                 + "; puts that need slots wait for the map (once per restart).\n")
+                 + "; puts do not wait for it (they run in the shared database).\n")
 
     def table(title: str, rows: list[dict], intro: str = "") -> None:
         L.append(f"## {title}\n")
@@ -278,6 +298,31 @@ def render(R: dict, command: str) -> str:
             L.append(f"| {c['target']} | {_md(c['name'])} | {_md(c['outcome'])}{_md(extra[:400])} | {_verdict(c)} |")
         L.append("")
 
+    if mp:
+        L.append("### 1b. One namespace, three writer processes\n")
+        L.append("Three processes put into one namespace at once -- half of each batch from a pool of keys all of "
+                 "them put, so one key is often put by several at once -- and read back pages they saw acknowledged. "
+                 "One writer at a time is killed with SIGKILL after a random delay and a new one started; after "
+                 "each kill a checker process joins while the survivors keep writing (live check). Every 3-8 kills "
+                 "every writer left is killed and a checker reopens the namespace as its first opener (recovery "
+                 "check), then clears it. Checked: every acknowledged page present and byte-exact (put mode; evict "
+                 "mode's small capacity evicts), every page the index names read back byte-exact, no slot held by "
+                 "two keys and the slot accounting (one read transaction), no reservation or lease of a dead "
+                 "writer left once a process joined or reopened.\n")
+        L.append("| mode | kills | epochs | live checks | killed mid put / mid read | acked puts (shared keys) | "
+                 "required | lost | present read back | torn or wrong | two keys in a slot | leaked | dead writers' "
+                 "slots reclaimed | recovery p50 / max | ok |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for t in mp:
+            L.append(f"| {t['mode']} | {t['kills']} | {t['epochs']} | {t['live_checks']} | {t['kills_mid_put']} / "
+                     f"{t['kills_mid_read']} | {t['acked_pages']} ({t['acked_shared']}) | {t['required_pages']} | "
+                     f"{t['acked_lost']} | {t['present_checked']} | {t['torn_served']} | {t['two_keys_one_slot']} | "
+                     f"{t['leaked_reservations']} | {t['reclaimed_slots']} | {t['p50_recovery_s'] * 1000:.0f} / "
+                     f"{t['max_recovery_s'] * 1000:.0f} ms | {'ok' if t['ok'] else '**FAIL**'} |")
+        for t in mp:
+            for p in t["problems"][:5]:
+                L.append(f"- mp/{t['mode']}: {_md(p)}")
+        L.append("")
     table("2. Corruption", corr, "48 pages written, then damaged with the store closed (reopen after) or open (keep "
           "using it); everything read back in one batch, damaged pages must read as misses and be dropped, the rest "
           "served, fresh puts and re-puts work, and a restart afterwards serves no wrong byte.")
@@ -308,11 +353,10 @@ def render(R: dict, command: str) -> str:
                  + f"; afterwards each namespace holds only its own bytes: {'yes' if t['ok'] else 'NO: ' + _md(t['problems'][:3])}.")
     lock = [c for c in cases if c["area"] == "concurrency"]
     for c in lock:
-        L.append(f"\nOne namespace, two openers ({c['target']}): {_md(c['outcome'])} -- {_verdict(c)}. A namespace "
-                 "has one writer: the second `PageStore` (or HiCacheGDS attach) on it raises `StoreLockedError` "
-                 "naming the holder's pid. Give each process its own identity (TP rank, model, ...) or "
-                 "HICACHE_GDS_NAMESPACE. (MLA reader ranks read the writer's namespace without the lock: "
-                 "`PageReader`.)")
+        L.append(f"\nOne namespace, two openers ({c['target']}): {_md(c['outcome'])} -- {_verdict(c)}. Any "
+                 "number of processes open one namespace read+write; each reads what the other wrote, and "
+                 "`hicache_gds.owners.holders` lists their pids. Other identities (model, layout, TP rank, ...) "
+                 "or HICACHE_GDS_NAMESPACE keep namespaces apart.")
     L.append("")
     table("5. Hostile input and fuzz", hos + fz, "Every entry point: keys of the wrong type, empty, huge, with "
           "`../` or NUL; mismatched batch lengths; regions outside registered buffers; host indices out of range; "

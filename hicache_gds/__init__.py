@@ -1,14 +1,15 @@
 """hicache-gds: a KV-cache page store on NVMe and remote memory, built on NIXL.
 
-The API adapters use is `PageStore`; `Pages` describes where pages live in memory. Other processes
-read a namespace its writer has open through `PageReader` (read-only, lock-free).
+The API adapters use is `PageStore`; `Pages` describes where pages live in memory. Any number of
+processes open one namespace through `PageStore`s and share it; `PageReader` reads one without
+writing anything.
 """
 
 from .config import Config
 from .engines.base import MemKind, Op
 from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSError, ReadOnlyError, RegionError,
                      StoreFullError, StoreLockedError, TransferError, TransferTimeout)
-from .index import read_keys
+from .index_reader import read_keys
 from .layout import Pages, namespace_id, namespace_location, page_bytes_for
 from .reader import PageReader
 from .store import PageStore

@@ -68,7 +68,7 @@ def _who(ns: Any) -> str:
 def ls_main(argv: Sequence[str] | None = None) -> int:
     """`hicache-gds ls`: every namespace, with what it holds and who has it open."""
     ap = _parser("ls", "List the namespaces under GDS_PATH: identity, pages, bytes, capacity, last use, "
-                       "the writer's pid when open.")
+                       "the pids that have it open.")
     args = ap.parse_args(argv)
     from .namespaces import find
     try:

@@ -58,7 +58,7 @@ class StoreFullError(HiCacheGDSError, OSError):
 
 
 class StoreLockedError(HiCacheGDSError, OSError):
-    """Another process holds the namespace open for writing."""
+    """Another process has been opening (creating, sizing, recovering) the namespace for too long."""
 
 
 class ReadOnlyError(HiCacheGDSError, io.UnsupportedOperation):

@@ -1,7 +1,8 @@
-"""`IndexReader`: the index of a namespace another process writes, read without writing anything.
+"""`IndexReader`: the index of a namespace other processes write, read without writing anything.
 
-The writer's side is `index.Index` (the schema, `SCHEMA` and `INDEX_FILE` live there); this is
-the read half for `PageReader` and tools.
+The writers' side is `index.Index` (the schema, `SCHEMA` and `INDEX_FILE` live there); this is
+the read half for `PageReader` and tools (`read_keys`). This module imports `index`, never the
+other way round.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from .errors import ConfigError
-from .index import SCHEMA, Entry, select_entries
+from .index import INDEX_FILE, SCHEMA, Entry, select_entries
 
-__all__ = ["IndexReader"]
+__all__ = ["IndexReader", "read_keys"]
 
 log = logging.getLogger("hicache_gds.index")
 _T = TypeVar("_T")
@@ -176,3 +177,24 @@ class IndexReader:
         with self._lock:
             self._closed = True
             self._disconnect()
+
+
+def read_keys(namespace_dir: str) -> list[str]:
+    """Keys a namespace holds, least recently used first, read without writing or locking.
+
+    For processes that do not open the store: a vLLM scheduler rebuilding its view of what
+    workers hold, tools, tests. Reads through `IndexReader`, so not even SQLite's -wal / -shm
+    files are created. Any failure returns [].
+    """
+    path = os.path.join(namespace_dir, INDEX_FILE)
+    if not os.path.exists(path):
+        return []
+    try:
+        reader = IndexReader(path)
+        try:
+            return reader.keys()
+        finally:
+            reader.close()
+    except Exception as exc:  # noqa: BLE001 -- documented: any failure (a planted link too) is an empty answer
+        log.warning("index %s cannot be read (%s)", path, exc)
+        return []

@@ -32,6 +32,7 @@ from .capacity import NAMESPACE_RE, SLAB_FILE
 from .errors import ConfigError
 from .index import INDEX_FILE
 from .index_reader import IndexReader
+from .owners import PROCS_DIR, holders
 
 __all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "RemoveReport", "open_by", "find", "resolve",
            "verify", "remove"]
@@ -43,67 +44,16 @@ _LOOKUP_CHUNK = 4096
 
 # -- who has a namespace open ---------------------------------------------------------------------
 
-def _proc_lock_holders(dev: int, ino: int) -> set[int] | None:
-    """PIDs holding a flock on file (dev, ino), from /proc/locks; None where it cannot be read."""
-    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
-    try:
-        with open("/proc/locks") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    out = set()
-    for line in lines:
-        parts = line.split()
-        if "->" in parts:  # a waiter, not a holder
-            continue
-        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == want:
-            try:
-                out.add(int(parts[4]))
-            except ValueError:
-                pass
-    return out
-
-
-def _has_open(pid: int, dev: int, ino: int) -> bool:
-    """Process `pid` has file (dev, ino) open."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == (dev, ino):
-            return True
-    return False
-
-
 def open_by(ns_dir: str) -> list[int]:
-    """PIDs of the processes that have namespace `ns_dir` open for writing ([] when none).
+    """PIDs of the processes that have namespace `ns_dir` open ([] when none), each once.
 
-    The one place that knows how a writer holds a namespace: today, an exclusive flock on its
-    ``lock`` file, whose content is the holder's pid. Found without taking the lock (a probe could
-    make a writer starting at that moment fail): the flock holders in /proc/locks, and the pid the
-    file names if that process has the file open (where /proc/locks names another device, e.g.
-    btrfs subvolumes)."""
-    path = os.path.join(ns_dir, LOCK_FILE)
+    Told by the kernel: every open store holds a lock on its own file in the namespace's
+    ``procs/`` (`owners.holders`), dropped however the process ends; nothing is locked or written
+    to find out."""
     try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            return []
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            named = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        finally:
-            os.close(fd)
-    except OSError:
+        return sorted(set(holders(ns_dir)))
+    except ConfigError:
         return []
-    pids = _proc_lock_holders(st.st_dev, st.st_ino) or set()
-    if named.isdigit() and int(named) not in pids and _has_open(int(named), st.st_dev, st.st_ino):
-        pids.add(int(named))
-    return sorted(pids)
 
 
 # -- finding namespaces ----------------------------------------------------------------------------
@@ -409,6 +359,19 @@ class RemoveReport:
         return asdict(self)
 
 
+def _listing(dirfd: int, name: str) -> list[str] | None:
+    """Names in directory `name` (opened without following links) when none of them is a
+    directory; else None."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
+        names = os.listdir(fd)
+        if any(stat.S_ISDIR(os.lstat(f, dir_fd=fd).st_mode) for f in names):
+            return None
+        return names
+    finally:
+        os.close(fd)
+
+
 def _remove_dir(root: str, name: str) -> tuple[int, int, str] | None:
     """Remove `root`/`name` and the files in it, through descriptors: (files, bytes, refusal), or
     None when there is no such entry."""
@@ -423,19 +386,33 @@ def _remove_dir(root: str, name: str) -> tuple[int, int, str] | None:
                 return 0, 0, f"{os.path.join(root, name)} is a symbolic link or not a directory; left alone"
             raise
         try:
-            entries = []
+            entries, procs = [], None
             for f in os.listdir(nsfd):
                 st = os.lstat(f, dir_fd=nsfd)
                 if stat.S_ISDIR(st.st_mode):
-                    return 0, 0, (f"{os.path.join(root, name)} holds a directory ({f}), which no namespace has; "
-                                  f"left alone")
+                    if f != PROCS_DIR:
+                        return 0, 0, (f"{os.path.join(root, name)} holds a directory ({f}), which no namespace "
+                                      f"has; left alone")
+                    procs = _listing(nsfd, f)
+                    if procs is None:
+                        return 0, 0, (f"{os.path.join(root, name, f)} holds a directory, which no namespace has; "
+                                      f"left alone")
+                    continue
                 entries.append((f, st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0))
+            if procs is not None:  # the open stores' lock files (`owners`): removed first, then the directory
+                pfd = os.open(PROCS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=nsfd)
+                try:
+                    for f in procs:
+                        os.unlink(f, dir_fd=pfd)
+                finally:
+                    os.close(pfd)
+                os.rmdir(PROCS_DIR, dir_fd=nsfd)
             for f, _ in entries:
                 os.unlink(f, dir_fd=nsfd)  # a link is removed itself; its target is never touched
         finally:
             os.close(nsfd)
         os.rmdir(name, dir_fd=rootfd)
-        return len(entries), sum(b for _, b in entries), ""
+        return len(entries) + len(procs or ()), sum(b for _, b in entries), ""
     finally:
         os.close(rootfd)
 

@@ -6,8 +6,9 @@
     reader.exists(keys) / reader.prefix(keys) / stats / close
     reader.put(...) / delete(...) / clear()  -> ReadOnlyError
 
-A namespace has one writer, the `PageStore` holding its lock; any number of processes may read it
-at the same time through a `PageReader` (SGLang's MLA ranks that are not the storage writer).
+Any number of processes write a namespace through `PageStore`s; a process that only reads and
+must write nothing under `GDS_PATH` (SGLang's MLA ranks that are not the storage writer) reads it
+through a `PageReader`.
 The on-disk format stays the store's: the same namespace rule (`namespace_location`), index
 (`IndexReader`), slot placement (`SlabSet`), engines, IO path and checksum.
 
@@ -20,8 +21,8 @@ The read-only contract:
   does for the writer. Reads do not refresh the writer's LRU order.
 * **Every call looks its keys up in the writer's index** (no copy in memory): pages the writer
   publishes are hits from the next call on, pages it evicts or deletes are misses.
-* **Every page is verified.** Another process's slots cannot be pinned, so the writer may evict a
-  page and reuse its slot while it is being read. Each page read is checked against the xxh3
+* **Every page is verified.** A reader writes no lease (that would write the index), so a writer
+  may evict a page and reuse its slot while it is being read. Each page read is checked against the xxh3
   checksum of its index row, whatever `verify` says; a reused, torn or vanished page fails it and
   reads as a miss (counted in `checksum_mismatches`), never as wrong bytes. Its destination may
   then hold any bytes. Pages written without a host checksum (from VRAM) are misses, and reads go
@@ -80,7 +81,7 @@ class PageReader(PageStore):
         self.config = cfg
         self.page_bytes = page_bytes
         self.identity, self.namespace, self.dirs, self.slot_bytes = loc
-        self._lock_fd = -1
+        self._member = None
         self._closed = False
         self._sync_fds: list[int] = []
         self._fids: list[int] = []

@@ -8,15 +8,18 @@
 
 Write order (the crash-safety contract, with `Index`): reserve free slots (evictions committed
 first) -> write page bytes -> [fdatasync] -> publish rows. A page is never visible before its
-bytes are on disk, and `put` returns True only for published pages.
+bytes are on disk, and `put` returns True only for published pages. Reads lease their slots
+(`Index.lookup_pin`) until the bytes are in memory.
 
-Thread-safe: SGLang calls exists, get and put from three threads at once.
+Thread-safe (SGLang calls exists, get and put from three threads at once) and process-safe: any
+number of processes open one namespace, each its own `PageStore`; they share its pages, slots,
+LRU and capacity through the index (`index.py`), and a dead one's reservations are reclaimed
+(`owners.py`). Bytes move straight between each process's memory and the slab files.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -32,10 +35,11 @@ from .capacity import Sizing, gib, size_namespace
 from .config import Config
 from .engines.base import MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
 from .engines.select import choose_engine
-from .errors import ConfigError, RegionError, StoreLockedError, TransferError, TransferTimeout
+from .errors import ConfigError, RegionError, TransferError, TransferTimeout
 from .index import INDEX_FILE, Index
 from .layout import Pages, namespace_location
 from .memory import HostBuffer, align_up, view
+from .owners import Membership, setup_lock
 from .slabs import SlabSet, prepare_root, private_dir
 from .stats import StoreStats
 
@@ -204,7 +208,9 @@ class PageStore:
         An engine to use instead of choosing one (tests, benchmarks, wrappers).
 
     The namespace holds `config.capacity // slot_bytes` slots (`slot_bytes` = `page_bytes`
-    rounded up to 4 KiB), so callers that must agree on a page count can size it exactly.
+    rounded up to 4 KiB), so callers that must agree on a page count can size it exactly. Opened
+    while other processes have it open, a namespace keeps the size it has (a different capacity
+    is logged and applied at an open when nobody else has it open).
     """
 
     read_only = False  # True for `PageReader`, the lock-free read-only view of a namespace
@@ -219,35 +225,41 @@ class PageStore:
         loc = namespace_location(page_bytes, identity, cfg)
         self.identity, self.namespace, self.slot_bytes = loc.identity, loc.namespace, loc.slot_bytes
         self.dirs = [private_dir(r, self.namespace) for r in roots]
-        try:
-            self._lock_fd = self._lock_namespace(self.dirs[0])
-        except OSError as exc:
-            raise _refuse_link(exc) or exc
+        self._member: Membership | None = None
         self._closed = False
         own_engine = engine is None
         try:
-            # The engine first: one that cannot run here must not cost a full fallocate.
-            if engine is None:
-                choice = choose_engine(cfg, self.dirs[0], frozenset(MemKind(k) for k in mem_kinds))
-                engine, self.engine_reason = choice.engine, choice.reason
-            else:
-                self.engine_reason = f"{engine.name}: given by the caller"
-            self.engine = engine
-            self._write_meta()
-            self.sizing = self._nslots(cfg)
-            nslots = self.sizing.nslots
-            slab0 = os.path.join(self.dirs[0], SlabSet.FILE_NAME)
-            had_slots = os.path.exists(slab0) and os.path.getsize(slab0) > 0
-            gone = self._short_slabs(nslots)  # before SlabSet extends the files back
-            self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate)
-            self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots, loc.index_meta, existing=had_slots,
-                               gone=gone)
+            # Opens of one namespace take turns (`setup_lock`): the first opener of a namespace no
+            # other process has open sizes and recovers it; later ones join it as it is.
+            with setup_lock(self.dirs[0]):
+                self._member = Membership(self.dirs[0])
+                others = self._member.others()
+                # The engine first: one that cannot run here must not cost a full fallocate.
+                if engine is None:
+                    choice = choose_engine(cfg, self.dirs[0], frozenset(MemKind(k) for k in mem_kinds))
+                    engine, self.engine_reason = choice.engine, choice.reason
+                else:
+                    self.engine_reason = f"{engine.name}: given by the caller"
+                self.engine = engine
+                if not others:
+                    self._write_meta()
+                self.sizing = self._nslots(cfg) if not others else self._joined_nslots(cfg, len(others))
+                nslots = self.sizing.nslots
+                slab0 = os.path.join(self.dirs[0], SlabSet.FILE_NAME)
+                had_slots = os.path.exists(slab0) and os.path.getsize(slab0) > 0
+                gone = self._short_slabs(nslots) if not others else []  # before SlabSet extends the files back
+                self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate, create=not others)
+                self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots, loc.index_meta,
+                                   existing=had_slots, gone=gone, member=self._member, first=not others)
             self._fids = [engine.open_file(p) for p in self.slabs.paths]
             self._sync_fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in self.slabs.paths] if cfg.sync else []
         except BaseException as exc:
             if own_engine and engine is not None:
                 engine.close()
-            self._unlock()
+            if getattr(self, "index", None) is not None:
+                self.index.close()
+            if self._member is not None:
+                self._member.close()
             link = _refuse_link(exc) if isinstance(exc, OSError) else None
             if link is not None:
                 raise link from exc
@@ -259,25 +271,6 @@ class PageStore:
                  self.sizing.how, self.engine_reason)
 
     # -- open ------------------------------------------------------------------------------------
-    @staticmethod
-    def _lock_namespace(d: str) -> int:
-        fd = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise StoreLockedError(f"namespace {d} is open by pid {holder}; two processes cannot write one "
-                                   f"namespace (give each rank its own identity, or a distinct HICACHE_GDS_NAMESPACE)")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        return fd
-
-    def _unlock(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = -1
-
     def _write_meta(self) -> None:
         path = os.path.join(self.dirs[0], "namespace.json")
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -293,6 +286,26 @@ class PageStore:
             raise ConfigError(f"capacity: {cfg.capacity} bytes hold no page of {self.slot_bytes} bytes; "
                               f"raise HICACHE_GDS_CAPACITY")
         return sizing
+
+    def _joined_nslots(self, cfg: Config, others: int) -> Sizing:
+        """The size of a namespace other processes have open: kept as it is (a different
+        configured capacity is logged, not applied: the others address its slots)."""
+        sizes = []
+        for p in (os.path.join(d, SlabSet.FILE_NAME) for d in self.dirs):
+            try:
+                sizes.append(os.lstat(p).st_size)
+            except FileNotFoundError:
+                sizes.append(0)
+        nslots = sum(s // self.slot_bytes for s in sizes)
+        want = SlabSet(self.dirs, self.slot_bytes, nslots, create=False).file_bytes
+        if nslots < 1 or sizes != want:
+            raise ConfigError(f"namespace {self.dirs[0]} is open in {others} other process(es) but its slab files "
+                              f"have sizes {sizes}, not those of one namespace; close those processes first")
+        if cfg.capacity and cfg.capacity // self.slot_bytes != nslots:
+            log.warning("hicache-gds: namespace %s is open in %d other process(es) with %d slots; capacity %d "
+                        "(%d slots) is not applied while they have it open", self.namespace, others, nslots,
+                        cfg.capacity, cfg.capacity // self.slot_bytes)
+        return Sizing(nslots, self.slot_bytes, f"as sized by its first opener (open in {others} other process(es))")
 
     def _short_slabs(self, nslots: int) -> list[tuple[int, int]]:
         """Slots past the end of a slab file truncated or deleted while the store was closed, as
@@ -411,10 +424,15 @@ class PageStore:
             for j in range(len(todo_w)):
                 if status[j] == _OK:
                     status[j] = _FAIL
+        # Not published by this call (a duplicate, no slot, or a failed write) but present now: a
+        # concurrent put of the same key -- in this process or another -- stored it. True, as for
+        # a present key; an index write failure leaves it False.
+        late = [it[0] for it, pub in zip(ok_items, published) if not pub] + [keys[i] for i in todo[len(slots):]]
+        now = dict(zip(late, self.index.contains(late))) if late else {}
         for (key, _, _, _), pub in zip(ok_items, published):
-            # Published now, or by a concurrent put of the same key (publish returned False and
-            # the key is present); an index write failure leaves it False.
-            result[first[key]] = pub or key in self.index
+            result[first[key]] = pub or now.get(key, False)
+        for i in todo[len(slots):]:
+            result[i] = now[keys[i]]
         self.index.release(slots[j] for j in range(len(todo_w)) if status[j] in (_FAIL, _BADSUM))
         self.index.lose(slots[j] for j in range(len(todo_w)) if status[j] == _TIMEOUT)
         for i, k in enumerate(keys):
@@ -433,24 +451,37 @@ class PageStore:
         keys = self._check_keys(keys)
         self._check_pages(keys, pages)
         t0 = time.perf_counter_ns()
-        entries = self.index.lookup_pin(keys)
+        try:
+            entries = self.index.lookup_pin(keys)
+            leased = True
+        except OSError as exc:
+            # The index cannot be written (a full disk, or another process holding it too long): the
+            # slots cannot be leased, so another process may reuse one mid-read. Read them anyway
+            # when each page can be checked against its checksum; a reused slot then reads as a miss.
+            leased = False
+            log.warning("hicache-gds: %s; reading %d pages unleased, each checked against its checksum", exc,
+                        len(keys))
+            found = self.index.peek(keys) if pages.kind is MemKind.DRAM else {}
+            entries = [e if e is not None and e.csum else None for e in (found.get(k) for k in keys)]
         hits = [i for i, e in enumerate(entries) if e is not None]
         result = [False] * len(keys)
         try:
             slots = np.array([entries[i].slot for i in hits], dtype=np.int64)
             expect = np.array([entries[i].csum for i in hits], dtype=np.int64)
             # Device pages are not hashed on the host, so reads into VRAM are not verified.
-            verify = self.config.verify and pages.kind is MemKind.DRAM
+            verify = (self.config.verify or not leased) and pages.kind is MemKind.DRAM
             status, _ = self._io(Op.READ, pages.select(hits), slots, expect if verify else None)
             gone = self._recover_failed_reads(pages.select(hits), slots, expect if verify else None, status)
         finally:
-            self.index.unpin(entries[i].slot for i in hits)
-        bad = [keys[hits[j]] for j in range(len(hits)) if status[j] == _BADSUM or gone[j]]
+            if leased:
+                self.index.unpin(entries[i].slot for i in hits)
+        badj = [j for j in range(len(hits)) if status[j] == _BADSUM or gone[j]]
+        bad = [keys[hits[j]] for j in badj]
         if bad:
             log.warning("hicache-gds: %d page(s) failed their checksum in %s and were dropped", len(bad),
                         self.namespace)
             try:
-                self.index.drop(bad)
+                self.index.drop(bad, [int(slots[j]) for j in badj])
             except OSError as exc:
                 log.warning("hicache-gds: %s", exc)
         for j, i in enumerate(hits):
@@ -670,7 +701,8 @@ class PageStore:
             self.engine.close()
         finally:
             self.index.close()
-            self._unlock()
+            if self._member is not None:
+                self._member.close()
 
     def __enter__(self) -> "PageStore":
         return self

@@ -104,6 +104,26 @@ def test_randrw_numjobs_iodepth_and_normal_output(capsys, gds_dir):
     assert "\nRun status group 0 (all jobs):\n" in out and "x raw" in out       # the summary table
 
 
+def test_numjobs_are_processes_sharing_one_namespace(capsys, gds_dir, tmp_path):
+    """fio's numjobs: every job is a process with its own PageStore on the one namespace; written
+    pages are verified by the runner's process, time-based jobs loop on their own."""
+    job = tmp_path / "nj.fio"
+    job.write_text("[global]\nbs=64k\nbatch=4\nsize=1m\niodepth=2\nnumjobs=3\nverify=1\nfio=0\n"
+                   "drop-caches=0\nengine=bounce\n[w]\nrw=write\n[r]\nrw=read\n"
+                   "[tw]\nrw=write\ntime_based=1\nruntime=1\n[tr]\nrw=read\ntime_based=1\nruntime=1\n")
+    rc, doc, _ = bench_json(capsys, str(job), f"--directory={gds_dir}")
+    assert rc == 0 and [j["jobname"] for j in doc["jobs"]] == ["w", "r", "tw", "tr"]
+    w, r, tw, tr = doc["jobs"]
+    for j in doc["jobs"]:
+        assert j["error"] == 0 and j["hicache_gds"]["verify"]["failed"] == 0, j["hicache_gds"]["verify"]
+        assert j["hicache_gds"]["threads"] == 6 and j["hicache_gds"]["pages"] == 3 * 16
+    # the three processes' counters add up: each wrote (and read) its own 16 pages once
+    assert w["hicache_gds"]["store"]["pages_written"] == 48 and w["write"]["total_ios"] == 12
+    assert r["hicache_gds"]["store"]["pages_read"] == 48 and r["hicache_gds"]["store"]["misses"] == 0
+    assert tw["hicache_gds"]["passes"] >= 1 and tr["hicache_gds"]["store"]["misses"] == 0
+    assert tw["hicache_gds"]["verify"]["pages"] > 0 and tr["hicache_gds"]["verify"]["pages"] == 48
+
+
 def test_time_based_ramp_and_layer_first_pages(capsys, gds_dir):
     rc, doc, _ = bench_json(capsys, "--model=llama3-8b", "--page-tokens=16", "--layout=layer_first",
                             "--batch=2", "--size=8m", "--rw=randwrite", "--time_based", "--runtime=1",

@@ -2,15 +2,16 @@
 
 One IO is one `PageStore.put` (write) or `get` (read) of `batch` pages of the job's page geometry
 (`--model`/`--layout`, or one `bs`-byte segment). `iodepth` threads per job keep that many batches
-in flight (the store is thread-safe); `numjobs` jobs run side by side on one store, each with its
-own keys, and are reported together (like fio's `group_reporting`). Per IO: slat = building the
+in flight (the store is thread-safe); `numjobs` jobs are processes, as in fio: each opens the one
+namespace with its own `PageStore` and moves its own keys, and they are reported together (like
+fio's `group_reporting`; `jobs.py`). Per IO: slat = building the
 keys and page descriptors, clat = the store call, lat = both.
 
 Keys: job c, pass "generation" g, page i is `c{c}.g{g}.{i}`. Writes always write a fresh
 generation (the store never rewrites a present key); reads read the generation a previous job of
 the same shape left behind (`write` then `read` shares the store), or one written first, untimed.
 Sequential modes take keys in order into consecutive buffer pages; random modes take keys in a
-random order and random pages of the buffer. Buffers hold `iodepth * numjobs * batch` pages laid
+random order and random pages of the buffer. Buffers hold `iodepth * batch` pages per job, laid
 out as one plane per segment (segment s of page p at `plane[s] + p * seg[s]`, the way SGLang's
 host pools keep K and V apart), source pages filled with random bytes. With `--verify` the
 expected xxh3 of every written key is kept, and after the measured phase the job's keys are read
@@ -28,6 +29,7 @@ import os
 import shutil
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -43,7 +45,7 @@ from ..layout import Pages
 from ..memory import HostBuffer, align_up, view
 from ..store import PageStore
 from .options import JobOptions, OptionError, PageGeometry
-from .raw import (Bars, Measured, Outcome, Plan, RawFile, drop_caches, fill_random, has_reads, run_fio,
+from .raw import (Bars, Measured, Outcome, Plan, RawFile, drive, drop_caches, fill_random, has_reads, run_fio,
                   run_phase, run_raw, scratch_root)
 from .report import JobResult
 
@@ -65,6 +67,7 @@ class _Entry:
 
     store: PageStore
     capacity_pages: int
+    spec: dict[str, Any] = field(default_factory=dict)   # how another process opens the same namespace
     dataset: int | None = None
     next_gen: int = 0
     expected: dict[int, np.ndarray] = field(default_factory=dict)   # gen -> xxh3 per key
@@ -136,9 +139,11 @@ class _Workload:
     """Which keys and buffer pages IO number j moves (see the module docstring)."""
 
     def __init__(self, opts: JobOptions, store: PageStore, bufs: _Buffers, npages: int,
-                 gen_write: int, gen_read: int | None, seed: int) -> None:
+                 gen_write: int, gen_read: int | None, seed: int, job: int | None = None) -> None:
+        """`job`: only that job's IOs (a job process of `--numjobs`); None: every job's."""
         self.opts, self.store, self.bufs, self.npages = opts, store, bufs, npages
-        self.batch, self.njobs = min(opts.batch_size, npages), opts.numjobs
+        self.job = job
+        self.batch, self.njobs = min(opts.batch_size, npages), opts.numjobs if job is None else 1
         self.nb = math.ceil(npages / self.batch)
         self.nios = self.nb * self.njobs
         self.gen_write, self.gen_read = gen_write, gen_read
@@ -146,7 +151,7 @@ class _Workload:
         self.random = opts.rw.startswith("rand")
         rng = np.random.default_rng(seed)
         self.order = rng.permutation(npages) if self.random else np.arange(npages)
-        total = npages * self.njobs
+        total = npages * opts.numjobs  # drawn alike in every job process: the same bytes per key
         self.src_page = (rng.integers(0, bufs.nbuf, total) if self.random
                          else np.arange(total) % bufs.nbuf)
         self.is_read = (rng.random(self.nios) * 100 < opts.rwmixread if opts.rw == "randrw"
@@ -158,7 +163,7 @@ class _Workload:
         """(job, pass, page indices) of IO number j."""
         k, c = divmod(j, self.njobs)
         loop, b = divmod(k, self.nb)
-        return c, loop, self.order[b * self.batch:(b + 1) * self.batch]
+        return c if self.job is None else self.job, loop, self.order[b * self.batch:(b + 1) * self.batch]
 
     @staticmethod
     def keys(c: int, gen: int, idx: np.ndarray) -> list[str]:
@@ -270,7 +275,8 @@ class Session:
                  "mem": opts.mem, "pages": total, "capacity": need}
         kinds = (MemKind.VRAM,) if opts.mem == "vram" else (MemKind.DRAM,)
         store = PageStore(g.page_bytes, ident, config=cfg, mem_kinds=kinds)
-        self._stores[key] = e = _Entry(store, need)
+        spec = {"page_bytes": g.page_bytes, "identity": ident, "config": cfg, "kinds": [k.value for k in kinds]}
+        self._stores[key] = e = _Entry(store, need, spec)
         return e
 
     def _make_room(self, dirs: list[str], nbytes: int) -> None:
@@ -324,8 +330,8 @@ class Session:
         entry = self._store(opts, engine, dirs, total, need)
         store = entry.store
         seed = opts.randseed if opts.randseed is not None else 0x5EED
-        bufs = _Buffers(store, opts.mem, opts.geometry, threads * min(batch, npages), seed,
-                        dst=has_reads(opts.rw) or bool(opts.verify))
+        nbuf = opts.iodepth * min(batch, npages)  # per job: each job process has its own
+        bufs = _Buffers(store, opts.mem, opts.geometry, nbuf, seed, dst=has_reads(opts.rw) or bool(opts.verify))
         label = f"{opts.name} {engine}"
         try:
             prefilled, cache = False, None
@@ -347,32 +353,59 @@ class Session:
             work = _Workload(opts, store, bufs, npages, entry.next_gen, entry.dataset, seed)
             os.sync()                      # earlier jobs' dirty pages must not flush during this one
             s0, t_start = store.stats(), time.time()
-            m = run_phase(threads, Plan.of(opts, work.nios), work.io, self.bars, label,
-                          work.nios and total * work.page_bytes)
-            s1 = store.stats()
-            loops = math.ceil(m.issued / work.nios)
+            if nj == 1:
+                m = run_phase(threads, Plan.of(opts, work.nios), work.io, self.bars, label,
+                              work.nios and total * work.page_bytes)
+                s1 = store.stats()
+                per_job = [m.issued]
+            else:  # each job process runs its own passes: they need not end on the same one
+                m, s1, per_job = self._run_processes(opts, entry, bufs, npages, work, seed, label)
+            loops = max(math.ceil(i / work.nb) for i in per_job)
             if opts.rw in ("write", "randwrite", "randrw") and loops:
                 if opts.verify:            # xxh3 of the source pages: computed only when asked
                     entry.expected.update(dict.fromkeys(range(work.gen_write, work.gen_write + loops),
                                                         work.expected()))
                 entry.next_gen = work.gen_write + loops
-            if opts.rw in ("write", "randwrite"):
-                complete = m.issued % work.nios == 0
+            if opts.rw in ("write", "randwrite"):  # every job wrote every page of its last pass
+                complete = len(set(per_job)) == 1 and per_job[0] % work.nb == 0
                 entry.dataset = work.gen_write + loops - 1 if complete and loops else None
             elif opts.rw == "randrw" and loops > 1:
                 entry.dataset = None          # later writes may have evicted part of it
-            verify = self._verify(opts, entry, work, m, before_verify) if opts.verify and m.issued else None
+            verify = self._verify(opts, entry, work, per_job, before_verify) if opts.verify and m.issued else None
         finally:
             bufs.close()
         return self._result(opts, engine, multi, m, s0, s1, t_start, prefilled, cache, verify, dirs,
                             threads, work)
 
-    def _verify(self, opts: JobOptions, entry: _Entry, work: _Workload, m: Measured,
+    def _run_processes(self, opts: JobOptions, entry: _Entry, bufs: _Buffers, npages: int, work: _Workload,
+                       seed: int, label: str) -> tuple[Measured, dict, list[int]]:
+        """The measured phase as `numjobs` processes on the namespace (`jobs.run_jobs`): job 0 here."""
+        from .jobs import run_jobs
+        store = entry.store
+        mine = _Workload(opts, store, bufs, npages, work.gen_write, work.gen_read, seed, job=0)
+        spec = dict(entry.spec, opts=opts, nbuf=bufs.nbuf, seed=seed, dst="dst" in bufs.base, npages=npages,
+                    gen_write=work.gen_write, gen_read=work.gen_read, counters=_COUNTERS + ("evictions",))
+        limit = (opts.ramp_time or 0) + (opts.runtime or 0) + 3600
+        m, theirs, issued = run_jobs(spec, lambda: run_phase(opts.iodepth, Plan.of(opts, mine.nios), mine.io, self.bars,
+                                                     f"{label} (job 0 of {opts.numjobs})",
+                                                     mine.nios and npages * mine.page_bytes), limit, _job_main)
+        s1 = dict(store.stats())
+        for k, v in theirs.items():
+            s1[k] = s1.get(k, 0) + v
+        return m, s1, issued
+
+    def _verify(self, opts: JobOptions, entry: _Entry, work: _Workload, per_job: list[int],
                 before_verify: Callable[[PageStore, list[str]], None] | None) -> dict[str, Any]:
         """Re-read what the job wrote (writes) or read (reads) and compare with the expected xxh3."""
         if opts.rw in ("write", "randwrite"):
-            last = (m.issued - 1) // work.nios
-            todo = [(j, work.gen_write + last) for j in range(last * work.nios, m.issued)]
+            # Each job's last pass: job c's i-th IO is IO number i * numjobs + c (`_Workload.where`).
+            nj = work.njobs
+            todo = []
+            for c, issued in enumerate(per_job):
+                if not issued:
+                    continue
+                last = (issued - 1) // work.nb
+                todo += [(i * nj + c, work.gen_write + last) for i in range(last * work.nb, issued)]
         else:
             todo = [(j, work.gen_read) for j in range(work.nios)]
         batches = []
@@ -490,3 +523,29 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _job_main(spec: dict[str, Any], job: int, barrier: Any, q: Any) -> None:
+    """One spawned job of `--numjobs` (`jobs.run_jobs` says what it must do): open the namespace,
+    build its share of the workload, run it, report."""
+    from .jobs import START_TIMEOUT_S
+    store = bufs = None
+    try:
+        opts = spec["opts"]
+        store = PageStore(spec["page_bytes"], spec["identity"], config=spec["config"],
+                          mem_kinds=tuple(MemKind(k) for k in spec["kinds"]))
+        bufs = _Buffers(store, opts.mem, opts.geometry, spec["nbuf"], spec["seed"], dst=spec["dst"])
+        work = _Workload(opts, store, bufs, spec["npages"], spec["gen_write"], spec["gen_read"], spec["seed"], job=job)
+        s0 = store.stats()
+        barrier.wait(START_TIMEOUT_S)
+        m = drive(opts.iodepth, Plan.of(opts, work.nios), work.io)
+        s1 = store.stats()
+        q.put((job, m, {k: s1.get(k, 0) - s0.get(k, 0) for k in spec["counters"]}, None))
+    except BaseException:  # noqa: BLE001 -- reported to the runner, which raises it
+        barrier.abort()
+        q.put((job, None, None, traceback.format_exc()[-3000:]))
+    finally:
+        if bufs is not None:
+            bufs.close()
+        if store is not None:
+            store.close()

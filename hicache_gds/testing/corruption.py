@@ -54,7 +54,7 @@ def _places(c: Client, keys: list[str]) -> dict[str, tuple[str, int]]:
     """key -> (slab path, byte offset of its slot)."""
     out = {}
     for k, sk in zip(keys, c.store_keys(keys)):
-        e = c.index._map.get(sk)
+        e = c.index.peek([sk]).get(sk)
         if e is None:
             continue
         fi, off = c.store.slabs.place(np.array([e.slot]))
@@ -274,7 +274,7 @@ def corruption_cases(root: str, target: str = "store", engine: str = "nixl-posix
 def _writer(args: argparse.Namespace) -> None:
     c = _open(args.target, args.gds_path, args.engine)
     keys = json.loads(args.keys)
-    c.index._db.execute("PRAGMA wal_autocheckpoint=0")  # nothing leaves the WAL
+    c.index._wdb.execute("PRAGMA wal_autocheckpoint=0")  # nothing leaves the WAL
     c.put(keys)
     print("DONE", flush=True)
     time.sleep(3600)

@@ -76,7 +76,7 @@ def _check(gds_path: str, page: int, capacity: int, engine: str, acked: set[str]
     store = _open(gds_path, page, capacity, engine)
     open_s = time.perf_counter() - t0
     try:
-        keys = list(store.index._map.keys())  # every key the index reports present
+        keys = store.index.keys()  # every key the index reports present
         lost = [k for k in acked if k not in store.index] if not evict else []
         torn = 0
         buf = HostBuffer(64 * page)

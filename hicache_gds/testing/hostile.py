@@ -144,7 +144,7 @@ def hostile_store(root: str) -> list[Case]:
         dup.exceptions += 1
         dup.problems.append(f"delete(['d1', 'd1', 'd2']) raised {type(exc).__name__}: {exc}")
     try:
-        e = c.index._map["d3"]
+        e = c.index.peek(["d3"])["d3"]
         fi, off = c.store.slabs.place(np.array([e.slot]))
         fd = os.open(c.store.slabs.paths[int(fi[0])], os.O_RDWR)
         os.pwrite(fd, b"\x00" * 64, int(off[0]) + 8)
@@ -649,7 +649,8 @@ def log_leaks(root: str, target: str = "store") -> Case:
         c.put(ks, data)
         c.read(ks + [k + "x" for k in ks[:2]])
         # a checksum failure
-        e = c.index._map[c.store_keys(ks[:1])[0]]
+        sk0 = c.store_keys(ks[:1])[0]
+        e = c.index.peek([sk0])[sk0]
         fi, off = c.store.slabs.place(np.array([e.slot]))
         fd = os.open(c.store.slabs.paths[int(fi[0])], os.O_RDWR)
         os.pwrite(fd, b"\x00" * 16, int(off[0]) + 100)

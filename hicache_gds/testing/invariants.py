@@ -1,9 +1,16 @@
 """Index invariants, checked by the reliability runs after restarts, faults and concurrent load.
 
-* no slot is handed to two keys (in memory and in the SQLite rows);
-* every slot is exactly one of: holding a page, free, lost (timed-out write), or doomed (dropped
-  while pinned, freed on unpin) -- so pages + free + lost + doomed == slots;
-* the SQLite rows are the in-memory map (same keys, same slots), all slots in range.
+Read from the shared database in one read transaction (`hicache_gds.index` says what each table
+means), so they hold whatever other processes are doing:
+
+* no slot is handed to two keys, and every slot below ``top`` is exactly one of: published
+  (``pages``), free, reserved by a writer (``held``), or dropped while read (``doomed``) -- so
+  pages + free + held + doomed == top <= slots, all in range;
+* every leased slot holds a page or is doomed;
+* no reservation or lease belongs to a process that is gone (a leaked reservation), once the
+  index has looked for dead owners (`Index.reclaim`);
+* at rest (no call in flight in this process): this process holds no reservation but those of
+  timed-out writes, no lease and no pin, and its map of the pages is the database's.
 """
 
 from __future__ import annotations
@@ -16,52 +23,81 @@ __all__ = ["index_problems"]
 def index_problems(index: Any, *, at_rest: bool = True, check_db: bool = True) -> list[str]:
     """Violations of the invariants of an open `hicache_gds.index.Index` ([] when none).
 
-    `at_rest`: no call is in flight (nothing pinned, no slot reserved by a put in progress), so
-    the slot accounting must add up exactly.
-    """
+    `at_rest`: no call is in flight in this process. `check_db`: also compare this process's
+    map with the database (at rest only)."""
     problems: list[str] = []
     if not index.wait_loaded(600):  # a background load: check the map once it is in place
         return [f"the index map did not load: {index._load_error}"]
-    with index._lock:
-        used = [e.slot for e in index._map.values()]
-        free = list(index._free)
-        lost = set(index._lost)
-        doomed = set(index._doomed)
-        pins = dict(index._pins)
-        rows = index._db.execute("SELECT key, slot FROM pages").fetchall() if check_db else None
+    with index._rlock:
+        db = index._rdb
+        if db is None:  # closed meanwhile (a watchdog's last look): nothing left to check
+            return []
+        db.execute("BEGIN")
+        try:
+            top, seq = db.execute("SELECT top, seq FROM clock").fetchone()
+            tables = {t: [s for (s,) in db.execute(f"SELECT slot FROM {t}")] for t in ("pages", "free", "held", "doomed")}
+            leases = db.execute("SELECT slot, owner FROM leases").fetchall()
+            held = db.execute("SELECT slot, owner, lost FROM held").fetchall()
+            rows = dict(db.execute("SELECT key, slot FROM pages")) if check_db else None
+        finally:
+            db.execute("COMMIT")
+        index._dv = None  # make the next sync look again, rather than trust this connection's state
     n = index.nslots
-    used_set, free_set = set(used), set(free)
-    if len(used_set) != len(used):
-        problems.append(f"{len(used) - len(used_set)} slot(s) handed to two keys")
-    if len(free_set) != len(free):
-        problems.append(f"{len(free) - len(free_set)} slot(s) on the free list twice")
-    for a, b, what in ((used_set, free_set, "used and free"), (used_set, lost, "used and lost"),
-                       (free_set, lost, "free and lost"), (free_set, doomed, "free and doomed"),
-                       (used_set, doomed, "used and doomed")):
-        both = a & b
-        if both:
-            problems.append(f"{len(both)} slot(s) both {what} (e.g. {min(both)})")
-    bad = [s for s in used_set | free_set | lost | doomed if not 0 <= s < n]
+    if top > n:
+        problems.append(f"top {top} beyond the {n} slots")
+    every = [s for t in tables.values() for s in t]
+    named = set(every)
+    if len(named) != len(every):
+        for t, ss in tables.items():
+            if len(set(ss)) != len(ss):
+                problems.append(f"{len(ss) - len(set(ss))} slot(s) twice in {t}")
+        names = list(tables)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                both = set(tables[a]) & set(tables[b])
+                if both:
+                    what = "handed to two keys" if a == b == "pages" else f"both {a} and {b}"
+                    problems.append(f"{len(both)} slot(s) {what} (e.g. {min(both)})")
+    bad = [s for s in named if not 0 <= s < min(top, n)]
     if bad:
-        problems.append(f"{len(bad)} slot(s) out of range 0..{n - 1} (e.g. {bad[0]})")
+        problems.append(f"{len(bad)} slot(s) out of range 0..{min(top, n) - 1} (e.g. {bad[0]})")
+    if len(named) != min(top, n):
+        problems.append(f"slot accounting: pages {len(tables['pages'])} + free {len(tables['free'])} + held "
+                        f"{len(tables['held'])} + doomed {len(tables['doomed'])} != {min(top, n)} slots in use")
+    live_slots = set(tables["pages"]) | set(tables["doomed"])
+    stray = [s for s, _ in leases if s not in live_slots]
+    if stray:
+        problems.append(f"{len(stray)} lease(s) on slots holding no page (e.g. {stray[0]})")
+    member = index.member
+    owners = {o for _, o in leases} | {o for _, o, _ in held}
+    dead = [o for o in owners if o != index.owner and (member is None or not member.alive(o))]
+    if dead:
+        leaked = sum(1 for _, o, _ in held if o in dead) + sum(1 for _, o in leases if o in dead)
+        problems.append(f"{leaked} reservation(s) or lease(s) leaked by {len(dead)} process(es) that are gone")
     if at_rest:
+        with index._wlock:
+            pins = dict(index._pins)
+        mine_held = [s for s, o, lost in held if o == index.owner and not lost]
+        mine_leases = [s for s, o in leases if o == index.owner]
         if pins:
             problems.append(f"{len(pins)} slot(s) still pinned at rest")
-        total = len(used_set | free_set | lost | doomed)
-        if total != n or len(used) + len(free) + len(lost) + len(doomed) != n:
-            problems.append(f"slot accounting: pages {len(used)} + free {len(free)} + lost {len(lost)} + "
-                            f"doomed {len(doomed)} != slots {n}")
-    if rows is not None:
-        db = dict(rows)
-        slots_db = [s for _, s in rows]
-        if len(set(slots_db)) != len(slots_db):
-            problems.append("the database names one slot for two keys")
-        with index._lock:
-            mem = {k: e.slot for k, e in index._map.items()}
-        if at_rest and db != mem:
-            only_db = len(db.keys() - mem.keys())
-            only_mem = len(mem.keys() - db.keys())
-            moved = sum(1 for k in db.keys() & mem.keys() if db[k] != mem[k])
-            problems.append(f"database and memory disagree: {only_db} row(s) only on disk, {only_mem} only in "
-                            f"memory, {moved} on other slots")
+        if mine_held:
+            problems.append(f"{len(mine_held)} slot(s) still reserved by this process at rest")
+        if mine_leases:
+            problems.append(f"{len(mine_leases)} lease(s) of this process at rest")
+        if rows is not None:
+            if len(set(rows.values())) != len(rows):
+                problems.append("the database names one slot for two keys")
+            with index._rlock:
+                mem = rows
+                if index._ready:
+                    index._sync()
+                    if index._seq == seq:  # else another process wrote meanwhile: nothing to compare
+                        mem = {k: e.slot for k, e in index._map.items()}
+            if rows != mem:
+                only_db = len(rows.keys() - mem.keys())
+                only_mem = len(mem.keys() - rows.keys())
+                moved = sum(1 for k in rows.keys() & mem.keys() if rows[k] != mem[k])
+                problems.append(f"database and memory disagree: {only_db} row(s) only on disk, {only_mem} only in "
+                                f"memory, {moved} on other slots")
     return problems

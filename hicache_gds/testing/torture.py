@@ -265,7 +265,7 @@ def _check(gds_path: str, plan: Plan, rnd: int, events: list[tuple[str, str]]) -
                 acked.append(arg)
         by_store_key = dict(zip(t.store_keys(attempted), attempted))
         t.index.wait_loaded()
-        present_store = list(t.index._map.keys())
+        present_store = t.index.keys()
         phantom = [k for k in present_store if k not in by_store_key]
         present = [by_store_key[k] for k in present_store if k in by_store_key]
         present_set = set(present)
@@ -481,8 +481,9 @@ def _open_timed(gds_path: str, n: int, page: int, kill_after_publish: int) -> di
         # Rewrite the newest rows (drop + publish again) and die without a checkpoint: the next open
         # replays a WAL of `kill_after_publish` fresh rows on top of the n-row database.
         idx = s.index
-        idx._db.execute("PRAGMA wal_autocheckpoint=0")  # leave every row in the WAL
-        victims = list(idx._map.keys())[-kill_after_publish:]
+        idx._wdb.execute("PRAGMA wal_autocheckpoint=0")  # leave every row in the WAL
+        victims = [k for (k,) in idx._rdb.execute("SELECT key FROM pages ORDER BY atime DESC LIMIT ?",
+                                                   (kill_after_publish,))]
         idx.drop(victims)
         slots = idx.reserve(len(victims))
         idx.publish([(k, sl, page, 7) for k, sl in zip(victims, slots)])

@@ -149,6 +149,60 @@ def test_pages_survive_a_process_restart(gds_dir):
             b.close()
 
 
+_PEER = textwrap.dedent("""
+    import sys
+    sys.path[:0] = sys.argv[2:4]
+    from sgl_helpers import *
+    kind, layout = sys.argv[4], sys.argv[5]
+    pool = make_pool(kind, layout, seed=200)
+    b = attach(storage_config(sys.argv[1], is_mla_model=kind == "mla", dp_rank=1), pool)
+    assert b.batch_set_v1(keys(12, "peer"), indices(range(12))) == [True] * 12
+    print("WROTE", flush=True)
+    for line in sys.stdin:  # read what the other server stored, while both have the namespace open
+        n = int(line)
+        poison(pool, range(32, 32 + n))
+        got = b.batch_get_v1(keys(n, "main"), indices(range(32, 32 + n)))
+        ref = make_pool(kind, layout, seed=201)
+        print("READ", sum(got), same_pages(ref, list(range(n)), pool, list(range(32, 32 + n))), flush=True)
+    b.close()
+""")
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first_direct")])
+def test_two_servers_in_two_processes_share_pages_byte_exact(gds_dir, kind, layout):
+    """Two HiCacheGDS backends (DP ranks 0 and 1: once two servers' worth of namespaces) in two
+    processes, both attached at once: each loads what the other stored, byte-exact."""
+    tests = os.path.dirname(HERE)
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, gds_dir, HERE, tests, kind, layout], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = peer.stdout.readline()
+        assert line.strip() == "WROTE", peer.stderr.read()[-4000:]
+        pool = make_pool(kind, layout, seed=201)
+        b = attach(storage_config(gds_dir, is_mla_model=kind == "mla", dp_rank=0), pool)
+        try:
+            ref = make_pool(kind, layout, seed=200)
+            peer_keys = keys(12, "peer")
+            assert b.batch_exists(peer_keys) == 12
+            poison(pool, range(40, 52))
+            assert b.batch_get_v1(peer_keys, indices(range(40, 52))) == [True] * 12
+            assert same_pages(ref, list(range(12)), pool, list(range(40, 52)))
+            assert b.batch_set_v1(keys(10, "main"), indices(range(10))) == [True] * 10
+            peer.stdin.write("10\n")
+            peer.stdin.flush()
+            assert peer.stdout.readline().split() == ["READ", "10", "True"]
+            assert b.batch_set_v1(peer_keys[:4], indices(range(10, 14))) == [True] * 4  # present: stored once
+            assert b.stats()["kv"]["put_skipped_present"] == 4
+        finally:
+            b.close()
+        peer.stdin.close()
+        assert peer.wait(120) == 0, peer.stderr.read()[-4000:]
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+
+
 @pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mla", "layer_first"), ("mha", "layer_first")])
 def test_three_threads_at_once(gds_dir, kind, layout):
     """SGLang's backup, prefetch-IO and prefetch threads call concurrently."""
@@ -226,25 +280,29 @@ def test_tp_and_pp_ranks_are_isolated(gds_dir):
             b.close()
 
 
-def test_dp_attention_groups_get_their_own_namespaces(gds_dir, monkeypatch):
-    """DP attention: every group's rank 0 has tp_rank 0 and writes (DeepSeek's deployment). Each must
-    attach (one writer per namespace) and keep its own pages, in 0.5.17 too, whose storage config
-    has no dp_rank."""
-    ks = keys(6)
+def test_dp_attention_groups_share_one_namespace_and_both_write(gds_dir, monkeypatch):
+    """DP attention: every group's rank 0 has tp_rank 0 and writes (DeepSeek's deployment). Both
+    attach as writers of one namespace (in 0.5.17 too, whose storage config has no dp_rank) and
+    each loads the pages the other stored."""
+    ks = keys(12)
     pools = [make_pool("mla", "page_first", seed=40 + r) for r in range(2)]
     backends = []
     try:
         for r, pool in enumerate(pools):
             backends.append(attach(storage_config(gds_dir, is_mla_model=True, **dp_group(monkeypatch, r)), pool))
         namespaces = [b.stats()["kv"]["namespace"] for b in backends]
-        assert namespaces[0] != namespaces[1] and not any(b.stats()["kv"]["read_only"] for b in backends)
+        assert namespaces[0] == namespaces[1] and not any(b.stats()["kv"]["read_only"] for b in backends)
+        assert backends[0].batch_set_v1(ks[:6], indices(range(6))) == [True] * 6
+        assert backends[1].batch_set_v1(ks[6:], indices(range(6, 12))) == [True] * 6
         for b in backends:
-            assert b.batch_set_v1(ks, indices(range(6))) == [True] * 6
-        for b, pool in zip(backends, pools):
-            poison(pool, range(8, 14))
-            assert b.batch_get_v1(ks, indices(range(8, 14))) == [True] * 6
-            assert same_pages(pool, list(range(6)), pool, list(range(8, 14)))
-        assert not same_pages(pools[0], [0], pools[1], [0])
+            assert b.batch_exists(ks) == 12
+        # each group loads the other's pages, byte-exact
+        poison(pools[1], range(16, 22))
+        assert backends[1].batch_get_v1(ks[:6], indices(range(16, 22))) == [True] * 6
+        assert same_pages(pools[0], list(range(6)), pools[1], list(range(16, 22)))
+        poison(pools[0], range(16, 22))
+        assert backends[0].batch_get_v1(ks[6:], indices(range(16, 22))) == [True] * 6
+        assert same_pages(pools[1], list(range(6, 12)), pools[0], list(range(16, 22)))
     finally:
         for b in backends:
             b.close()

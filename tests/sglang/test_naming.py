@@ -1,14 +1,11 @@
 """Keys and namespaces: HiCacheFile's suffixes exactly; identities that separate what must differ."""
 
 import itertools
-from types import SimpleNamespace
 
 import pytest
-from sglang.srt.layers import dp_attention
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-from hicache_gds import ConfigError
-from hicache_gds_sglang.naming import SGLANG_KEYS, KeyScheme, namespace_identity, storage_dp_rank
+from hicache_gds_sglang.naming import SGLANG_KEYS, KeyScheme, namespace_identity
 from sgl_helpers import dp_group, needs_dcp, storage_config
 
 TOPOLOGIES = [dict(tp_rank=t, tp_size=ts, pp_rank=p, pp_size=ps, attn_cp_rank=c, attn_cp_size=cs)
@@ -46,7 +43,7 @@ def test_dcp_suffix_is_hicache_files(tmp_path):
     assert (ours.config_suffix, ours.tp_config_suffix) == (ref.config_suffix, ref.tp_config_suffix)
 
 
-def test_identities_separate_ranks_except_mla_tp_and_include_the_geometry(monkeypatch):
+def test_identities_separate_ranks_except_mla_tp_and_dp_and_include_the_geometry(monkeypatch):
     geo = {"kind": "mha", "page_order": "token_major", "dtype": "torch.bfloat16", "page_size": 16}
 
     def ident(mla=False, pool="kv", g=None, dp=None, **kw):
@@ -59,8 +56,8 @@ def test_identities_separate_ranks_except_mla_tp_and_include_the_geometry(monkey
     assert ident(True, tp_rank=0, tp_size=2) == ident(True, tp_rank=1, tp_size=2)  # MLA: one shared copy
     assert ident(True, "mamba", tp_rank=0, tp_size=2) != ident(True, "mamba", tp_rank=1, tp_size=2)
     assert ident(pp_rank=0, pp_size=2) != ident(pp_rank=1, pp_size=2)
-    assert ident(dp=0) != ident(dp=1)
-    assert ident(True, dp=0) != ident(True, dp=1)
+    assert ident(dp=0) == ident(dp=1)  # DP replicas share one namespace (0.5.17: DP rank from SGLang's state)
+    assert ident(True, dp=0) == ident(True, dp=1)
     assert ident() != ident(pool="swa")
     assert ident() != ident(g=dict(geo, page_order="layer_major"))
     assert ident() != ident(g=dict(geo, dtype="torch.float8_e4m3fn"))
@@ -71,21 +68,3 @@ def test_sglang_keys_cover_what_the_controller_and_loader_pass():
     for k in ("backend_name", "module_path", "class_name", "interface_v1", "file_storage_path",
               "prefetch_threshold", "hicache_storage_pass_prefix_keys", "tp_lcm_size", "prefetch_timeout_max"):
         assert k in SGLANG_KEYS
-
-
-def test_dp_rank_comes_from_sglang_when_the_storage_config_has_none(monkeypatch):
-    """0.5.17's HiCacheStorageConfig has no dp_rank; its controller reads SGLang's DP-attention state."""
-    no_field = SimpleNamespace()
-    monkeypatch.setattr(dp_attention, "is_dp_attention_enabled", lambda: False)
-    assert storage_dp_rank(no_field) == 0
-    monkeypatch.setattr(dp_attention, "is_dp_attention_enabled", lambda: True)
-    monkeypatch.setattr(dp_attention, "get_attention_dp_rank", lambda: 3, raising=False)
-    assert storage_dp_rank(no_field) == 3
-    assert storage_dp_rank(SimpleNamespace(dp_rank=1)) == 1  # the config's field wins where it exists
-
-    def not_initialized():
-        raise AssertionError("dp attention not initialized!")
-
-    monkeypatch.setattr(dp_attention, "get_attention_dp_rank", not_initialized)
-    with pytest.raises(ConfigError, match="DP rank is unknown"):
-        storage_dp_rank(no_field)

@@ -83,7 +83,7 @@ def test_store_failure_on_one_rank_is_a_miss_not_a_crash(root, gds_dir):
     e.add("B", PROMPT + [5])
     e.run()
     assert e.load_jobs == 0  # nothing was committed, so nothing is loaded
-    assert e.manager.stats()["ready"] == 4  # B stored them again; rank 0's stale copies were dropped first
+    assert e.manager.stats()["ready"] == 4  # B stored them again (rank 0 still held its shards: kept)
     e.shutdown()
 
 
@@ -118,3 +118,40 @@ def test_warm_restart_loads_from_disk(root, gds_dir):
     for (r, i), data in want.items():
         assert torch.equal(e2.block_bytes(r, e2.block_ids["B"][i]), data)
     e2.shutdown()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_two_engines_share_chunks_and_a_load_is_leased(root, gds_dir, world_size):
+    """Two engines of the same model and layout (two engine ids) open the same namespaces: chunks
+    one stores are hits for the other (a miss in its own map checked against the shared indexes),
+    loaded byte-exact, and leased on every rank while the load is in flight."""
+    a = engine(root, gds_dir, world_size=world_size, seed=21)
+    b = engine(root, gds_dir, world_size=world_size, seed=22)
+    try:
+        assert a.worker(0).stores[0].namespace == b.worker(0).stores[0].namespace
+        a.add("A", PROMPT)
+        a.run()
+        want = stored_bytes(a, "A")
+        assert a.manager.stats()["ready"] == 4
+        b.poison()
+        leases = []
+        real = b.manager.shared.lease
+
+        def spy(sks, pos):
+            out = real(sks, pos)
+            leases.append([len(held) for held in out[0]])
+            st = a.worker(0).stores[0].stats()
+            leases.append(st["leased_slots_all"])
+            return out
+
+        b.manager.shared.lease = spy
+        b.add("B", PROMPT + [4, 5])
+        b.run()
+        assert b.load_jobs == 1 and b.manager.stats()["adopted"] == 4
+        assert leases[0] == [world_size] * 4 and leases[1] == 4  # every chunk leased on every rank
+        assert_loaded(b, "B", want)
+        assert a.worker(0).stores[0].stats()["leased_slots_all"] == 0  # returned at complete_load
+        assert b.worker(0).stores[0].stats()["pages_written"] == 0  # nothing stored twice
+    finally:
+        a.shutdown()
+        b.shutdown()

@@ -13,14 +13,16 @@ Three rules live here and nowhere else:
   ``{hash}.{pool}`` and Mamba state always carries the TP rank. So a key names the same page in
   both backends.
 * **Namespaces.** Every pool gets its own PageStore namespace whose identity holds what makes the
-  bytes meaningful: model, the rank suffix, the DP rank, the pool, its kind, dtype, page geometry
-  and the *byte order* of a page (`PoolGeometry.page_order`). Layouts with the same byte order
-  (``layer_first`` and ``page_first_direct``) share pages; others never see each other's.
+  bytes meaningful: model, the rank suffix (TP / PP / attention-CP rank and sizes), the pool, its
+  kind, dtype, page geometry and the *byte order* of a page (`PoolGeometry.page_order`). Nothing
+  else: the DP rank is not in it, so data-parallel replicas -- and any other server on the node
+  with the same model, parallel layout and pool geometry -- open the same namespaces and share
+  their pages (a namespace has any number of writer processes). Layouts with the same byte order
+  (``layer_first`` and ``page_first_direct``) share pages; others never see each other's, and
+  ``HICACHE_GDS_NAMESPACE`` keeps tenants apart.
 
-SGLang 0.5.17 differs in two places, both handled here: its ``HiCacheStorageConfig`` has no
-``dp_rank`` (`storage_dp_rank` asks SGLang's DP-attention state, as its controller does), and its
-HiCacheFile keys MLA Mamba state without the TP rank (we keep the rank: every TP rank writes its
-own shard of that state, in 0.5.17 as in 0.5.23).
+SGLang 0.5.17's HiCacheFile keys MLA Mamba state without the TP rank; we keep the rank: every TP
+rank writes its own shard of that state, in 0.5.17 as in 0.5.23.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from typing import Any, Mapping
 
 from hicache_gds import Config, ConfigError
 
-__all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity", "storage_dp_rank"]
+__all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity"]
 
-SCHEMA = "hicache-gds-sglang/1"
+SCHEMA = "hicache-gds-sglang/2"  # 2: the DP rank left the identity (replicas share)
 
 # Keys SGLang itself reads, injects or passes through in the extra config; never ours.
 SGLANG_KEYS = (
@@ -98,40 +100,12 @@ class KeyScheme:
         return [f"{k}.{pool}{suffix}" for k in keys]
 
 
-def storage_dp_rank(sc: Any) -> int:
-    """The attention-DP rank of this process's storage namespaces.
-
-    Under DP attention ``tp_rank`` is group-local, so ranks of different DP groups share it.
-    ``HiCacheStorageConfig.dp_rank`` (0.5.23) tells them apart; a config without the field
-    (0.5.17) gets it from SGLang's DP-attention state, exactly as that release's controller
-    computes its own ``dp_rank``. Without it, DP groups would contend for one namespace and every
-    group but the first would fail to attach (the core's one-writer lock).
-    """
-    rank = getattr(sc, "dp_rank", None)
-    if rank is not None:
-        return int(rank)
-    try:
-        from sglang.srt.layers import dp_attention
-        enabled = dp_attention.is_dp_attention_enabled()
-    except Exception:  # noqa: BLE001 -- no DP-attention state to ask: a single DP group
-        return 0
-    if not enabled:
-        return 0
-    try:
-        return int(dp_attention.get_attention_dp_rank())
-    except Exception as exc:  # noqa: BLE001
-        raise ConfigError("hicache-gds: DP attention is enabled but its DP rank is unknown "
-                          f"({type(exc).__name__}: {exc}); cannot name this rank's namespaces") from exc
-
-
 def namespace_identity(scheme: KeyScheme, sc: Any, pool: str, geometry: Mapping[str, Any]) -> dict[str, str]:
     """Identity of one pool's namespace on one rank (rank-replicated MLA pools: same on every TP rank).
 
-    The DP rank (`storage_dp_rank`) is in it because a namespace has one writer process: DP
-    attention groups keep their own copies.
-    """
-    ident = {"schema": SCHEMA, "model": scheme.model, "pool": pool, "suffix": scheme.suffix_for(pool),
-             "dp_rank": storage_dp_rank(sc)}
+    Shared by every process whose pages mean the same bytes: the DP rank is not in it, so DP
+    replicas and other servers of the same model and layout use one copy."""
+    ident = {"schema": SCHEMA, "model": scheme.model, "pool": pool, "suffix": scheme.suffix_for(pool)}
     ident.update(geometry)
     return {str(k): str(v) for k, v in ident.items()}
 

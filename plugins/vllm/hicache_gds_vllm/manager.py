@@ -2,41 +2,53 @@
 
 How the scheduler and the workers share the store
 -------------------------------------------------
-A hicache-gds `PageStore` takes an exclusive lock on its namespace (one writer process), and
-every rank stores its own shard of a chunk. So the **workers own the stores**: each worker
-process opens one PageStore per KV-cache group, in a namespace of its own (engine identity +
-rank + group). The **manager never opens a store**; it keeps its own in-memory bookkeeping of
-chunks, and is the only authority on what is loadable:
+Every rank stores its own shard of a chunk, so the **workers own the stores**: each worker
+process opens one PageStore per KV-cache group, in the namespace of its (engine identity, rank,
+group). The engine identity holds the model, dtype, KV layout, block geometry and parallel
+layout, not the data-parallel index nor the engine id: every engine of the same model and
+layout on the node opens the same namespaces and shares their chunks (a namespace has any
+number of writer processes; the core coordinates them). The manager keeps its own bookkeeping of
+the chunks this engine stores, and consults the workers' shared indexes for the rest:
 
 * a chunk is PENDING from `prepare_store` and becomes READY only in `complete_store`, which
-  vLLM calls once *every* rank has reported the job;
-* a rank whose write failed still reports the job (vLLM asserts success), but first appends the
-  keys to its failure log (`sidecar.py`); `complete_store` reads the logs and leaves those chunks
-  un-committed, and any rank's copy of them is deleted;
-* the manager sizes the cache in chunks, the same number every worker's store is sized to, and
-  evicts by its own LRU; evicted and failed keys (and a `clear` after `reset_cache`) travel to
-  the workers on the next store job, which applies them before writing. The workers' stores
-  therefore never have to evict on their own, and never drop a chunk the manager calls READY;
-* loads are pinned from `prepare_load` to `complete_load`, so eviction never races a read.
+  vLLM calls once *every* rank has reported the job; a rank whose write failed still reports
+  the job (vLLM asserts success) but first appends the keys to its failure log (`sidecar.py`),
+  and `complete_store` leaves those chunks un-committed;
+* `lookup` answers from the shared indexes whenever the workers' namespaces can be seen (one
+  read-only `Index` per (rank, group), kept in step with the database at each lookup): a chunk
+  is a HIT when every rank's namespace holds it -- whichever engine stored it -- and a READY
+  chunk that some rank no longer holds (evicted by the store for another engine's chunks) is
+  forgotten and a MISS. Before the workers have opened their stores it answers from its own map;
+* `prepare_load` leases the chunk's slots in every rank's namespace (`Index.lookup_pin`) until
+  `complete_load`: no process evicts a leased slot, so a chunk handed out for loading is never
+  evicted by another engine meanwhile. (Between `lookup` and `prepare_load`, within one
+  scheduler step, a chunk is not leased yet.) The manager's LRU and capacity bound what it
+  stores; the stores evict by their own LRU, shared by every engine, and the manager deletes
+  nothing (a chunk it evicts may be another engine's hit). `reset_cache` clears the shared
+  namespaces -- for every engine sharing them.
 
-Nothing is persisted by the manager: at start it rebuilds READY chunks from the workers' own
-durable indexes (read-only, on a background thread; a chunk counts only if every rank holds it)
-and answers RETRY for unknown keys until that finishes. Stale pages it finds (held by some ranks
-only) are dropped through the same piggy-backed path.
+At start a background thread rebuilds READY chunks from the workers' durable indexes (read-only;
+a chunk counts only if every rank holds it) and the manager answers RETRY for unknown keys until
+that finishes.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Collection, Iterable
 
 from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingEvent, OffloadingManager, OffloadKey,
                                      PrepareStoreOutput, ReqContext, RequestOffloadingContext, ScheduleEndContext,
                                      get_offload_group_idx)
+
+from hicache_gds.index import INDEX_FILE, Index
+from hicache_gds.owners import Membership
 
 from .sidecar import FailureLog, read_store_keys
 from .shared import HiCacheLoadSpec, HiCacheStoreSpec, SpecView, store_key
@@ -56,6 +68,93 @@ class _Entry:
     state: ChunkState
     group: int
     pins: int = 0
+    leases: list = field(default_factory=list)  # per load in flight: [(Index, slot), ...] over the ranks
+
+
+class SharedIndex:
+    """The workers' namespaces as this scheduler sees them: one `Index` per (rank, group position),
+    joined read-mostly (lookups, leases; never a reservation), opened once the worker has written
+    where its store is (`sidecar.write_stores`), tried again at most once a second until then."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, spec: HiCacheGDSOffloadingSpec) -> None:
+        self.spec = spec
+        self.world = spec.config.parallel.world_size
+        self._ix: dict[tuple[int, int], Index] = {}
+        self._members: dict[str, Membership] = {}
+        self._next_try: dict[tuple[int, int], float] = {}
+
+    def _index(self, rank: int, pos: int) -> Index | None:
+        ix = self._ix.get((rank, pos))
+        if ix is not None:
+            return ix
+        now = time.monotonic()
+        if now < self._next_try.get((rank, pos), 0.0):
+            return None
+        self._next_try[(rank, pos)] = now + self.RETRY_S
+        d = self.spec.sidecar.read_stores(rank).get(pos)
+        if not d:
+            return None
+        try:
+            member = self._members.get(d) or Membership(d)
+            self._members[d] = member
+            ix = self._ix[(rank, pos)] = Index.join(os.path.join(d, INDEX_FILE), member)
+        except (OSError, ValueError) as exc:  # not created yet, or unreadable: our own map decides
+            log.debug("hicache-gds-vllm: rank %d group %d namespace %s not readable yet: %s", rank, pos, d, exc)
+            return None
+        return ix
+
+    def indexes(self, pos: int) -> list[Index] | None:
+        """Every rank's index of group position `pos`, or None while one cannot be seen."""
+        out = []
+        for r in range(self.world):
+            ix = self._index(r, pos)
+            if ix is None:
+                return None
+            out.append(ix)
+        return out
+
+    def present(self, sk: str, pos: int) -> bool | None:
+        """Does every rank hold chunk `sk`? None: the workers' namespaces cannot be seen."""
+        ixs = self.indexes(pos)
+        if ixs is None:
+            return None
+        return all(ix.contains([sk])[0] for ix in ixs)
+
+    def lease(self, sks: list[str], pos: int) -> tuple[list[list[tuple[Index, int]]], int]:
+        """Lease chunks `sks` on every rank: per chunk its (index, slot) leases; and how many
+        chunks some rank did not hold (their load will fail)."""
+        out: list[list[tuple[Index, int]]] = [[] for _ in sks]
+        ixs = self.indexes(pos)
+        if ixs is None:
+            return out, 0
+        missing: set[int] = set()
+        for ix in ixs:
+            try:
+                ents = ix.lookup_pin(sks)
+            except OSError as exc:
+                log.warning("hicache-gds-vllm: could not lease %d chunks in %s: %s", len(sks), ix.db_path, exc)
+                continue
+            for i, e in enumerate(ents):
+                if e is None:
+                    missing.add(i)
+                else:
+                    out[i].append((ix, e.slot))
+        return out, len(missing)
+
+    @staticmethod
+    def release(leases: list[tuple[Index, int]]) -> None:
+        for ix, slot in leases:
+            ix.unpin([slot])
+
+    def close(self) -> None:
+        for ix in self._ix.values():
+            ix.close()
+        for m in self._members.values():
+            m.close()
+        self._ix.clear()
+        self._members.clear()
 
 
 class HiCacheGDSManager(OffloadingManager):
@@ -72,21 +171,24 @@ class HiCacheGDSManager(OffloadingManager):
         self._lock = threading.Lock()
         self._entries: OrderedDict[OffloadKey, _Entry] = OrderedDict()  # least recently used first
         self._used: dict[int, int] = {}
-        self._drops: list[str] = []
         self._clear = False
+        # After reset_cache, until the store job that clears the workers' namespaces has completed,
+        # the shared indexes still show what the reset dropped: lookups use our own map meanwhile.
+        self._clearing: set[OffloadKey] | None = None
         self._events: list[OffloadingEvent] | None = [] if spec.config.enable_kv_cache_events else None
         self._logs = [FailureLog(spec.sidecar.failure_log(spec.config.engine_id, r)) for r in range(self.world_size)]
         self._failed: set[str] = set()
         self.evictions = 0
         self.failed_chunks = 0
+        self.vanished = 0  # READY chunks some rank's store no longer held (evicted there)
+        self.adopted = 0  # chunks another engine (or an earlier run) stored, found in the shared indexes
+        self.shared = SharedIndex(spec)
         self._warm: threading.Thread | None = None
-        self._warm_result: tuple[dict[int, list[str]], set[str], bool] | None = None
+        self._warm_result: tuple[dict[int, list[str]], bool] | None = None
         self._warm_cancelled = False
         if warm_start:
             self._warm = threading.Thread(target=self._warm_start, name="hicache-gds-vllm-warm", daemon=True)
             self._warm.start()
-        else:
-            self._clear = True  # workers may hold pages this manager does not know of
 
     # -- OffloadingManager --------------------------------------------------------------------
     @property
@@ -98,13 +200,27 @@ class HiCacheGDSManager(OffloadingManager):
         # docstring inherited
         self._apply_warm()
         e = self._entries.get(key)
-        if e is None:
-            return LookupResult.RETRY if self._warm is not None else LookupResult.MISS
-        return LookupResult.HIT if e.state is ChunkState.READY else LookupResult.HIT_PENDING
+        if e is not None and (e.state is ChunkState.PENDING or e.pins):
+            return LookupResult.HIT_PENDING if e.state is ChunkState.PENDING else LookupResult.HIT
+        there = self._shared_has(key)
+        if there is None:  # the workers' namespaces cannot be seen yet: our own map decides
+            if e is None:
+                return LookupResult.RETRY if self._warm is not None else LookupResult.MISS
+            return LookupResult.HIT
+        if there:
+            if e is None:
+                self._adopt(key)
+            return LookupResult.HIT
+        if e is not None:  # READY here, but a rank's store evicted it (for another engine's chunks)
+            self._forget(key)
+            self.vanished += 1
+            self._event([key], removed=True)
+        return LookupResult.RETRY if self._warm is not None else LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HiCacheLoadSpec:
         # docstring inherited
         out = []
+        keys = list(keys)
         for k in keys:
             e = self._entries[k]
             if e.state is not ChunkState.READY:
@@ -112,6 +228,19 @@ class HiCacheGDSManager(OffloadingManager):
             e.pins += 1
             self._entries.move_to_end(k)
             out.append(store_key(k))
+        # Lease the chunks' slots on every rank until complete_load: no engine evicts them meanwhile.
+        by_pos: dict[int, list[OffloadKey]] = {}
+        for k in keys:
+            pos = self.spec.group_pos.get(get_offload_group_idx(k))
+            if pos is not None:
+                by_pos.setdefault(pos, []).append(k)
+        for pos, ks in by_pos.items():
+            leases, missing = self.shared.lease([store_key(k) for k in ks], pos)
+            for k, held in zip(ks, leases):
+                self._entries[k].leases.append(held)
+            if missing:
+                log.error("hicache-gds-vllm: %d of %d chunks handed out for loading are no longer held by every "
+                          "rank (evicted since lookup); their load will fail", missing, len(ks))
         return HiCacheLoadSpec(out)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -126,12 +255,21 @@ class HiCacheGDSManager(OffloadingManager):
             e = self._entries.get(k)
             if e is not None and e.pins > 0:
                 e.pins -= 1
+                if e.leases:
+                    self.shared.release(e.leases.pop(0))
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         # docstring inherited
         self._apply_warm()
         offered = list(keys)
-        new = [k for k in dict.fromkeys(offered) if k not in self._entries]
+        new = []
+        for k in dict.fromkeys(offered):
+            if k in self._entries:
+                continue
+            if self._shared_has(k):  # another engine stored it: nothing to write
+                self._adopt(k)
+                continue
+            new.append(k)
         protect = set(offered)
         evicted: list[OffloadKey] = []
         take: list[OffloadKey] = []
@@ -153,13 +291,17 @@ class HiCacheGDSManager(OffloadingManager):
             self._used[g] = self._used.get(g, 0) + 1
         order = {k: i for i, k in enumerate(offered)}
         take.sort(key=order.__getitem__)  # vLLM's group-then-chunk order
-        spec = HiCacheStoreSpec([store_key(k) for k in take], self._drops, self._clear)
-        self._drops, self._clear = [], False
+        spec = HiCacheStoreSpec([store_key(k) for k in take], clear=self._clear)
+        if self._clear:
+            self._clearing = set(take)  # cleared before these are written: done when they complete
+        self._clear = False
         return PrepareStoreOutput(keys_to_store=take, store_spec=spec, evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         # docstring inherited
         self._poll_failures()
+        if self._clearing is not None and self._clearing.intersection(keys):
+            self._clearing = None  # every rank ran the job that cleared the namespaces first
         stored = []
         for k in keys:
             e = self._entries.get(k)
@@ -171,8 +313,9 @@ class HiCacheGDSManager(OffloadingManager):
                 self._entries.move_to_end(k)
                 stored.append(k)
             else:
+                # Not loadable: lookups need every rank's shard. The shards other ranks wrote stay
+                # until their stores evict them (another engine may hold the same chunk whole).
                 self._forget(k)
-                self._drops.append(sk)  # other ranks may hold their shard of it
                 self.failed_chunks += 1
             self._failed.discard(sk)
         if stored:
@@ -205,16 +348,20 @@ class HiCacheGDSManager(OffloadingManager):
         ready = [k for k, e in self._entries.items() if e.state is ChunkState.READY]
         if ready:
             self._event(ready, removed=True)
+        for e in self._entries.values():
+            for held in e.leases:
+                self.shared.release(held)
         self._entries.clear()
         self._used.clear()
-        self._drops = []
-        self._clear = True
+        self._clear = True  # the shared namespaces: every engine sharing them loses their chunks
+        self._clearing = set()
         self._poll_failures()
         self._failed.clear()
 
     def shutdown(self) -> None:
         # docstring inherited
         self.wait_warm_start()
+        self.shared.close()  # returns the leases of loads still in flight
 
     def wait_warm_start(self, timeout: float = 30.0) -> None:
         """Block until the warm start (if any) has been merged. Call without holding `lock`."""
@@ -234,8 +381,7 @@ class HiCacheGDSManager(OffloadingManager):
                 if len(victims) == need:
                     break
         for k in victims:
-            self._forget(k)
-            self._drops.append(store_key(k))
+            self._forget(k)  # the stores keep it until their own LRU evicts it: it may be another engine's hit
         evicted.extend(victims)
         self.evictions += len(victims)
         return len(victims)
@@ -243,6 +389,28 @@ class HiCacheGDSManager(OffloadingManager):
     def _forget(self, k: OffloadKey) -> None:
         e = self._entries.pop(k)
         self._used[e.group] -= 1
+        for held in e.leases:
+            self.shared.release(held)
+
+    def _shared_has(self, k: OffloadKey) -> bool | None:
+        if self._clearing is not None:
+            return None
+        pos = self.spec.group_pos.get(get_offload_group_idx(k))
+        return None if pos is None else self.shared.present(store_key(k), pos)
+
+    def _adopt(self, k: OffloadKey) -> None:
+        """Count a chunk the shared indexes hold (stored by another engine or an earlier run) as READY,
+        making room in its group by our LRU if needed (nothing is deleted)."""
+        g = get_offload_group_idx(k)
+        if self._used.get(g, 0) >= self.capacity:
+            gone: list[OffloadKey] = []
+            self._evict(g, 1, {k}, gone)
+            if gone:
+                self._event(gone, removed=True)
+        self._entries[k] = _Entry(ChunkState.READY, g)
+        self._used[g] = self._used.get(g, 0) + 1
+        self.adopted += 1
+        self._event([k], removed=False)
 
     def _poll_failures(self) -> None:
         for fl in self._logs:
@@ -258,13 +426,13 @@ class HiCacheGDSManager(OffloadingManager):
         ready = sum(e.state is ChunkState.READY for e in self._entries.values())
         return {"ready": ready, "pending": len(self._entries) - ready, "capacity_per_group": self.capacity,
                 "pinned": sum(e.pins > 0 for e in self._entries.values()), "evictions": self.evictions,
-                "failed_chunks": self.failed_chunks, "queued_drops": len(self._drops)}
+                "failed_chunks": self.failed_chunks, "vanished": self.vanished, "adopted": self.adopted}
 
     # -- warm start ----------------------------------------------------------------------------
     def _warm_start(self) -> None:
-        """Rebuild READY chunks from the workers' indexes: a chunk every rank holds is loadable."""
+        """Rebuild READY chunks from the workers' indexes: a chunk every rank holds is loadable.
+        Chunks some ranks hold are left alone: another engine may be storing them right now."""
         ready: dict[int, list[str]] = {}
-        stale: set[str] = set()
         try:
             for pos, g in enumerate(self.spec.config.groups):
                 per_rank = []
@@ -273,26 +441,21 @@ class HiCacheGDSManager(OffloadingManager):
                     per_rank.append(read_store_keys(d) if d else [])
                 common = set(per_rank[0]).intersection(*per_rank[1:]) if per_rank else set()
                 ready[g.group_id] = [k for k in per_rank[0] if k in common][-self.capacity:]
-                keep = set(ready[g.group_id])
-                stale.update(k for keys in per_rank for k in keys if k not in keep)
         except Exception:  # noqa: BLE001 -- a warm start is an optimisation; never fail the engine
             log.exception("hicache-gds-vllm: warm start failed; starting cold")
-            self._warm_result = ({}, set(), True)
+            self._warm_result = ({}, True)
             return
         # Handed over by one assignment; the scheduler thread merges it inside its own lock region,
         # so this thread never competes for the lock with a busy step loop.
-        self._warm_result = (ready, stale, False)
+        self._warm_result = (ready, False)
 
     def _apply_warm(self) -> None:
         if self._warm_result is None:
             return
-        ready, stale, failed = self._warm_result
+        ready, failed = self._warm_result
         self._warm_result = None
         self._warm = None
-        if self._warm_cancelled:
-            return
-        if failed:
-            self._clear = True
+        if self._warm_cancelled or failed:
             return
         n = 0
         for gid, keys in ready.items():
@@ -304,9 +467,6 @@ class HiCacheGDSManager(OffloadingManager):
                 self._entries.move_to_end(k, last=False)
                 self._used[gid] = self._used.get(gid, 0) + 1
                 n += 1
-        # A stale key stored again since start is live now: never drop it.
-        self._drops.extend(sk for sk in sorted(stale) if OffloadKey(bytes.fromhex(sk)) not in self._entries)
         if n:
             self._event([k for k, e in self._entries.items() if e.state is ChunkState.READY][:n], removed=False)
-        if n or stale:
-            log.info("hicache-gds-vllm: warm start found %d loadable chunks and %d stale pages", n, len(stale))
+            log.info("hicache-gds-vllm: warm start found %d loadable chunks", n)

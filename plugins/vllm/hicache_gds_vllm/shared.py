@@ -41,7 +41,8 @@ class HiCacheLoadSpec(LoadStoreSpec):
 
 class HiCacheStoreSpec(LoadStoreSpec):
     """What a worker writes (`keys`), and what it must delete first (`drops`, or everything when
-    `clear`): the manager's evictions and failed chunks ride on the next store job."""
+    `clear`: the manager's `reset_cache` rides on the next store job). This manager sends no
+    drops: the shared stores evict by their own LRU."""
 
     __slots__ = ("keys", "drops", "clear")
 

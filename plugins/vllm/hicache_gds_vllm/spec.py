@@ -12,8 +12,8 @@ Settings: every `kv_connector_extra_config` key that is a hicache-gds `Config` k
 accepted too) overrides the environment; vLLM's own keys are ignored; anything else is an error.
 
 vLLM builds the spec in the scheduler process and in every worker process. Both compute the same
-engine identity (model, dtype, KV layout, block geometry, parallelism, data-parallel index) and
-the same chunk capacity, so the scheduler's bookkeeping and the workers' stores describe one
+engine identity (model, dtype, KV layout, block geometry, parallelism) and the same chunk
+capacity, so the scheduler's bookkeeping and the workers' stores describe one
 cache. `get_manager` runs in the scheduler, `get_worker` in each worker; see `manager.py` for how
 the two share the store.
 """
@@ -62,7 +62,9 @@ def engine_identity(config: OffloadingConfig) -> dict[str, Any]:
     """Everything that makes a stored chunk's bytes meaningful, except the rank (added per worker).
 
     vLLM's keys carry only a prefix hash and a group index, so two engines whose model, dtype,
-    layout, block geometry or parallelism differ must never share a namespace.
+    layout, block geometry or parallelism differ must never share a namespace. Nothing else is in
+    it -- not the data-parallel index, not the engine id -- so engines that agree on all of that
+    (DP replicas, a second engine on the node) share their chunks.
     """
     par = config.parallel
     groups = [
@@ -76,7 +78,7 @@ def engine_identity(config: OffloadingConfig) -> dict[str, Any]:
         "tokens_per_hash": config.cache.tokens_per_hash, "blocks_per_chunk": config.cache.blocks_per_chunk,
         "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block, "groups": groups,
         "world_size": par.world_size, "tp": par.tp_size, "pp": par.pp_size, "pcp": par.pcp_size,
-        "dcp": par.dcp_size, "dp_index": par.data_parallel_index,
+        "dcp": par.dcp_size,
     }
 
 

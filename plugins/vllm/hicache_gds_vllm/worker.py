@@ -1,8 +1,8 @@
 """`HiCacheGDSWorker`: moves chunks between vLLM's KV cache and this rank's page stores.
 
-One worker per GPU worker process. At start it opens one `PageStore` per KV-cache group (a
-namespace of its own: engine identity + rank + group; the store's flock makes this process its
-only writer) and registers vLLM's KV tensors with it once: as VRAM when they are on a GPU (the
+One worker per GPU worker process. At start it opens one `PageStore` per KV-cache group (the
+namespace of engine identity + rank + group, shared with the same rank of every other engine of
+the same model and layout on the node: any number of processes write one namespace) and registers vLLM's KV tensors with it once: as VRAM when they are on a GPU (the
 store's `auto` picks NIXL GDS where cuFile works, else its bounce engine through pinned host
 buffers), as DRAM when they are host tensors (CPU runs and tests: NIXL POSIX or bounce).
 

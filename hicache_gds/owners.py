@@ -1,0 +1,171 @@
+"""Which processes have a namespace open, told by the kernel: one locked file per open store.
+
+Every `PageStore` that opens a namespace creates ``procs/<token>`` in the namespace's first
+directory (0600, holding its pid) and keeps an exclusive `flock` on it until it closes. The index
+tags what the store holds in the shared database -- slots it reserved for writing, slots it is
+reading -- with that token. The kernel drops the lock when the process dies, however it dies
+(kill -9 included), so another process tells a live owner from a dead one by trying the lock:
+
+* `alive(token)` is False once the owner's lock can be taken (it closed, or died), and the
+  survivors then reclaim what the dead owner held (`Index` does it);
+* a lock, unlike a pid, names one open store even across pid namespaces (containers sharing a
+  disk) and is never confused by a reused pid.
+
+Opening a namespace (creating, sizing, recovering it) is serialised by `setup_lock`, an exclusive
+`flock` on the namespace's ``lock`` file held only while a store opens: the first opener of a
+namespace nobody else has open recovers it; later ones join it as it is.
+
+`holders(namespace_dir)` lists the pids that have a namespace open, for operators' tools.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+import stat
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from .errors import ConfigError, StoreLockedError
+
+__all__ = ["Membership", "holders", "setup_lock", "PROCS_DIR", "SETUP_WAIT_S"]
+
+log = logging.getLogger("hicache_gds.owners")
+PROCS_DIR = "procs"
+SETUP_WAIT_S = 120.0
+"""How long an open waits for another process's open of the same namespace before it fails."""
+
+
+def _procs_dir(namespace_dir: str, create: bool) -> str:
+    path = os.path.join(namespace_dir, PROCS_DIR)
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"GDS_PATH: {path} is a symbolic link or not a directory; the store never follows "
+                          f"links inside its namespace (remove it)")
+    return path
+
+
+def _token_ok(token: str) -> bool:
+    return 0 < len(token) <= 64 and all(c in "0123456789abcdef" for c in token)
+
+
+def _try_lock(path: str) -> bool | None:
+    """True: the file's lock was free (its owner is gone), False: held, None: no such file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+    finally:
+        os.close(fd)  # also drops the lock just taken
+
+
+class Membership:
+    """This store's entry in ``procs/``: a token, and the lock that says it is alive."""
+
+    def __init__(self, namespace_dir: str) -> None:
+        self.dir = _procs_dir(namespace_dir, create=True)
+        self.token = secrets.token_hex(8)
+        self.path = os.path.join(self.dir, self.token)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        self._fd = fd
+
+    def alive(self, token: str) -> bool:
+        """Does the store that holds `token` still have the namespace open? (Our own token: yes.)
+
+        A dead owner's file is removed here, so each dead owner is found once."""
+        if token == self.token:
+            return self._fd >= 0
+        if not _token_ok(token):
+            return False
+        path = os.path.join(self.dir, token)
+        free = _try_lock(path)
+        if free:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        return free is False
+
+    def others(self) -> list[str]:
+        """Tokens of the other stores that have the namespace open now (dead owners' files are removed)."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        return [t for t in names if t != self.token and _token_ok(t) and self.alive(t)]
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = -1
+
+
+def holders(namespace_dir: str) -> list[int]:
+    """Pids of the processes that have the namespace at `namespace_dir` open (a `PageStore` each;
+    a pid appears once per store it holds), without changing anything. [] when none or no such
+    namespace; `ConfigError` for a symbolic link where its ``procs`` directory should be."""
+    try:
+        d = _procs_dir(namespace_dir, create=False)
+    except FileNotFoundError:
+        return []
+    pids = []
+    for name in sorted(os.listdir(d)):
+        if not _token_ok(name):
+            continue
+        path = os.path.join(d, name)
+        if _try_lock(path) is False:
+            try:
+                with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW | os.O_CLOEXEC)) as fh:
+                    pids.append(int(fh.read(32).decode() or 0))
+            except (OSError, ValueError):
+                pids.append(0)
+    return sorted(pids)
+
+
+@contextmanager
+def setup_lock(namespace_dir: str, timeout: float = SETUP_WAIT_S) -> Iterator[None]:
+    """Hold the namespace's ``lock`` file exclusively while a store opens (`StoreLockedError`
+    after `timeout` s, naming the pid that holds it)."""
+    fd = os.open(os.path.join(namespace_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+                    raise StoreLockedError(f"namespace {namespace_dir} has been opening in pid "
+                                           f"{holder} for over {timeout:.0f} s; nothing was opened") from None
+                time.sleep(0.01)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
