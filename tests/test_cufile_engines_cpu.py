@@ -11,6 +11,7 @@ libraries run in tests/test_gpu_engines.py.
 
 import ctypes
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -219,3 +220,35 @@ def test_load_cufile_bridges_the_unversioned_library_name(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     real, mode, name = out.stdout.split()
     assert real == os.path.realpath(target) and mode == "0o700" and name.endswith("/libcufile.so")
+
+
+def test_load_cufile_uses_the_libcufile_already_in_the_process(tmp_path):
+    """Two copies of libcufile in one process abort cuFileDriverOpen (cufio-plat:149, found by
+    benchmarks/cufile_bisect.py on the H100 VM: a libcufile dlopened before cufile-python, which then
+    loaded another one by name). Here a copy of libm stands in for each: the wheel's
+    ``libcufile.so.0`` is loaded first (as `libcufile_loadable` does), a different ``libcufile.so``
+    is on the loader path (the system's); cufile-python must get the first, and the process must
+    map one libcufile only."""
+    import ctypes.util
+    libm = ctypes.util.find_library("m")
+    src = next((p for p in ("/lib/x86_64-linux-gnu/" + (libm or ""), "/usr/lib64/" + (libm or ""))
+                if libm and os.path.exists(p)), None)
+    if src is None:
+        pytest.skip("no libm path to stand in for libcufile")
+    wheel, system, pkg = tmp_path / "wheel", tmp_path / "system", tmp_path / "pkgs" / "cufile"
+    for d in (wheel, system, pkg):
+        d.mkdir(parents=True)
+    shutil.copyfile(src, wheel / "libcufile.so.0")
+    shutil.copyfile(src, system / "libcufile.so")
+    (pkg / "__init__.py").write_text('import ctypes\nlib = ctypes.CDLL("libcufile.so")\n')
+    code = ("import ctypes, os, hicache_gds.engines.cufile_engine as ce\n"
+            f"ctypes.CDLL({str(wheel / 'libcufile.so.0')!r}, mode=ctypes.RTLD_GLOBAL)\n"
+            "m = ce.load_cufile()\n"
+            "maps = {l.split()[-1] for l in open('/proc/self/maps') if 'libcufile' in l}\n"
+            "print(os.path.realpath(m.lib._name), len({os.path.realpath(p) for p in maps}))\n")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(system),
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "pkgs"), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    real, copies = out.stdout.split()
+    assert real == os.path.realpath(wheel / "libcufile.so.0") and copies == "1", out.stdout

@@ -107,7 +107,8 @@ def stored_pages(cfg: str, store_dir: str) -> int:
     if cfg in ("file", "nixl"):
         return sum(len(files) for _, _, files in os.walk(store_dir))
     if cfg.startswith("gds"):
-        from hicache_gds.index import INDEX_FILE, read_keys
+        from hicache_gds import read_keys
+        from hicache_gds.index import INDEX_FILE
         return sum(len(read_keys(os.path.dirname(p)))
                    for p in glob.glob(os.path.join(store_dir, "**", INDEX_FILE), recursive=True))
     return 0
@@ -148,9 +149,15 @@ class Server:
             time.sleep(1.0)
         raise TimeoutError(f"server not ready after {timeout:.0f} s; see {self.log_path}")
 
-    def post(self, path: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, str]:
+    def post(self, path: str, body: dict | None = None, timeout: float = 60.0,
+             api_key: str | None = None) -> tuple[int, str]:
+        """POST `body` as JSON; `api_key`: the server's --admin-api-key (its admin endpoints,
+        /flush_cache among them, answer 401 without it)."""
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         req = urllib.request.Request(self.url(path), data=json.dumps(body or {}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, r.read().decode(errors="replace")
@@ -488,6 +495,10 @@ def summarize(records: list[dict[str, Any]], a: argparse.Namespace) -> dict[str,
     return summary
 
 
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"  # None: no recompute baseline in this run
+
+
 def markdown(doc: dict[str, Any]) -> str:
     a, summary = doc["args"], doc["summary"]
     lines = [f"# SGLang server TTFT ({a['mode']}), {doc['machine']}", "",
@@ -517,22 +528,26 @@ def markdown(doc: dict[str, Any]) -> str:
             fl = s.get("after_flush")
             lines.append(
                 f"| {cfg} | {c['p50']:.3f} s | {rv['p50']:.3f} / {rv['p90']:.3f} / {rv['p99']:.3f} s | "
-                f"{s.get('revisit_p50_vs_recompute', float('nan')):.2f}x | {rv['storage_hit_frac']:.0%} | "
+                f"{_ratio(s.get('revisit_p50_vs_recompute'))} | {rv['storage_hit_frac']:.0%} | "
                 f"{(str(tv['identical']) + '/' + str(tv['prompts'])) if tv else '-'} | "
                 f"{(format(fl['p50'], '.3f') + ' s (' + format(fl['storage_hit_frac'], '.0%') + ')') if fl else '-'} |")
     else:
         lines += [f"{a['clients']} clients x {a['rounds']} rounds, {a['turn_tokens']} new tokens per turn, "
                   f"{a['answer_tokens']} answer tokens", "",
-                  "| config | round-1 TTFT p50 | later rounds p50 / p90 / p99 | later vs recompute | from storage |",
-                  "|---|---|---|---|---|"]
+                  "| config | round-1 TTFT p50 | later rounds p50 / p90 / p99 | later vs recompute | from storage | "
+                  "p50 per round (storage share) |",
+                  "|---|---|---|---|---|---|"]
         for cfg, s in summary.items():
             if "later_rounds" not in s:
-                lines.append(f"| {cfg} | error: {s.get('error')} | | | |")
+                lines.append(f"| {cfg} | error: {s.get('error')} | | | | |")
                 continue
             lr = s["later_rounds"]
             lines.append(f"| {cfg} | {s['round0']['p50']:.3f} s | {lr['p50']:.3f} / {lr['p90']:.3f} / "
-                         f"{lr['p99']:.3f} s | {s.get('later_p50_vs_recompute', float('nan')):.2f}x | "
-                         f"{lr['storage_hit_frac']:.0%} |")
+                         f"{lr['p99']:.3f} s | {_ratio(s.get('later_p50_vs_recompute'))} | "
+                         f"{lr['storage_hit_frac']:.0%} | "
+                         + " / ".join(f"{s[k]['p50']:.3f} s ({s[k]['storage_hit_frac']:.0%})"
+                                      for k in sorted(s, key=lambda k: int(k[5:]) if k[5:].isdigit() else 0)
+                                      if k.startswith("round")) + " |")
     lines += ["", "Server start / shutdown (s): " + ", ".join(
         f"{r['config']} {r.get('start_s')}/{r['stop']['shutdown_s']}{' HUNG' if r['stop']['hung'] else ''}"
         f"{' leftover ' + str(r['stop']['leftover_pids']) if r['stop']['leftover_pids'] else ''}"

@@ -60,7 +60,7 @@ def admin(srv: Server, method: str, body: dict | None = None) -> tuple[int, str]
 
 def revisit(srv: Server, prompt: list[int], first: list[int], a: argparse.Namespace) -> dict[str, Any]:
     """Flush GPU and host caches, send `prompt` again: where did its prefix come from, same tokens?"""
-    code, _ = srv.post("/flush_cache", timeout=120)
+    code, _ = srv.post("/flush_cache", timeout=120, api_key=KEY)  # an admin endpoint under --admin-api-key
     time.sleep(0.5)
     r = generate(srv, "revisit", prompt, a.gen, a.req_timeout)
     return {"flush": code, "storage_tokens": int(r.cached.get("storage", 0) or 0), "ttft_s": round(r.ttft_s, 3),

@@ -21,9 +21,11 @@ cuFile's internal bounce buffers.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import stat
+import sys
 import tempfile
 import threading
 from typing import Any
@@ -40,8 +42,29 @@ _GiB = 1 << 30
 _import_lock = threading.Lock()
 
 
+def _mapped_libcufile(maps: str = "/proc/self/maps") -> str:
+    """Path of the libcufile already loaded into this process (by NIXL, kvikio or `libcufile_loadable`), or ''."""
+    try:
+        with open(maps) as f:
+            for line in f:
+                p = line.split()[-1]
+                if "/libcufile.so" in p and os.path.exists(p):
+                    return p
+    except OSError:
+        pass
+    return ""
+
+
 def _libcufile_path() -> str:
-    """Absolute path of a libcufile.so.0 this process can load, or ''."""
+    """Absolute path of the libcufile.so.0 cufile-python must use, or ''.
+
+    The one already in the process comes first: a second copy of libcufile in one process (say
+    nvidia-cufile's wheel loaded by `libcufile_loadable`, then the system's by cufile-python)
+    aborts in cuFileDriverOpen ("Assertion failure, file index :cufio-plat line :149"; measured
+    on the H100 VM by benchmarks/cufile_bisect.py)."""
+    loaded = _mapped_libcufile()
+    if loaded:
+        return loaded
     try:
         import nvidia  # type: ignore  # nvidia-cufile's namespace package
         for base in nvidia.__path__:
@@ -52,11 +75,7 @@ def _libcufile_path() -> str:
     except ImportError:
         pass
     if libcufile_loadable():  # loaded from the system's loader path: find where from
-        with open("/proc/self/maps") as f:
-            for line in f:
-                p = line.split()[-1]
-                if "/libcufile.so" in p and os.path.exists(p):
-                    return p
+        return _mapped_libcufile()
     return ""
 
 
@@ -78,14 +97,21 @@ def _symlink_dir(target: str) -> str:
 def load_cufile() -> Any:
     """Import cufile-python, providing the unversioned libcufile.so it needs. EngineUnavailable if impossible."""
     with _import_lock:
-        try:
-            import cufile
-            return cufile
-        except ImportError as exc:
-            raise EngineUnavailable(f"cufile-python is not installed ({exc}); "
-                                    "pip install 'hicache-gds[cufile]'") from exc
-        except OSError:
-            pass  # libcufile.so (unversioned) is not on the loader path
+        if "cufile" in sys.modules:
+            return sys.modules["cufile"]
+        # cufile-python dlopens "libcufile.so" by name, which may find another copy than the one
+        # this process already has; it is pointed at that one (see `_libcufile_path`).
+        if not _mapped_libcufile():
+            try:
+                import cufile
+                return cufile
+            except ImportError as exc:
+                raise EngineUnavailable(f"cufile-python is not installed ({exc}); "
+                                        "pip install 'hicache-gds[cufile]'") from exc
+            except OSError:
+                pass  # libcufile.so (unversioned) is not on the loader path
+        elif importlib.util.find_spec("cufile") is None:
+            raise EngineUnavailable("cufile-python is not installed; pip install 'hicache-gds[cufile]'")
         target = _libcufile_path()
         if not target:
             raise EngineUnavailable("cufile: no libcufile.so.0 found "
