@@ -3,7 +3,8 @@
 Reports GPUs, the driver and the CUDA versions found (the driver's, torch's build), which NIXL
 build was imported (nixl-cu12 / nixl-cu13) and why, whether nvidia-fs is loaded, which cufile.json
 applies and its compat bounce pool, whether cuFile will run in compat mode on `GDS_PATH`'s file
-system, the NIXL plugins that load, O_DIRECT, free space and how full each `GDS_PATH` file system
+system, the NIXL plugins that load, whether kvikio and cufile-python are installed and pass
+the VRAM round trip, O_DIRECT, free space and how full each `GDS_PATH` file system
 is, the capacity a new namespace would get there, and the engine `auto` picks and why.
 
 Nothing here touches cuFile in this process: GDS is probed only through
@@ -221,6 +222,28 @@ def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
     return out
 
 
+_ALT_ENGINES = {"kvikio": "kvikio", "cufile": "cufile"}  # engine name -> the module it needs
+
+
+def _alt_engines(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
+    """kvikio and cufile-python, the GPU-file engines beside NIXL: installed? does the 1 MiB VRAM
+    round trip pass (in a subprocess, as before the engine is ever loaded into a server)?"""
+    import importlib.util
+
+    out: dict[str, Any] = {}
+    for name, module in _ALT_ENGINES.items():
+        if importlib.util.find_spec(module) is None:
+            out[name] = {"installed": False, "ok": False,
+                         "reason": f"not installed (pip install 'hicache-gds[{name}]')"}
+        elif not gpu:
+            out[name] = {"installed": True, "ok": False, "reason": "not probed: no CUDA GPU is visible"}
+        else:
+            from .engines.gds_probe import probe_gds
+            p = probe_gds(probe_dir, name, timeout=timeout)
+            out[name] = {"installed": True, "ok": p.ok, "compat_mode": p.compat_mode, "reason": p.reason}
+    return out
+
+
 def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
     """The capacity a new namespace would get on `roots`, and what the file systems look like."""
     from .capacity import default_budget
@@ -323,6 +346,7 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
     usable = [d["path"] for d in rep["gds_path"] if d.get("writable")]
     probe_root = usable[0] if usable else tempfile.gettempdir()
     rep["nixl"] = _nixl(probe_root, gpu["visible"], probe_timeout)
+    rep["gpu_file_engines"] = _alt_engines(probe_root, gpu["visible"], probe_timeout)
     if rep["nixl"].get("error"):
         warnings.append(f"NIXL: {rep['nixl']['error']}")
     warnings.extend(_cuda_mismatch(rep["nixl"], gpu))
@@ -402,6 +426,8 @@ def render_text(rep: dict[str, Any]) -> str:
     out.append(f"  plugins    : {plugins or '(none)'}")
     for name, p in n["gds"].items():
         out.append(f"  {name:<11}: {'works' if p['ok'] else 'no'}: {p['reason']}")
+    for name, p in rep.get("gpu_file_engines", {}).items():
+        out.append(f"{name:<13}: {'works' if p['ok'] else 'no'}: {p['reason']}")
     cfg = rep["config"]
     if cfg:
         out.append(f"settings     : ENABLE_GDS={cfg['enable_gds']}, engine={cfg['engine']}"

@@ -139,6 +139,25 @@ def test_doctor_on_the_gpu_machine(capsys, monkeypatch, gds_dir):
     assert rep["nixl"]["gds"]["nixl-gds"]["ok"], rep["nixl"]["gds"]
     dev = rep["engine_auto"]["device_memory"]
     assert dev["ok"] and dev["engine"] in ("nixl-gds-mt", "nixl-gds") and "probe passed" in dev["reason"]
+    cf = rep["gpu_file_engines"]["cufile"]  # libcufile loaded before cufile-python once aborted it
+    assert cf["ok"] or not cf["installed"], cf
     monkeypatch.setenv("ENABLE_GDS", "1")
     rc, out, _ = doctor(capsys)
     assert rc == 0 and "result       : OK" in out
+
+
+def test_gpu_file_engines_beside_nixl(capsys, monkeypatch, gds_dir):
+    """kvikio and cufile-python get a line each: not installed (with the extra to install), not
+    probed without a GPU, or the probe's answer."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "kvikio" else real(n, *a))
+    monkeypatch.setenv("GDS_PATH", gds_dir)
+    rc, out, _ = doctor(capsys, "--json")
+    eng = json.loads(out)["gpu_file_engines"]
+    assert set(eng) == {"kvikio", "cufile"} and not eng["kvikio"]["installed"]
+    assert "pip install 'hicache-gds[kvikio]'" in eng["kvikio"]["reason"]
+    if eng["cufile"]["installed"] and not eng["cufile"]["ok"]:
+        assert eng["cufile"]["reason"]
+    rc, out, _ = doctor(capsys)
+    assert "kvikio       : no: not installed" in out and "cufile       : " in out
