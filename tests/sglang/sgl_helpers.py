@@ -38,7 +38,9 @@ needs_injector = pytest.mark.skipif(FailureInjector is None, reason="this SGLang
 
 
 def storage_config(gds_dir: str | None, *, extra: dict | None = None, **kw: Any) -> HiCacheStorageConfig:
-    """A HiCacheStorageConfig as the controller builds it (TP 1, MHA unless told)."""
+    """A HiCacheStorageConfig as the controller builds it (TP 1, MHA unless told). `dp_rank` is
+    dropped where the installed SGLang's config has no such field (0.5.17; `dp_group` sets that
+    release's DP state instead)."""
     ex = dict(extra or {})
     if gds_dir is not None:
         ex.setdefault("gds_path", gds_dir)
@@ -47,6 +49,8 @@ def storage_config(gds_dir: str | None, *, extra: dict | None = None, **kw: Any)
                 enable_storage_metrics=True, is_page_first_layout=True, model_name="meta-llama/Test-1B",
                 extra_config=ex)
     base.update(kw)
+    if not HAS_DP_RANK:
+        base.pop("dp_rank", None)
     return HiCacheStorageConfig(**base)
 
 
