@@ -499,6 +499,16 @@ def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"  # None: no recompute baseline in this run
 
 
+def _table(header: list[str], summary: dict[str, Any], needs: str,
+           row: Callable[[str, dict[str, Any]], list[str]]) -> list[str]:
+    """A markdown table: one `row` per configuration whose summary has `needs`, else its error."""
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cfg, s in summary.items():
+        cells = row(cfg, s) if needs in s else [cfg, f"error: {s.get('error')}"] + [""] * (len(header) - 2)
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
     a, summary = doc["args"], doc["summary"]
     lines = [f"# SGLang server TTFT ({a['mode']}), {doc['machine']}", "",
@@ -514,40 +524,28 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{j['nixl_posix_MBps']:.0f} MB/s")
         lines += ["Disk (same run): " + "; ".join(parts), ""]
     if a["mode"] == "prefix":
+        def row(cfg: str, s: dict[str, Any]) -> list[str]:
+            c, rv, tv, fl = s["cold"], s["revisit"], s.get("tokens_vs_recompute"), s.get("after_flush")
+            return [cfg, f"{c['p50']:.3f} s", f"{rv['p50']:.3f} / {rv['p90']:.3f} / {rv['p99']:.3f} s",
+                    _ratio(s.get("revisit_p50_vs_recompute")), f"{rv['storage_hit_frac']:.0%}",
+                    f"{tv['identical']}/{tv['prompts']}" if tv else "-",
+                    f"{fl['p50']:.3f} s ({fl['storage_hit_frac']:.0%})" if fl else "-"]
         lines += [f"{a['prefixes']} prefixes x {a['prefix_tokens']} tokens (+{a['suffix_tokens']}), "
-                  f"{a['gen']} generated tokens, sequential requests", "",
-                  "| config | cold TTFT p50 | revisit TTFT p50 / p90 / p99 | revisit vs recompute | "
-                  "revisit cached from storage | tokens = recompute | after /flush_cache p50 (storage) |",
-                  "|---|---|---|---|---|---|---|"]
-        for cfg, s in summary.items():
-            if "revisit" not in s:
-                lines.append(f"| {cfg} | error: {s.get('error')} | | | | | |")
-                continue
-            c, rv = s["cold"], s["revisit"]
-            tv = s.get("tokens_vs_recompute")
-            fl = s.get("after_flush")
-            lines.append(
-                f"| {cfg} | {c['p50']:.3f} s | {rv['p50']:.3f} / {rv['p90']:.3f} / {rv['p99']:.3f} s | "
-                f"{_ratio(s.get('revisit_p50_vs_recompute'))} | {rv['storage_hit_frac']:.0%} | "
-                f"{(str(tv['identical']) + '/' + str(tv['prompts'])) if tv else '-'} | "
-                f"{(format(fl['p50'], '.3f') + ' s (' + format(fl['storage_hit_frac'], '.0%') + ')') if fl else '-'} |")
+                  f"{a['gen']} generated tokens, sequential requests", ""]
+        lines += _table(["config", "cold TTFT p50", "revisit TTFT p50 / p90 / p99", "revisit vs recompute",
+                         "revisit cached from storage", "tokens = recompute", "after /flush_cache p50 (storage)"],
+                        summary, "revisit", row)
     else:
-        lines += [f"{a['clients']} clients x {a['rounds']} rounds, {a['turn_tokens']} new tokens per turn, "
-                  f"{a['answer_tokens']} answer tokens", "",
-                  "| config | round-1 TTFT p50 | later rounds p50 / p90 / p99 | later vs recompute | from storage | "
-                  "p50 per round (storage share) |",
-                  "|---|---|---|---|---|---|"]
-        for cfg, s in summary.items():
-            if "later_rounds" not in s:
-                lines.append(f"| {cfg} | error: {s.get('error')} | | | | |")
-                continue
+        def row(cfg: str, s: dict[str, Any]) -> list[str]:
             lr = s["later_rounds"]
-            lines.append(f"| {cfg} | {s['round0']['p50']:.3f} s | {lr['p50']:.3f} / {lr['p90']:.3f} / "
-                         f"{lr['p99']:.3f} s | {_ratio(s.get('later_p50_vs_recompute'))} | "
-                         f"{lr['storage_hit_frac']:.0%} | "
-                         + " / ".join(f"{s[k]['p50']:.3f} s ({s[k]['storage_hit_frac']:.0%})"
-                                      for k in sorted(s, key=lambda k: int(k[5:]) if k[5:].isdigit() else 0)
-                                      if k.startswith("round")) + " |")
+            rounds = sorted((k for k in s if k.startswith("round") and k[5:].isdigit()), key=lambda k: int(k[5:]))
+            return [cfg, f"{s['round0']['p50']:.3f} s", f"{lr['p50']:.3f} / {lr['p90']:.3f} / {lr['p99']:.3f} s",
+                    _ratio(s.get("later_p50_vs_recompute")), f"{lr['storage_hit_frac']:.0%}",
+                    " / ".join(f"{s[k]['p50']:.3f} s ({s[k]['storage_hit_frac']:.0%})" for k in rounds)]
+        lines += [f"{a['clients']} clients x {a['rounds']} rounds, {a['turn_tokens']} new tokens per turn, "
+                  f"{a['answer_tokens']} answer tokens", ""]
+        lines += _table(["config", "round-1 TTFT p50", "later rounds p50 / p90 / p99", "later vs recompute",
+                         "from storage", "p50 per round (storage share)"], summary, "later_rounds", row)
     lines += ["", "Server start / shutdown (s): " + ", ".join(
         f"{r['config']} {r.get('start_s')}/{r['stop']['shutdown_s']}{' HUNG' if r['stop']['hung'] else ''}"
         f"{' leftover ' + str(r['stop']['leftover_pids']) if r['stop']['leftover_pids'] else ''}"
