@@ -210,16 +210,17 @@ def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
             out["plugins"] = loadable_plugins()
         except Exception as exc:  # noqa: BLE001 -- NIXL broken
             out["error"] = f"{type(exc).__name__}: {exc}"
-    gds: dict[str, Any] = {}
-    for name in ("nixl-gds", "nixl-gds-mt"):
-        if not gpu:
-            gds[name] = {"ok": False, "reason": "not probed: no CUDA GPU is visible"}
-            continue
-        from .engines.gds_probe import probe_gds
-        p = probe_gds(probe_dir, name, timeout=timeout)
-        gds[name] = {"ok": p.ok, "compat_mode": p.compat_mode, "reason": p.reason}
-    out["gds"] = gds
+    out["gds"] = {name: _probe(name, probe_dir, gpu, timeout) for name in ("nixl-gds", "nixl-gds-mt")}
     return out
+
+
+def _probe(engine: str, probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
+    """`engine`'s 1 MiB VRAM round trip, in a subprocess (`probe_gds`); not tried without a GPU."""
+    if not gpu:
+        return {"ok": False, "reason": "not probed: no CUDA GPU is visible"}
+    from .engines.gds_probe import probe_gds
+    p = probe_gds(probe_dir, engine, timeout=timeout)
+    return {"ok": p.ok, "compat_mode": p.compat_mode, "reason": p.reason}
 
 
 _ALT_ENGINES = {"kvikio": "kvikio", "cufile": "cufile"}  # engine name -> the module it needs
@@ -235,12 +236,8 @@ def _alt_engines(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
         if importlib.util.find_spec(module) is None:
             out[name] = {"installed": False, "ok": False,
                          "reason": f"not installed (pip install 'hicache-gds[{name}]')"}
-        elif not gpu:
-            out[name] = {"installed": True, "ok": False, "reason": "not probed: no CUDA GPU is visible"}
         else:
-            from .engines.gds_probe import probe_gds
-            p = probe_gds(probe_dir, name, timeout=timeout)
-            out[name] = {"installed": True, "ok": p.ok, "compat_mode": p.compat_mode, "reason": p.reason}
+            out[name] = {"installed": True, **_probe(name, probe_dir, gpu, timeout)}
     return out
 
 
