@@ -53,14 +53,14 @@ import threading
 import time
 from contextlib import contextmanager
 from itertools import repeat
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:
     from .owners import Membership
 
-__all__ = ["Entry", "Index", "INDEX_FILE", "SCHEMA", "select_entries"]
+__all__ = ["Entry", "Index", "INDEX_FILE", "SCHEMA", "remove_pages", "select_entries"]
 
 INDEX_FILE = "index.sqlite3"
 log = logging.getLogger("hicache_gds.index")
@@ -179,6 +179,30 @@ def _connect(path: str) -> sqlite3.Connection:
 
 def _slot_list(db: sqlite3.Connection, sql: str, *args: object) -> list[int]:
     return [int(s) for (s,) in db.execute(sql, args)]
+
+
+def _bump(db: sqlite3.Connection, atimes: int = 0) -> tuple[int, int]:
+    """A new change number, and the first of `atimes` new LRU clock values (inside a write
+    transaction)."""
+    db.execute("UPDATE clock SET seq = seq + 1, atime = atime + ?", (atimes,))
+    seq, atime = db.execute("SELECT seq, atime FROM clock").fetchone()
+    if seq % 256 == 0 and seq > _GONE_KEEP:
+        db.execute("DELETE FROM gone WHERE seq <= ?", (seq - _GONE_KEEP,))
+        db.execute("UPDATE clock SET trimmed = max(trimmed, ?)", (seq - _GONE_KEEP,))
+    return seq, atime - atimes
+
+
+def remove_pages(db: sqlite3.Connection, slots: Mapping[str, int]) -> None:
+    """Delete published pages (key -> its slot), inside a write transaction, the way every open
+    `Index` sees it: a change number and `gone` rows (each process's map drops the keys at its
+    next lookup); leased slots become doomed, the others free. Any writer of the database --
+    `Index` itself, or an operator's tool -- removes pages through this."""
+    seq, _ = _bump(db)
+    leased = set(_slot_list(db, "SELECT DISTINCT slot FROM leases"))
+    db.executemany("DELETE FROM pages WHERE key = ?", ((k,) for k in slots))
+    db.executemany("INSERT INTO gone VALUES (?, ?)", ((seq, k) for k in slots))
+    db.executemany("INSERT INTO doomed VALUES (?)", ((s,) for s in slots.values() if s in leased))
+    db.executemany("INSERT INTO free VALUES (?)", ((s,) for s in slots.values() if s not in leased))
 
 
 class Index:
@@ -627,15 +651,6 @@ class Index:
                     log.error("index %s: could not recover from damage: %s", self.db_path, exc2)
             raise OSError(f"index {self.db_path}: write failed: {exc}") from exc
 
-    def _bump(self, db: sqlite3.Connection, atimes: int = 0) -> tuple[int, int]:
-        """A new change number, and the first of `atimes` new LRU clock values."""
-        db.execute("UPDATE clock SET seq = seq + 1, atime = atime + ?", (atimes,))
-        seq, atime = db.execute("SELECT seq, atime FROM clock").fetchone()
-        if seq % 256 == 0 and seq > _GONE_KEEP:
-            db.execute("DELETE FROM gone WHERE seq <= ?", (seq - _GONE_KEEP,))
-            db.execute("UPDATE clock SET trimmed = max(trimmed, ?)", (seq - _GONE_KEEP,))
-        return seq, atime - atimes
-
     def _take_free(self, db: sqlite3.Connection, n: int) -> list[int]:
         out = _slot_list(db, "SELECT slot FROM free LIMIT ?", n)
         db.executemany("DELETE FROM free WHERE slot = ?", ((s,) for s in out))
@@ -646,15 +661,6 @@ class Index:
                 out.extend(range(top, top + new))
                 db.execute("UPDATE clock SET top = ?", (top + new,))
         return out
-
-    def _remove(self, db: sqlite3.Connection, found: dict[str, Entry]) -> None:
-        """Delete published pages: leased slots become doomed, the others free."""
-        seq, _ = self._bump(db)
-        leased = set(_slot_list(db, "SELECT DISTINCT slot FROM leases"))
-        db.executemany("DELETE FROM pages WHERE key = ?", ((k,) for k in found))
-        db.executemany("INSERT INTO gone VALUES (?, ?)", ((seq, k) for k in found))
-        db.executemany("INSERT INTO doomed VALUES (?)", ((e.slot,) for e in found.values() if e.slot in leased))
-        db.executemany("INSERT INTO free VALUES (?)", ((e.slot,) for e in found.values() if e.slot not in leased))
 
     def _drop_leases(self, db: sqlite3.Connection, slots: Sequence[int]) -> None:
         db.executemany("DELETE FROM leases WHERE slot = ? AND owner = ?", ((s, self.owner) for s in slots))
@@ -674,7 +680,7 @@ class Index:
             found = select_entries(db, keys)
             if found:
                 hit = list(dict.fromkeys(k for k in keys if k in found))
-                _, t = self._bump(db, len(hit))
+                _, t = _bump(db, len(hit))
                 db.executemany("UPDATE pages SET atime = ? WHERE key = ?", zip(range(t, t + len(hit)), hit))
                 new = {found[k].slot for k in hit if found[k].slot not in self._pins}
                 db.executemany("INSERT OR IGNORE INTO leases VALUES (?, ?)", ((s, self.owner) for s in new))
@@ -726,7 +732,7 @@ class Index:
                 victims = db.execute("SELECT key, slot, nbytes, csum FROM pages WHERE slot NOT IN "
                                      "(SELECT slot FROM leases) ORDER BY atime LIMIT ?", (n - len(out),)).fetchall()
                 if victims:
-                    seq, _ = self._bump(db)
+                    seq, _ = _bump(db)
                     db.executemany("DELETE FROM pages WHERE key = ?", ((k,) for k, *_ in victims))
                     db.executemany("INSERT INTO gone VALUES (?, ?)", ((seq, k) for k, *_ in victims))
                     out += [s for _, s, _, _ in victims]
@@ -782,7 +788,7 @@ class Index:
         def txn(db: sqlite3.Connection) -> list[bool]:
             mine = set(_slot_list(db, "SELECT slot FROM held WHERE owner = ?", self.owner))
             present = select_entries(db, [it[0] for it in items])
-            seq, t = self._bump(db, len(items))
+            seq, t = _bump(db, len(items))
             result, fresh, dup, seen, foreign = [], [], [], set(), 0
             for i, (key, slot, nbytes, csum) in enumerate(items):
                 if slot not in mine:
@@ -822,7 +828,7 @@ class Index:
             if only is not None:
                 found = {k: e for k, e in found.items() if only.get(k) == e.slot}
             if found:
-                self._remove(db, found)
+                remove_pages(db, {k: e.slot for k, e in found.items()})
             return len(found)
 
         with self._wlock:
@@ -833,7 +839,7 @@ class Index:
         Every process's map is read again at its next lookup."""
         def txn(db: sqlite3.Connection) -> int:
             (n,) = db.execute("SELECT count(*) FROM pages").fetchone()
-            seq, _ = self._bump(db)
+            seq, _ = _bump(db)
             db.execute("INSERT INTO doomed SELECT slot FROM pages WHERE slot IN (SELECT slot FROM leases)")
             db.execute("INSERT INTO free SELECT slot FROM pages WHERE slot NOT IN (SELECT slot FROM leases)")
             db.execute("DELETE FROM pages")

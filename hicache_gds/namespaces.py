@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .capacity import NAMESPACE_RE, SLAB_FILE
 from .errors import ConfigError
-from .index import INDEX_FILE
+from .index import INDEX_FILE, remove_pages
 from .index_reader import IndexReader
 from .owners import PROCS_DIR, holders
 
@@ -327,18 +327,22 @@ def verify(ns: Namespace, *, drop: bool = True, progress: Callable[[int, int], N
 
 
 def _drop_rows(db_path: str, rows: list[tuple[str, int, int]]) -> int:
-    """Delete exactly these (key, slot, csum) rows; a row the writer changed since is left alone."""
+    """Remove exactly these (key, slot, csum) pages, as `Index` removes pages (`remove_pages`: every
+    process that has the namespace open drops the keys, and the slots go back to the free list); a
+    row a writer changed since is left alone."""
     st = os.lstat(db_path)
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"GDS_PATH: {db_path} is not a plain file; not written through")
     db = sqlite3.connect(db_path, timeout=30, isolation_level=None)
     try:
         db.execute("BEGIN IMMEDIATE")
-        n = 0
-        for key, slot, csum in rows:
-            n += db.execute("DELETE FROM pages WHERE key = ? AND slot = ? AND csum = ?", (key, slot, csum)).rowcount
+        same = {key: slot for key, slot, csum in rows
+                if db.execute("SELECT 1 FROM pages WHERE key = ? AND slot = ? AND csum = ?",
+                              (key, slot, csum)).fetchone()}
+        if same:
+            remove_pages(db, same)
         db.execute("COMMIT")
-        return n
+        return len(same)
     finally:
         db.close()
 

@@ -163,6 +163,26 @@ def test_verify_finds_and_drops_damaged_pages_and_keeps_the_rest(gds_dir, capsys
     assert rc == 0 and out["reports"][0]["bad"] == [] and out["reports"][0]["checked"] == 21
 
 
+def test_verify_drops_pages_the_way_open_stores_see(gds_dir, capsys):
+    """verify's drops go through the index's own removal: a store that has the namespace open
+    stops listing the pages at its next lookup, and their slots return to the free list (no slot
+    left in no table)."""
+    from hicache_gds.testing.invariants import index_problems
+    keys = [f"o{i}" for i in range(12)]
+    st = _store(gds_dir, "verify-open", slots=16)
+    try:
+        _fill(st, keys, 6)
+        assert st.exists(keys) == [True] * 12
+        _corrupt(st, keys[3])
+        _corrupt(st, keys[8])
+        rc, out = _cli(capsys, "verify", "--path", gds_dir)
+        assert rc == 1 and out["reports"][0]["dropped"] == 2
+        assert st.exists(keys) == [k not in (keys[3], keys[8]) for k in keys]
+        assert index_problems(st.index) == []
+    finally:
+        st.close()
+
+
 def test_verify_no_drop_reports_only_and_names_keys_when_asked(gds_dir, capsys):
     st = _store(gds_dir, "nodrop")
     _fill(st, ["a", "b", "c"], 4)
