@@ -370,10 +370,10 @@ def _host_binding(kind, layout, gds_dir, page_size, layers, dtype):
     host = sglang_pools.make_host_pool(kind, layout, layers, 2, 128 if kind == "mha" else 576, page_size, dtype, 16,
                                        fill=True, seed=9)
     sc = SimpleNamespace(model_name=lh.server_args().served_model_name, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
-                         attn_cp_rank=0, attn_cp_size=1, is_mla_model=kind == "mla", dp_rank=0, dcp_size=1)
+                         attn_cp_rank=0, attn_cp_size=1, is_mla_model=kind == "mla", dcp_size=1)
     scheme = KeyScheme.from_storage_config(sc)
     geo = describe_pool(host, "kv")
-    store = PageStore(geo.page_bytes, namespace_identity(scheme, sc, "kv", geo.identity),
+    store = PageStore(geo.page_bytes, namespace_identity(scheme, "kv", geo.identity),
                       config=load_config({"gds_path": gds_dir, "capacity": "32M"}))
     return host, PoolBinding("kv", host, geo, store, scheme)
 

@@ -50,7 +50,7 @@ def test_identities_separate_ranks_except_mla_tp_and_dp_and_include_the_geometry
         if dp is not None:
             kw.update(dp_group(monkeypatch, dp))
         sc = storage_config(None, is_mla_model=mla, **kw)
-        return namespace_identity(KeyScheme.from_storage_config(sc), sc, pool, g or geo)
+        return namespace_identity(KeyScheme.from_storage_config(sc), pool, g or geo)
 
     assert ident(tp_rank=0, tp_size=2) != ident(tp_rank=1, tp_size=2)
     assert ident(True, tp_rank=0, tp_size=2) == ident(True, tp_rank=1, tp_size=2)  # MLA: one shared copy

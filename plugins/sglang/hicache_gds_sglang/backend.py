@@ -154,7 +154,7 @@ class HiCacheGDS(HiCacheStorage):
 
     def _bind(self, name: str, pool: Any) -> PoolBinding:
         geo = describe_pool(pool, name)
-        ident = namespace_identity(self.scheme, self.storage_config, name, geo.identity)
+        ident = namespace_identity(self.scheme, name, geo.identity)
         if self.is_mla and not self.is_writer and name != "mamba":
             store: Any = PageReader(geo.page_bytes, ident, config=self.config)
         elif self.config.remote_url:

@@ -85,13 +85,13 @@ class _Load:
 def _topology(server_args: Any, params: Any, rank_replicated: bool) -> SimpleNamespace:
     """Ranks and model name as SGLang's HiCache controller computes them (`_generate_storage_config`),
     so keys and namespaces match HiCacheGDS's."""
-    tp_rank, tp_size, dp_rank, dcp_size = 0, 1, 0, 1
+    tp_rank, tp_size, dcp_size = 0, 1, 1
     try:
         from sglang.srt.layers.dp_attention import is_dp_attention_enabled
         from sglang.srt.runtime_context import get_parallel
         par = get_parallel()
         if is_dp_attention_enabled():
-            tp_rank, tp_size, dp_rank = par.attn_tp_rank, par.attn_tp_size, par.attn_dp_rank
+            tp_rank, tp_size = par.attn_tp_rank, par.attn_tp_size
         else:
             tp_rank, tp_size = par.tp_rank, par.tp_size
         dcp_size = par.attn_dcp_size
@@ -104,7 +104,7 @@ def _topology(server_args: Any, params: Any, rank_replicated: bool) -> SimpleNam
         model = get_serving().served_model_name
     except Exception:  # noqa: BLE001
         model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
-    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, pp_rank=getattr(params, "pp_rank", 0),
+    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size, pp_rank=getattr(params, "pp_rank", 0),
                            pp_size=getattr(params, "pp_size", 1), attn_cp_rank=getattr(params, "attn_cp_rank", 0),
                            attn_cp_size=getattr(params, "attn_cp_size", 1), is_mla_model=rank_replicated,
                            model_name=model, dcp_size=dcp_size, dcp_rank=0, logical_page_size=None)
@@ -147,7 +147,7 @@ class GDSLinker(UnifiedCacheLinker):
         if topo.dcp_size > 1:
             raise ConfigError("GDSLinker does not serve decode context parallelism (dcp_size > 1)")
         self.scheme = KeyScheme.from_storage_config(topo)
-        ident = namespace_identity(self.scheme, topo, "kv", self.dev.geometry)
+        ident = namespace_identity(self.scheme, "kv", self.dev.geometry)
         if topo.is_mla_model and topo.tp_rank > 0:
             ident["replica"] = str(topo.tp_rank)
         page_bytes = self.dev.table.page_bytes

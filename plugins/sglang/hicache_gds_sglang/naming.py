@@ -100,7 +100,7 @@ class KeyScheme:
         return [f"{k}.{pool}{suffix}" for k in keys]
 
 
-def namespace_identity(scheme: KeyScheme, sc: Any, pool: str, geometry: Mapping[str, Any]) -> dict[str, str]:
+def namespace_identity(scheme: KeyScheme, pool: str, geometry: Mapping[str, Any]) -> dict[str, str]:
     """Identity of one pool's namespace on one rank (rank-replicated MLA pools: same on every TP rank).
 
     Shared by every process whose pages mean the same bytes: the DP rank is not in it, so DP

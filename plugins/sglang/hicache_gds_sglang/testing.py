@@ -21,11 +21,12 @@ import os
 import sys
 from typing import Any, Iterable, Sequence
 
+from .plugin import DYNAMIC_EXTRA_CONFIG
+
 __all__ = ["available", "why_unavailable", "storage_config", "make_pool", "attach", "host_indices", "page_bytes",
            "set_page", "sgl_key", "key", "kv_store", "open_client", "AdapterClient", "fault_cases", "injector_case",
            "POOL_SHAPES"]
 
-DYNAMIC = {"backend_name": "gds", "module_path": "hicache_gds_sglang", "class_name": "HiCacheGDS", "interface_v1": 1}
 
 # (kind, layout, layer_num, head_num, head_dim, page_size): page bytes 32 KiB / 32 KiB / 27 KiB.
 # layer_first MHA is the reordered zero-copy path; MLA page_first_direct one segment per page.
@@ -109,7 +110,7 @@ def attach(sc: Any, pool: Any, name: str = "dynamic") -> Any:
     """
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     if name == "dynamic":
-        sc.extra_config.update(DYNAMIC)
+        sc.extra_config.update(DYNAMIC_EXTRA_CONFIG)
     backend = StorageBackendFactory.create_backend(name, sc, pool)
     backend.register_mem_pool_host(pool)
     backend.register_mem_host_pool_v2(pool, "kv")
