@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from importlib import metadata
 from types import ModuleType
 from typing import Any
 
 from . import _nixl_variant
 from .errors import EngineUnavailable
 
-__all__ = ["nixl_api", "nixl_info", "new_agent", "nixl_version", "loadable_plugins", "INSTALL_HINT"]
+__all__ = ["nixl_api", "nixl_info", "new_agent", "loadable_plugins", "INSTALL_HINT"]
 
 INSTALL_HINT = ("pip install 'hicache-gds[cu13]' (CUDA 13) or 'hicache-gds[cu12]' (CUDA 12), "
                 "or NIXL's meta-package: pip install nixl")
@@ -36,10 +35,8 @@ def _dist_version(module: str) -> str:
     """'nixl-cu13 1.5.1' for module 'nixl_cu13._api' (the distribution that installed it)."""
     top = module.split(".")[0]
     dist = top.replace("_", "-")
-    try:
-        return f"{dist} {metadata.version(dist)}"
-    except metadata.PackageNotFoundError:
-        return f"{dist} (version unknown)"
+    v = _nixl_variant.version_of(dist)
+    return f"{dist} {v}" if v else f"{dist} (version unknown)"
 
 
 def nixl_api() -> ModuleType:
@@ -59,7 +56,7 @@ def nixl_api() -> ModuleType:
                 _api = api
                 break
             _info.clear()
-            _info.update(installed=list(facts.installed), meta_package=_meta_version(), torch_cuda=facts.cuda,
+            _info.update(installed=list(facts.installed), meta_package=_nixl_variant.version_of("nixl"), torch_cuda=facts.cuda,
                          chosen_by=choice.reason, errors=errors)
             if _api is None:
                 _info.update(module=None, variant=None, version=None)
@@ -70,13 +67,6 @@ def nixl_api() -> ModuleType:
             _info.update(module=top, variant=top[len("nixl_"):] if top.startswith("nixl_") else None,
                          version=_dist_version(real))
         return _api
-
-
-def _meta_version() -> str | None:
-    try:
-        return metadata.version("nixl")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def nixl_info() -> dict[str, Any]:
@@ -91,11 +81,6 @@ def nixl_info() -> dict[str, Any]:
     except EngineUnavailable as exc:
         return dict(_info, error=str(exc))
     return dict(_info)
-
-
-def nixl_version() -> str:
-    """'nixl-cu13 1.5.1' for the NIXL in use, 'not installed' when none imports."""
-    return nixl_info().get("version") or "not installed"
 
 
 def new_agent(role: str, backends: list[str] | None = None, **config: Any) -> Any:

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 
-__all__ = ["VARIANTS", "Facts", "Choice", "facts", "choose", "extra_for", "torch_cuda"]
+__all__ = ["VARIANTS", "Facts", "Choice", "facts", "choose", "extra_for", "torch_cuda", "version_of"]
 
 VARIANTS = ("cu12", "cu13")
 DEFAULT = "cu13"  # what the meta-package and our tests use when no CUDA build says otherwise
@@ -39,7 +39,8 @@ def _spec(name: str) -> bool:
         return False
 
 
-def _version(dist: str) -> str | None:
+def version_of(dist: str) -> str | None:
+    """The installed version of distribution `dist`, None when it is not installed."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:

@@ -215,15 +215,16 @@ def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
 
 
 def _probe(engine: str, probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
-    """`engine`'s 1 MiB VRAM round trip, in a subprocess (`probe_gds`); not tried without a GPU."""
+    """`engine`'s 1 MiB VRAM round trip, in a subprocess (`probe_gds`, once per engine and file
+    system: `choose_engine` reuses it); not tried without a GPU."""
     if not gpu:
         return {"ok": False, "reason": "not probed: no CUDA GPU is visible"}
-    from .engines.gds_probe import probe_gds
-    p = probe_gds(probe_dir, engine, timeout=timeout)
+    from .engines.select import probe_once
+    p = probe_once(probe_dir, engine, timeout=timeout)
     return {"ok": p.ok, "compat_mode": p.compat_mode, "reason": p.reason}
 
 
-_ALT_ENGINES = {"kvikio": "kvikio", "cufile": "cufile"}  # engine name -> the module it needs
+_ALT_ENGINES = ("kvikio", "cufile")  # each engine's name is the module it needs
 
 
 def _alt_engines(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
@@ -232,8 +233,8 @@ def _alt_engines(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
     import importlib.util
 
     out: dict[str, Any] = {}
-    for name, module in _ALT_ENGINES.items():
-        if importlib.util.find_spec(module) is None:
+    for name in _ALT_ENGINES:
+        if importlib.util.find_spec(name) is None:
             out[name] = {"installed": False, "ok": False,
                          "reason": f"not installed (pip install 'hicache-gds[{name}]')"}
         else:
@@ -337,10 +338,10 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
                 f"use a real disk")
         if d.get("udev_hint"):
             warnings.append(d["udev_hint"])
-    rep["capacity"] = _capacity(cfg, [d["path"] for d in rep["gds_path"] if d.get("writable")] if dirs else [])
+    usable = [d["path"] for d in rep["gds_path"] if d.get("writable")]
+    rep["capacity"] = _capacity(cfg, usable if dirs else [])
     if rep["capacity"].get("problem"):
         problems.append(rep["capacity"]["problem"])
-    usable = [d["path"] for d in rep["gds_path"] if d.get("writable")]
     probe_root = usable[0] if usable else tempfile.gettempdir()
     rep["nixl"] = _nixl(probe_root, gpu["visible"], probe_timeout)
     rep["gpu_file_engines"] = _alt_engines(probe_root, gpu["visible"], probe_timeout)

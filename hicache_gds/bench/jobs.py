@@ -42,9 +42,7 @@ def merge_measured(parts: list[Measured]) -> Measured:
     out.failed = sum((p.failed for p in parts), Counter())
     out.issued = sum(p.issued for p in parts)
     out.wall_ns = max(p.wall_ns for p in parts)
-    for k in ("usr_cpu", "sys_cpu"):
-        setattr(out, k, sum(getattr(p, k) for p in parts))
-    for k in ("ctx", "majf", "minf"):
+    for k in ("usr_cpu", "sys_cpu", "ctx", "majf", "minf"):
         setattr(out, k, sum(getattr(p, k) for p in parts))
     return out
 

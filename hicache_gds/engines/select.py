@@ -20,7 +20,7 @@ from . import create_engine, engine_class
 from .base import EngineOptions, MemKind, TransferEngine
 from .gds_probe import GDSProbe, probe_gds
 
-__all__ = ["Choice", "choose_engine"]
+__all__ = ["Choice", "choose_engine", "probe_once"]
 
 log = logging.getLogger("hicache_gds.engines")
 _GDS_ORDER = ("nixl-gds-mt", "nixl-gds")
@@ -89,7 +89,7 @@ def _named(cfg: Config, opts: EngineOptions, probe_dir: str, mem_kinds: frozense
         # libcufile can abort the whole process (seen: cufile-python as a process's first cuFile
         # user, "Assertion failure, file index :cufio-plat line :149"), and this process may be
         # the serving engine.
-        probe = _probe_once(probe_dir, cfg.engine)
+        probe = probe_once(probe_dir, cfg.engine)
         if not probe.ok:
             raise EngineUnavailable(f"{cfg.engine} failed its probe on {probe_dir} and is not loaded here: "
                                     f"{probe.reason}")
@@ -105,12 +105,13 @@ _probes: dict[tuple[str, int], GDSProbe] = {}
 _probes_lock = threading.Lock()
 
 
-def _probe_once(probe_dir: str, engine: str) -> GDSProbe:
-    """`probe_gds`, once per engine and file system in this process (a probe costs seconds)."""
+def probe_once(probe_dir: str, engine: str, timeout: float = 60.0) -> GDSProbe:
+    """`probe_gds`, once per engine and file system in this process (a probe costs seconds; the
+    doctor and `choose_engine` ask for the same ones)."""
     key = (engine, os.stat(probe_dir).st_dev)
     with _probes_lock:
         if key not in _probes:
-            _probes[key] = probe_gds(probe_dir, engine)
+            _probes[key] = probe_gds(probe_dir, engine, timeout=timeout)
         return _probes[key]
 
 
