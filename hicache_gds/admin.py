@@ -105,8 +105,9 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     from .namespaces import find, resolve, verify
     try:
         roots = _roots(args.path)
-        want = set(resolve(roots, args.namespaces)) if args.namespaces else None
-        targets = [n for n in find(roots) if want is None or n.name in want]
+        found = find(roots)
+        want = set(resolve(roots, args.namespaces, found)) if args.namespaces else None
+        targets = [n for n in found if want is None or n.name in want]
         reports = [verify(n, drop=not args.no_drop) for n in targets]
     except ConfigError as exc:
         return _fail("verify", exc)
@@ -144,15 +145,15 @@ def clear_main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if bool(args.namespaces) == bool(args.all):
         return _fail("clear", ConfigError("name the namespaces to remove, or give --all (not both)"))
-    from .namespaces import RemoveReport, find, open_by, remove, resolve
+    from .namespaces import RemoveReport, find, remove, resolve
     try:
         roots = _roots(args.path)
         found = {n.name: n for n in find(roots)}
-        names = sorted(found) if args.all else resolve(roots, args.namespaces)
+        names = sorted(found) if args.all else resolve(roots, args.namespaces, list(found.values()))
         if args.dry_run:
             reports = []
             for name in names:
-                held = sorted({p for d in found[name].dirs for p in open_by(d)})
+                held = found[name].open_by  # find's answer: the procs/ locks in its first directory
                 reports.append(RemoveReport(name, False, 0, found[name].allocated, held,
                                             "dry run" + (f"; open by pid {','.join(map(str, held))}" if held else "")))
         else:

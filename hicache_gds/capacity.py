@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import StoreFullError
+from .slabs import SlabSet
 
 __all__ = ["DirSpace", "Budget", "Sizing", "dir_space", "default_budget", "size_namespace", "held_by_namespaces",
            "NAMESPACE_RE", "SLAB_FILE", "gib"]
@@ -37,7 +38,7 @@ __all__ = ["DirSpace", "Budget", "Sizing", "dir_space", "default_budget", "size_
 log = logging.getLogger("hicache_gds.capacity")
 NAMESPACE_RE = re.compile(r"ns-[0-9a-f]{20}")
 """Directory names of namespaces (`layout.namespace_id`)."""
-SLAB_FILE = "slab.bin"
+SLAB_FILE = SlabSet.FILE_NAME
 
 
 def gib(n: float) -> str:

@@ -878,9 +878,6 @@ class Index:
                 log.warning("hicache-gds: %s", exc)
                 return 0
 
-    def flush(self) -> None:
-        """Nothing to write: LRU touches are committed with each read's lease (kept for callers)."""
-
     def stats(self) -> dict[str, int]:
         with self._rlock:
             if self._rdb is None:  # closed

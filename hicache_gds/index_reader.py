@@ -164,7 +164,7 @@ class IndexReader:
         return next((i for i, p in enumerate(present) if not p), len(keys))
 
     def keys(self) -> list[str]:
-        """Every key, least recently used first (as of the writer's last flush of its LRU clock)."""
+        """Every key, least recently used first (every read's touch is committed with its lease)."""
         return self._read(lambda db: [k for (k,) in db.execute("SELECT key FROM pages ORDER BY atime")], [])
 
     def __len__(self) -> int:

@@ -32,13 +32,12 @@ from .capacity import NAMESPACE_RE, SLAB_FILE
 from .errors import ConfigError
 from .index import INDEX_FILE, remove_pages
 from .index_reader import IndexReader
-from .owners import PROCS_DIR, holders
+from .owners import LOCK_FILE, PROCS_DIR, holders
+from .slabs import META_FILE
 
 __all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "RemoveReport", "open_by", "find", "resolve",
            "verify", "remove"]
 
-LOCK_FILE = "lock"
-META_FILE = "namespace.json"
 _LOOKUP_CHUNK = 4096
 
 
@@ -176,10 +175,12 @@ def find(roots: Sequence[str]) -> list[Namespace]:
     return sorted(out, key=lambda n: (n.last_use or 0.0, n.name))
 
 
-def resolve(roots: Sequence[str], names: Iterable[str]) -> list[str]:
+def resolve(roots: Sequence[str], names: Iterable[str], found: Sequence[Namespace] | None = None) -> list[str]:
     """Namespace names from what an operator typed: a full name, or a prefix of one (at least
-    ``ns-`` and 4 hex digits) that names exactly one namespace. `ConfigError` otherwise."""
-    have = sorted({n.name for n in find(roots)})
+    ``ns-`` and 4 hex digits) that names exactly one namespace. `ConfigError` otherwise.
+    `found`: `find(roots)`'s answer where the caller has it already (each `find` reads every
+    namespace's index)."""
+    have = sorted({n.name for n in (find(roots) if found is None else found)})
     out = []
     for typed in names:
         if not isinstance(typed, str) or not typed.startswith("ns-") or not all(

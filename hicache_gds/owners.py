@@ -31,9 +31,11 @@ from typing import Iterator
 
 from .errors import ConfigError, StoreLockedError
 
-__all__ = ["Membership", "holders", "setup_lock", "PROCS_DIR", "SETUP_WAIT_S"]
+__all__ = ["Membership", "holders", "setup_lock", "LOCK_FILE", "PROCS_DIR", "SETUP_WAIT_S"]
 
 log = logging.getLogger("hicache_gds.owners")
+LOCK_FILE = "lock"
+"""The namespace's file `setup_lock` locks while a store opens."""
 PROCS_DIR = "procs"
 SETUP_WAIT_S = 120.0
 """How long an open waits for another process's open of the same namespace before it fails."""
@@ -151,7 +153,7 @@ def holders(namespace_dir: str) -> list[int]:
 def setup_lock(namespace_dir: str, timeout: float = SETUP_WAIT_S) -> Iterator[None]:
     """Hold the namespace's ``lock`` file exclusively while a store opens (`StoreLockedError`
     after `timeout` s, naming the pid that holds it)."""
-    fd = os.open(os.path.join(namespace_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(os.path.join(namespace_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + timeout
         while True:

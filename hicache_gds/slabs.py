@@ -16,7 +16,10 @@ import numpy as np
 
 from .errors import ConfigError, StoreFullError
 
-__all__ = ["SlabSet", "prepare_root", "private_dir"]
+__all__ = ["META_FILE", "SlabSet", "prepare_root", "private_dir"]
+
+META_FILE = "namespace.json"
+"""In a namespace's first directory: its identity, slot size and directories (`PageStore` writes it)."""
 
 
 def prepare_root(path: str, writable: bool = True) -> str:

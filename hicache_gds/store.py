@@ -40,7 +40,7 @@ from .index import INDEX_FILE, Index
 from .layout import Pages, namespace_location
 from .memory import HostBuffer, align_up, view
 from .owners import Membership, setup_lock
-from .slabs import SlabSet, prepare_root, private_dir
+from .slabs import META_FILE, SlabSet, prepare_root, private_dir
 from .stats import StoreStats
 
 __all__ = ["PageStore", "MAX_KEY_BYTES"]
@@ -272,7 +272,7 @@ class PageStore:
 
     # -- open ------------------------------------------------------------------------------------
     def _write_meta(self) -> None:
-        path = os.path.join(self.dirs[0], "namespace.json")
+        path = os.path.join(self.dirs[0], META_FILE)
         tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:

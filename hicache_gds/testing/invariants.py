@@ -56,8 +56,7 @@ def index_problems(index: Any, *, at_rest: bool = True, check_db: bool = True) -
             for b in names[i + 1:]:
                 both = set(tables[a]) & set(tables[b])
                 if both:
-                    what = "handed to two keys" if a == b == "pages" else f"both {a} and {b}"
-                    problems.append(f"{len(both)} slot(s) {what} (e.g. {min(both)})")
+                    problems.append(f"{len(both)} slot(s) both {a} and {b} (e.g. {min(both)})")
     bad = [s for s in named if not 0 <= s < min(top, n)]
     if bad:
         problems.append(f"{len(bad)} slot(s) out of range 0..{min(top, n) - 1} (e.g. {bad[0]})")
