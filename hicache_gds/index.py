@@ -192,15 +192,22 @@ def _bump(db: sqlite3.Connection, atimes: int = 0) -> tuple[int, int]:
     return seq, atime - atimes
 
 
+def _unpublish(db: sqlite3.Connection, keys: Iterable[str]) -> None:
+    """Delete these pages' rows under a new change number, with `gone` rows: every process's map
+    drops the keys at its next lookup. Their slots are the caller's."""
+    keys = list(keys)
+    seq, _ = _bump(db)
+    db.executemany("DELETE FROM pages WHERE key = ?", ((k,) for k in keys))
+    db.executemany("INSERT INTO gone VALUES (?, ?)", ((seq, k) for k in keys))
+
+
 def remove_pages(db: sqlite3.Connection, slots: Mapping[str, int]) -> None:
     """Delete published pages (key -> its slot), inside a write transaction, the way every open
     `Index` sees it: a change number and `gone` rows (each process's map drops the keys at its
     next lookup); leased slots become doomed, the others free. Any writer of the database --
     `Index` itself, or an operator's tool -- removes pages through this."""
-    seq, _ = _bump(db)
+    _unpublish(db, slots)
     leased = set(_slot_list(db, "SELECT DISTINCT slot FROM leases"))
-    db.executemany("DELETE FROM pages WHERE key = ?", ((k,) for k in slots))
-    db.executemany("INSERT INTO gone VALUES (?, ?)", ((seq, k) for k in slots))
     db.executemany("INSERT INTO doomed VALUES (?)", ((s,) for s in slots.values() if s in leased))
     db.executemany("INSERT INTO free VALUES (?)", ((s,) for s in slots.values() if s not in leased))
 
@@ -732,9 +739,7 @@ class Index:
                 victims = db.execute("SELECT key, slot, nbytes, csum FROM pages WHERE slot NOT IN "
                                      "(SELECT slot FROM leases) ORDER BY atime LIMIT ?", (n - len(out),)).fetchall()
                 if victims:
-                    seq, _ = _bump(db)
-                    db.executemany("DELETE FROM pages WHERE key = ?", ((k,) for k, *_ in victims))
-                    db.executemany("INSERT INTO gone VALUES (?, ?)", ((seq, k) for k, *_ in victims))
+                    _unpublish(db, (k for k, *_ in victims))
                     out += [s for _, s, _, _ in victims]
                     self.evictions += len(victims)
             db.executemany("INSERT INTO held VALUES (?, ?, 0)", ((s, self.owner) for s in out))
@@ -856,16 +861,21 @@ class Index:
         owners = {o for (o,) in db.execute("SELECT DISTINCT owner FROM held UNION SELECT DISTINCT owner FROM leases")}
         alive = self.member.alive if self.member is not None else (lambda t: t == self.owner)
         dead = [o for o in owners if o != self.owner and not alive(o)]
-        freed = 0
-        for o in dead:
-            freed += db.execute("INSERT INTO free SELECT slot FROM held WHERE owner = ?", (o,)).rowcount
-            db.execute("DELETE FROM held WHERE owner = ?", (o,))
-            db.execute("DELETE FROM leases WHERE owner = ?", (o,))
+        freed = sum(self._return_owner(db, o) for o in dead)
         if dead:
             self._free_doomed(db)
             self.reclaimed += freed
             log.info("index %s: reclaimed %d reserved slot(s) and the leases of %d closed or dead process(es)",
                      self.db_path, freed, len(dead))
+        return freed
+
+    @staticmethod
+    def _return_owner(db: sqlite3.Connection, owner: str) -> int:
+        """Free `owner`'s reservations and drop its leases (in a write transaction; doomed slots are
+        the caller's `_free_doomed`); returns the slots freed."""
+        freed = db.execute("INSERT INTO free SELECT slot FROM held WHERE owner = ?", (owner,)).rowcount
+        db.execute("DELETE FROM held WHERE owner = ?", (owner,))
+        db.execute("DELETE FROM leases WHERE owner = ?", (owner,))
         return freed
 
     def reclaim(self) -> int:
@@ -909,9 +919,7 @@ class Index:
             db = self._wdb
             try:
                 def txn(db: sqlite3.Connection) -> None:
-                    db.execute("INSERT INTO free SELECT slot FROM held WHERE owner = ?", (self.owner,))
-                    db.execute("DELETE FROM held WHERE owner = ?", (self.owner,))
-                    db.execute("DELETE FROM leases WHERE owner = ?", (self.owner,))
+                    self._return_owner(db, self.owner)
                     self._free_doomed(db)
                 self._write(txn)
                 alone = self.member is None or not self.member.others()
