@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,12 +52,6 @@ def private_dir(parent: str, name: str) -> str:
     if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path
-
-
-@dataclass(frozen=True)
-class SlotPlace:
-    file_index: int
-    offset: int
 
 
 class SlabSet:

@@ -80,9 +80,6 @@ class NixlUcxEngine(NixlAgentEngine):
             except Exception:  # noqa: BLE001 -- already gone
                 pass
 
-    def peer_name(self, peer_id: int) -> str:
-        return self._peers.get(peer_id, f"peer {peer_id}")
-
     def open_file(self, path: str) -> int:
         raise TransferError(f"{self.name} moves memory to remote pools, not files; peers come from add_peer()")
 
