@@ -3,13 +3,16 @@
 Reports GPUs, the driver and the CUDA versions found (the driver's, torch's build), which NIXL
 build was imported (nixl-cu12 / nixl-cu13) and why, whether nvidia-fs is loaded, which cufile.json
 applies and its compat bounce pool, whether cuFile will run in compat mode on `GDS_PATH`'s file
-system, the NIXL plugins that load, whether kvikio and cufile-python are installed and pass
-the VRAM round trip, O_DIRECT, free space and how full each `GDS_PATH` file system
-is, the capacity a new namespace would get there, and the engine `auto` picks and why.
+system, the NIXL plugins that load, O_DIRECT, free space and how full each `GDS_PATH` file system
+is, the capacity a new namespace would get there (and which idle namespaces it would remove), the
+engine `auto` picks and why, and every registered engine -- built-in or from the entry-point
+group -- with its declared traits, whether it is installed and whether it works here.
 
-Nothing here touches cuFile in this process: GDS is probed only through
-`engines.gds_probe.probe_gds` (a subprocess with a timeout) and only when a GPU is visible,
-because cuFile hangs on machines without one.
+How an engine is checked follows from its traits (`engines.base.Traits`), never its name: one
+that uses cuFile gets a 1 MiB VRAM round trip in a subprocess (`engines.gds_probe.probe_gds`,
+with a timeout), only when a GPU is visible, because cuFile hangs on machines without one; one
+that needs a GPU is not built without one; one that moves pages to page servers is listed, not
+probed; any other gets a 1 MiB host-memory round trip on `GDS_PATH`, in this process.
 
 Exit status: 1 when a problem would stop the store from opening as configured (`ENABLE_GDS=1`
 cannot be honoured, the configured engine cannot run, a `GDS_PATH` directory is unusable, a bad
@@ -200,7 +203,7 @@ def _directory(path: str, gpu: bool, nvfs: bool) -> dict[str, Any]:
     return out
 
 
-def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
+def _nixl() -> dict[str, Any]:
     from ._nixl import loadable_plugins, nixl_info
     out: dict[str, Any] = nixl_info()
     out["version"] = out.get("version") or "not installed"
@@ -210,35 +213,99 @@ def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
             out["plugins"] = loadable_plugins()
         except Exception as exc:  # noqa: BLE001 -- NIXL broken
             out["error"] = f"{type(exc).__name__}: {exc}"
-    out["gds"] = {name: _probe(name, probe_dir, gpu, timeout) for name in ("nixl-gds", "nixl-gds-mt")}
     return out
 
 
-def _probe(engine: str, probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
-    """`engine`'s 1 MiB VRAM round trip, in a subprocess (`probe_gds`, once per engine and file
-    system: `choose_engine` reuses it); not tried without a GPU."""
-    if not gpu:
-        return {"ok": False, "reason": "not probed: no CUDA GPU is visible"}
-    from .engines.select import probe_once
-    p = probe_once(probe_dir, engine, timeout=timeout)
-    return {"ok": p.ok, "compat_mode": p.compat_mode, "reason": p.reason}
-
-
-_ALT_ENGINES = ("kvikio", "cufile")  # each engine's name is the module it needs
-
-
-def _alt_engines(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
-    """kvikio and cufile-python, the GPU-file engines beside NIXL: installed? does the 1 MiB VRAM
-    round trip pass (in a subprocess, as before the engine is ever loaded into a server)?"""
+def _installed(modules: Sequence[str]) -> bool:
+    """One of `modules` can be found (looked up, not imported: importing kvikio maps libcufile)."""
     import importlib.util
+    for m in modules:
+        try:
+            if importlib.util.find_spec(m) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return not modules
 
+
+def _host_round_trip(cls: Any, opts: Any, directory: str) -> tuple[bool, str]:
+    """Write 1 MiB of random host memory through a new `cls` engine into a file in `directory`,
+    read it back into a poisoned buffer and compare the bytes: (ok, what happened)."""
+    import numpy as np
+
+    from .engines.base import MemKind, Op
+    from .memory import HostBuffer
+    n = 1 << 20
+    fd, path = tempfile.mkstemp(prefix=".hicache-gds-doctor-", dir=directory)
+    os.ftruncate(fd, n)
+    os.close(fd)
+    src, dst = HostBuffer(n, pinned=False), HostBuffer(n, pinned=False)
+    try:
+        src.numpy()[:] = np.random.default_rng().integers(0, 256, n, dtype=np.uint8)
+        dst.numpy()[:] = 0xEE
+        eng = cls(opts)
+        try:
+            for b in (src, dst):
+                eng.register_memory(b.addr, n, MemKind.DRAM)
+            fid = eng.open_file(path)
+            try:
+                for op, b in ((Op.WRITE, src), (Op.READ, dst)):
+                    with eng.submit(op, MemKind.DRAM, np.array([[b.addr, n]], dtype=np.uint64),
+                                    np.array([[fid, 0]], dtype=np.uint64)) as t:
+                        t.wait(20.0)
+            finally:
+                eng.close_file(fid)
+            path_words = eng.capabilities.path
+        finally:
+            eng.close()
+        if not np.array_equal(src.numpy(), dst.numpy()):
+            return False, "1 MiB host-memory round trip: the bytes read back differ"
+        return True, f"1 MiB host-memory round trip byte-exact ({path_words})"
+    except Exception as exc:  # noqa: BLE001 -- any engine's failure is reported, not raised
+        return False, f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        src.close()
+        dst.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _engines(cfg: Any, probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
+    """Every registered engine: its declared traits, whether it is installed, whether it works here
+    (checked as its traits say: module docstring)."""
+    from .engines import EngineOptions, engine_class, engine_names, registry
+    from .engines.select import probe_once
+    from .errors import EngineUnavailable
+    opts = EngineOptions.from_config(cfg) if cfg is not None else EngineOptions()
     out: dict[str, Any] = {}
-    for name in _ALT_ENGINES:
-        if importlib.util.find_spec(name) is None:
-            out[name] = {"installed": False, "ok": False,
-                         "reason": f"not installed (pip install 'hicache-gds[{name}]')"}
+    for name in engine_names():
+        hint = registry.get(name, ("", ""))[1]
+        try:
+            cls = engine_class(name)
+        except (EngineUnavailable, TypeError) as exc:
+            out[name] = {"installed": False, "traits": None, "ok": False, "reason": str(exc)}
+            continue
+        t = cls.traits
+        entry: dict[str, Any] = {"installed": True, "traits": {
+            "mem_kinds": sorted(k.value for k in t.mem_kinds), "uses_cufile": t.uses_cufile,
+            "needs_gpu": t.needs_gpu, "remote": t.remote, "auto_rank": t.auto_rank, "requires": list(t.requires)},
+            "summary": t.describe()}
+        if not _installed(t.requires):
+            entry.update(installed=False, ok=False, reason="not installed" + (f" ({hint})" if hint else ""))
+        elif t.remote:
+            entry.update(ok=None, reason="not probed: it moves pages to page servers' memory (the remote tier, "
+                                         "`hicache-gds serve`), not to files")
+        elif (t.needs_gpu or t.uses_cufile) and not gpu:
+            entry.update(ok=False, reason="not probed: no CUDA GPU is visible")
+        elif t.uses_cufile:
+            p = probe_once(probe_dir, name, timeout=timeout)
+            entry.update(ok=p.ok, compat_mode=p.compat_mode, reason=p.reason)
         else:
-            out[name] = {"installed": True, **_probe(name, probe_dir, gpu, timeout)}
+            ok, why = _host_round_trip(cls, opts, probe_dir)
+            entry.update(ok=ok, reason=why)
+        out[name] = entry
     return out
 
 
@@ -343,8 +410,8 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
     if rep["capacity"].get("problem"):
         problems.append(rep["capacity"]["problem"])
     probe_root = usable[0] if usable else tempfile.gettempdir()
-    rep["nixl"] = _nixl(probe_root, gpu["visible"], probe_timeout)
-    rep["gpu_file_engines"] = _alt_engines(probe_root, gpu["visible"], probe_timeout)
+    rep["nixl"] = _nixl()
+    rep["engines"] = _engines(cfg, probe_root, gpu["visible"], probe_timeout)
     if rep["nixl"].get("error"):
         warnings.append(f"NIXL: {rep['nixl']['error']}")
     warnings.extend(_cuda_mismatch(rep["nixl"], gpu))
@@ -422,10 +489,10 @@ def render_text(rep: dict[str, Any]) -> str:
         out.append(f"NIXL         : not installed ({n.get('chosen_by', '?')}); the bounce engine serves instead")
     plugins = ", ".join(f"{k} ({', '.join(v) if v else 'does not load'})" for k, v in n["plugins"].items())
     out.append(f"  plugins    : {plugins or '(none)'}")
-    for name, p in n["gds"].items():
-        out.append(f"  {name:<11}: {'works' if p['ok'] else 'no'}: {p['reason']}")
-    for name, p in rep.get("gpu_file_engines", {}).items():
-        out.append(f"{name:<13}: {'works' if p['ok'] else 'no'}: {p['reason']}")
+    out.append("engines      : every registered engine (its traits; how it fared here)")
+    for name, e in rep["engines"].items():
+        verdict = "" if e["ok"] is None else "works: " if e["ok"] else "no: "
+        out.append(f"  {name:<11}: {verdict}{e['reason']}" + (f" [{e['summary']}]" if e.get("summary") else ""))
     cfg = rep["config"]
     if cfg:
         out.append(f"settings     : ENABLE_GDS={cfg['enable_gds']}, engine={cfg['engine']}"

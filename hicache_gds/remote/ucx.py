@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 
-from ..engines.base import Capabilities, EngineOptions, MemKind, Op, Transfer
-from ..engines.nixl_agent import NixlAgentEngine, NixlTransfer
+from ..engines.base import Capabilities, EngineOptions, MemKind, Op, Traits, Transfer
+from ..engines.nixl_agent import NIXL_MODULES, NixlAgentEngine, NixlTransfer
 from ..errors import PeerDisconnected, TransferError
 
 __all__ = ["NixlUcxEngine", "PeerDisconnected", "ucx_path"]
@@ -40,6 +40,7 @@ class NixlUcxEngine(NixlAgentEngine):
     """NIXL UCX backend; DRAM (and VRAM where UCX was built with CUDA) to remote DRAM pools."""
 
     name = "nixl-ucx"
+    traits = Traits(mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), remote=True, requires=NIXL_MODULES)
     plugin = "UCX"
 
     def __init__(self, options: EngineOptions | None = None) -> None:
