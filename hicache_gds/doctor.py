@@ -319,7 +319,8 @@ def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
         "configured": cfg.capacity or None, "capacity_fraction": cfg.capacity_fraction, "max_fill": cfg.max_fill,
         "default_per_namespace": b.total, "default_how": b.how,
         "dirs": [{"path": s.root, "fill": round(s.fill, 4), "available": s.available, "total": s.total,
-                  "hicache_namespaces": s.namespaces, "hicache_held": s.held} for s in b.dirs]}
+                  "hicache_namespaces": s.namespaces, "hicache_held": s.held, "hicache_idle_namespaces":
+                  s.idle_namespaces, "hicache_idle": s.idle, "open_by": list(s.open_by)} for s in b.dirs]}
     if not cfg.capacity and b.per_dir < 4096:
         out["problem"] = str(b.no_room(cfg.max_fill))
     return out
@@ -474,7 +475,10 @@ def render_text(rep: dict[str, Any]) -> str:
     if cap:
         for d in cap["dirs"]:
             out.append(f"  space      : {d['path']}: {d['fill']:.0%} full; {d['hicache_namespaces']} hicache-gds "
-                       f"namespace(s) hold {_gib(d['hicache_held'])} (`hicache-gds ls`)")
+                       f"namespace(s) hold {_gib(d['hicache_held'])}"
+                       + (f", {d['hicache_idle_namespaces']} of them idle ({_gib(d['hicache_idle'])}: removed, least "
+                          f"recently used first, when a new namespace needs room)" if d["hicache_idle_namespaces"]
+                          else "") + " (`hicache-gds ls`)")
         out.append("capacity     : " + (f"{_gib(cap['configured'])} per namespace (configured)" if cap["configured"]
                                         else f"a new namespace would get {_gib(cap['default_per_namespace'])} "
                                              f"({cap['default_how']})"))

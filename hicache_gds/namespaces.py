@@ -1,11 +1,13 @@
 """Namespaces on disk, for operators: find them, check every page's checksum, remove them.
 
-Works on the files alone, next to a live writer: nothing here opens a `PageStore`, loads an
-engine or takes a namespace's lock. What each namespace is comes from its ``namespace.json``
-(identity, slot size, directories), its page count from its index read through `IndexReader`
-(which writes nothing, not even SQLite's -wal/-shm files), and who has it open from `open_by`.
+Works on the files alone, next to a live writer: nothing here opens a `PageStore` or loads an
+engine. What each namespace is comes from its ``namespace.json`` (identity, slot size,
+directories), its page count from its index read through `IndexReader` (which writes nothing, not
+even SQLite's -wal/-shm files), who has it open from `open_by`, and since when it is idle from its
+recorded use (`owners.read_use`) and its index's last write.
 
-* `find(roots)`: every namespace under the `GDS_PATH` directories `roots`;
+* `find(roots)`: every namespace under the `GDS_PATH` directories `roots`; `scan(roots)` the same
+  without reading the indexes (no page counts), for sizing and eviction;
 * `verify(ns)`: read every page's slot and compare its xxh3 checksum with the index; a page that
   fails twice with its index row unchanged around both reads is bad, and its exact row
   (key, slot, checksum) is deleted -- safe while a writer works: a page the writer replaced or
@@ -13,7 +15,9 @@ engine or takes a namespace's lock. What each namespace is comes from its ``name
   failing its checksum at its next read and drops it as well;
 * `remove(roots, name)`: delete a namespace's files, refusing an open one unless forced; every
   step goes through directory file descriptors opened without following links, so nothing
-  outside `GDS_PATH` is ever removed or followed.
+  outside `GDS_PATH` is ever removed or followed. It holds the namespace's setup lock while it
+  removes (`owners.setup_lock_if_free`), so no store opens the namespace meanwhile, and one that
+  is opening it makes it refuse.
 """
 
 from __future__ import annotations
@@ -28,16 +32,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from .capacity import NAMESPACE_RE, SLAB_FILE
 from .errors import ConfigError
 from .index import INDEX_FILE, remove_pages
 from .index_reader import IndexReader
-from .owners import LOCK_FILE, PROCS_DIR, holders
-from .slabs import META_FILE
+from .layout import NAMESPACE_RE
+from .owners import LOCK_FILE, PROCS_DIR, procs_state, read_use, setup_lock_if_free
+from .slabs import META_FILE, SlabSet
 
-__all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "RemoveReport", "open_by", "find", "resolve",
-           "verify", "remove"]
+__all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "RemoveReport", "open_by", "find", "scan",
+           "resolve", "verify", "remove"]
 
+SLAB_FILE = SlabSet.FILE_NAME
 _LOOKUP_CHUNK = 4096
 
 
@@ -49,10 +54,14 @@ def open_by(ns_dir: str) -> list[int]:
     Told by the kernel: every open store holds a lock on its own file in the namespace's
     ``procs/`` (`owners.holders`), dropped however the process ends; nothing is locked or written
     to find out."""
+    return sorted(set(_procs(ns_dir)[0]))
+
+
+def _procs(ns_dir: str) -> tuple[list[int], int]:
     try:
-        return sorted(set(holders(ns_dir)))
+        return procs_state(ns_dir)
     except ConfigError:
-        return []
+        return [], 0
 
 
 # -- finding namespaces ----------------------------------------------------------------------------
@@ -74,16 +83,39 @@ class Namespace:
     slots: int = 0
     allocated: int = 0
     """Bytes its files take on disk."""
+    dir_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes its files take in each of its directories."""
+    opened: float | None = None
+    """When a store last opened it (recorded at open), seconds since the epoch."""
+    closed: float | None = None
+    """When a store last closed it (recorded at close; none for a store killed with SIGKILL)."""
     last_use: float | None = None
-    """Last open or write (newest mtime of its lock, index and index log), seconds since the epoch."""
+    """Its last use: the newest of its recorded open and close and its index's last write."""
     open_by: list[int] = field(default_factory=list)
+    idle_since: float | None = None
+    """None while a process has it open; else `last_use`: since then nothing has used it."""
+    ended: str = ""
+    """How its last use ended, while idle: "closed", or "without closing" (its last process was
+    killed or crashed: the last write of its index says when)."""
     problems: list[str] = field(default_factory=list)
+    whole: bool = True
+    """All the directories its namespace.json records are there (False: moved, or a `GDS_PATH`
+    entry missing: it is listed, but never evicted)."""
+
+    @property
+    def idle(self) -> bool:
+        return not self.open_by
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["last_use_iso"] = (time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.last_use))
-                             if self.last_use else None)
+        for k in ("last_use", "idle_since", "opened", "closed"):
+            d[f"{k}_iso"] = _iso(getattr(self, k))
+        d["idle"] = self.idle
         return d
+
+
+def _iso(t: float | None) -> str | None:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t)) if t else None
 
 
 def _real_dir(parent: str, name: str) -> bool:
@@ -102,7 +134,7 @@ def _roots(roots: Sequence[str]) -> list[str]:
     return out
 
 
-def _describe(name: str, roots: list[str]) -> Namespace:
+def _describe(name: str, roots: list[str], pages: bool = True) -> Namespace:
     ns = Namespace(name, [os.path.join(r, name) for r in roots if _real_dir(r, name)])
     meta = None
     for d in ns.dirs:
@@ -125,15 +157,18 @@ def _describe(name: str, roots: list[str]) -> Namespace:
         if recorded and all(_real_dir(os.path.dirname(d), name) for d in recorded):
             ns.dirs = recorded
         else:
+            ns.whole = False
             ns.problems.append(f"its directories ({', '.join(recorded) or '?'}) are not all there: moved, or "
                                f"a GDS_PATH entry is missing")
     elif meta is None:
         ns.problems.append(f"no {META_FILE} (not opened by this version, or being created)")
+    lock_mtime = 0.0
     for d in ns.dirs:
         try:
             entries = os.listdir(d)
         except OSError:
             continue
+        held = 0
         for f in entries:
             try:
                 st = os.lstat(os.path.join(d, f))
@@ -141,15 +176,30 @@ def _describe(name: str, roots: list[str]) -> Namespace:
                 continue
             if not stat.S_ISREG(st.st_mode):
                 continue
-            ns.allocated += st.st_blocks * 512
+            held += st.st_blocks * 512
             if f == SLAB_FILE:
                 ns.capacity += st.st_size
                 if ns.slot_bytes:
                     ns.slots += st.st_size // ns.slot_bytes
-            if f in (LOCK_FILE, INDEX_FILE, INDEX_FILE + "-wal"):
+            if f in (INDEX_FILE, INDEX_FILE + "-wal"):  # every put, delete and lease commits to it
                 ns.last_use = max(ns.last_use or 0.0, st.st_mtime)
+            elif f == LOCK_FILE:  # written at every open: the open time where use.json is missing
+                lock_mtime = max(lock_mtime, st.st_mtime)
+        ns.dir_bytes[d] = held
+        ns.allocated += held
     if ns.dirs:
-        ns.open_by = open_by(ns.dirs[0])
+        pids, dead = _procs(ns.dirs[0])
+        ns.open_by = sorted(set(pids))
+        use = read_use(ns.dirs[0])
+        ns.opened, ns.closed = use.opened, use.closed
+        ns.last_use = max(ns.last_use or 0.0, use.opened or lock_mtime, use.closed or 0.0) or None
+        if not ns.open_by:
+            ns.idle_since = ns.last_use
+            if dead or (use.opened and (use.closed or 0.0) < use.opened):
+                ns.ended = "without closing"
+            elif use.closed:
+                ns.ended = "closed"
+    if ns.dirs and pages:
         try:
             reader = IndexReader(os.path.join(ns.dirs[0], INDEX_FILE))
             try:
@@ -164,14 +214,24 @@ def _describe(name: str, roots: list[str]) -> Namespace:
 
 def find(roots: Sequence[str]) -> list[Namespace]:
     """Every namespace under the `GDS_PATH` directories `roots` (oldest use first)."""
+    return _find(roots, pages=True)
+
+
+def scan(roots: Sequence[str], exclude: str = "") -> list[Namespace]:
+    """`find` without reading the indexes (`pages` stays 0) and without namespace `exclude`: what
+    sizing and eviction need, at the cost of a few system calls per namespace."""
+    return _find(roots, pages=False, exclude=exclude)
+
+
+def _find(roots: Sequence[str], pages: bool, exclude: str = "") -> list[Namespace]:
     rs = _roots(roots)
     names: set[str] = set()
     for r in rs:
         try:
-            names.update(n for n in os.listdir(r) if NAMESPACE_RE.fullmatch(n) and _real_dir(r, n))
+            names.update(n for n in os.listdir(r) if NAMESPACE_RE.fullmatch(n) and n != exclude and _real_dir(r, n))
         except OSError as exc:
             raise ConfigError(f"GDS_PATH: {r} cannot be listed: {exc.strerror}") from exc
-    out = [_describe(n, rs) for n in sorted(names)]
+    out = [_describe(n, rs, pages) for n in sorted(names)]
     return sorted(out, key=lambda n: (n.last_use or 0.0, n.name))
 
 
@@ -416,27 +476,46 @@ def _remove_dir(root: str, name: str) -> tuple[int, int, str] | None:
                 os.unlink(f, dir_fd=nsfd)  # a link is removed itself; its target is never touched
         finally:
             os.close(nsfd)
-        os.rmdir(name, dir_fd=rootfd)
-        return len(entries) + len(procs or ()), sum(b for _, b in entries), ""
+        done = len(entries) + len(procs or ()), sum(b for _, b in entries)
+        try:
+            os.rmdir(name, dir_fd=rootfd)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            return *done, (f"{os.path.join(root, name)}: its files were removed, but a process created new ones "
+                           f"meanwhile; left in place")
+        return *done, ""
     finally:
         os.close(rootfd)
 
 
 def remove(roots: Sequence[str], name: str, *, force: bool = False) -> RemoveReport:
-    """Delete namespace `name` (its directory in every `GDS_PATH` entry). An open namespace is
-    refused unless `force`: its writer keeps writing into deleted files, whose space returns only
-    when it exits."""
+    """Delete namespace `name` (its directory in every `GDS_PATH` entry). An open namespace, or one
+    a store is opening, is refused unless `force`: its writer keeps writing into deleted files,
+    whose space returns only when it exits."""
     if not NAMESPACE_RE.fullmatch(name):
         raise ConfigError(f"{name!r} is not a namespace name")
     rs = _roots(roots)
     rep = RemoveReport(name)
     dirs = [os.path.join(r, name) for r in rs if _real_dir(r, name)]
-    for d in dirs:
-        rep.open_by = sorted(set(rep.open_by) | set(open_by(d)))
-    if rep.open_by and not force:
-        rep.reason = (f"open by pid {', '.join(map(str, rep.open_by))}; stop it first, or use --force (the "
-                      f"writer then writes into deleted files until it exits)")
-        return rep
+    if not dirs:  # none, or only links and files under its name: each refused by name below
+        return _remove_dirs(rs, name, rep)
+    # The setup lock lives in the namespace's first directory: the one holding namespace.json.
+    first = next((d for d in dirs if os.path.lexists(os.path.join(d, META_FILE))), dirs[0])
+    with setup_lock_if_free(first) as held:
+        for d in dirs:
+            rep.open_by = sorted(set(rep.open_by) | set(open_by(d)))
+        if not held and not force:
+            rep.reason = "a store is opening it now; try again once it is open (and closed)"
+            return rep
+        if rep.open_by and not force:
+            rep.reason = (f"open by pid {', '.join(map(str, rep.open_by))}; stop it first, or use --force (the "
+                          f"writer then writes into deleted files until it exits)")
+            return rep
+        return _remove_dirs(rs, name, rep)
+
+
+def _remove_dirs(rs: list[str], name: str, rep: RemoveReport) -> RemoveReport:
     refusals, found = [], 0
     for r in rs:
         done = _remove_dir(r, name)

@@ -13,7 +13,16 @@ reading -- with that token. The kernel drops the lock when the process dies, how
 
 Opening a namespace (creating, sizing, recovering it) is serialised by `setup_lock`, an exclusive
 `flock` on the namespace's ``lock`` file held only while a store opens: the first opener of a
-namespace nobody else has open recovers it; later ones join it as it is.
+namespace nobody else has open recovers it; later ones join it as it is. Removing a namespace
+(`hicache-gds clear`, or eviction to make room for a new one) holds the same lock
+(`setup_lock_if_free`), so nothing opens a namespace while it is being removed; an opener that
+waited on the lock of a namespace removed meanwhile creates its directories again and starts it
+empty.
+
+When it was last used: every open store records its open and, at `close`, its close in the
+namespace's ``use.json`` (`record_use`, `read_use`). A store killed with SIGKILL records no close:
+its ``procs/`` file stays behind with its lock free (`procs_state` counts it), and its last work
+is the newest write of the namespace's index (`namespaces` reads that).
 
 `holders(namespace_dir)` lists the pids that have a namespace open, for operators' tools.
 """
@@ -21,22 +30,28 @@ namespace nobody else has open recovers it; later ones join it as it is.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import secrets
 import stat
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 from .errors import ConfigError, StoreLockedError
+from .slabs import private_dir
 
-__all__ = ["Membership", "holders", "setup_lock", "LOCK_FILE", "PROCS_DIR", "SETUP_WAIT_S"]
+__all__ = ["Membership", "Use", "holders", "procs_state", "setup_lock", "setup_lock_if_free", "record_use",
+           "read_use", "LOCK_FILE", "PROCS_DIR", "USE_FILE", "SETUP_WAIT_S"]
 
 log = logging.getLogger("hicache_gds.owners")
 LOCK_FILE = "lock"
 """The namespace's file `setup_lock` locks while a store opens."""
 PROCS_DIR = "procs"
+USE_FILE = "use.json"
+"""In a namespace's first directory: when a store last opened it and when one last closed it."""
 SETUP_WAIT_S = 120.0
 """How long an open waits for another process's open of the same namespace before it fails."""
 
@@ -91,6 +106,8 @@ class Membership:
             os.unlink(self.path)
             raise
         self._fd = fd
+        self.namespace_dir = namespace_dir
+        record_use(namespace_dir, opened=time.time())
 
     def alive(self, token: str) -> bool:
         """Does the store that holds `token` still have the namespace open? (Our own token: yes.)
@@ -119,7 +136,8 @@ class Membership:
 
     def close(self) -> None:
         if self._fd >= 0:
-            try:
+            record_use(self.namespace_dir, closed=time.time())  # before the lock goes: a kill -9 between
+            try:                                                 # leaves a dead procs/ file, not a lie
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
@@ -127,47 +145,171 @@ class Membership:
             self._fd = -1
 
 
-def holders(namespace_dir: str) -> list[int]:
-    """Pids of the processes that have the namespace at `namespace_dir` open (a `PageStore` each;
-    a pid appears once per store it holds), without changing anything. [] when none or no such
-    namespace; `ConfigError` for a symbolic link where its ``procs`` directory should be."""
+def procs_state(namespace_dir: str) -> tuple[list[int], int]:
+    """(pids of the stores that have the namespace open, how many stores ended without closing --
+    killed, or crashed -- and left their ``procs/`` file), without changing anything."""
     try:
         d = _procs_dir(namespace_dir, create=False)
     except FileNotFoundError:
-        return []
-    pids = []
+        return [], 0
+    pids, dead = [], 0
     for name in sorted(os.listdir(d)):
         if not _token_ok(name):
             continue
         path = os.path.join(d, name)
-        if _try_lock(path) is False:
+        free = _try_lock(path)
+        if free is False:
             try:
                 with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW | os.O_CLOEXEC)) as fh:
                     pids.append(int(fh.read(32).decode() or 0))
             except (OSError, ValueError):
                 pids.append(0)
-    return sorted(pids)
+        elif free:
+            dead += 1
+    return sorted(pids), dead
+
+
+def holders(namespace_dir: str) -> list[int]:
+    """Pids of the processes that have the namespace at `namespace_dir` open (a `PageStore` each;
+    a pid appears once per store it holds), without changing anything. [] when none or no such
+    namespace; `ConfigError` for a symbolic link where its ``procs`` directory should be."""
+    return procs_state(namespace_dir)[0]
+
+
+@dataclass(frozen=True)
+class Use:
+    """A namespace's recorded use (`USE_FILE`): seconds since the epoch, None where never recorded."""
+
+    opened: float | None = None
+    """The newest open by any store."""
+    closed: float | None = None
+    """The newest close by any store (a store killed with SIGKILL records none)."""
+
+
+def read_use(namespace_dir: str) -> Use:
+    """The namespace's recorded use; `Use()` when there is no record or it cannot be read."""
+    try:
+        fd = os.open(os.path.join(namespace_dir, USE_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return Use()
+    try:
+        d = json.loads(os.read(fd, 4096) or b"{}")
+    except ValueError:
+        return Use()
+    finally:
+        os.close(fd)
+    if not isinstance(d, dict):
+        return Use()
+
+    def t(k: str) -> float | None:
+        v = d.get(k)
+        return float(v) if isinstance(v, (int, float)) and v > 0 else None
+    return Use(t("opened"), t("closed"))
+
+
+def record_use(namespace_dir: str, *, opened: float | None = None, closed: float | None = None) -> None:
+    """Record an open or a close in the namespace's ``use.json`` (newest of each kept).
+
+    Written to a new file and renamed over the old, so a reader sees the old record or the new one
+    whenever the writer dies (SIGKILL included: the kernel keeps what was written); not fsynced, so a
+    machine crash may lose the last update, which only changes which idle namespace goes first.
+    Concurrent updates may lose one another's time the same way. Never raises: a store opens and
+    closes whether or not its use can be recorded (a full or read-only disk)."""
+    cur = read_use(namespace_dir)
+    rec = {"opened": max(filter(None, (cur.opened, opened)), default=None),
+           "closed": max(filter(None, (cur.closed, closed)), default=None)}
+    path = os.path.join(namespace_dir, USE_FILE)
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(rec).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.debug("hicache-gds: cannot record the use of %s: %s", namespace_dir, exc)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def _linked(fd: int, path: str) -> bool:
+    """`fd` is the file at `path` (not one unlinked since it was opened)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 @contextmanager
-def setup_lock(namespace_dir: str, timeout: float = SETUP_WAIT_S) -> Iterator[None]:
-    """Hold the namespace's ``lock`` file exclusively while a store opens (`StoreLockedError`
-    after `timeout` s, naming the pid that holds it)."""
-    fd = os.open(os.path.join(namespace_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def setup_lock(dirs: str | Sequence[str], timeout: float = SETUP_WAIT_S) -> Iterator[None]:
+    """Hold the namespace's ``lock`` file (in its first directory) exclusively while a store opens
+    (`StoreLockedError` after `timeout` s, naming the pid that holds it).
+
+    `dirs`: the namespace's directory, or all of them (one per `GDS_PATH` entry). A namespace
+    removed while this waited (`hicache-gds clear`, eviction) has its directories created again,
+    empty, and is locked afresh."""
+    dirs = [dirs] if isinstance(dirs, str) else list(dirs)
+    path = os.path.join(dirs[0], LOCK_FILE)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # its directory was removed
+            _recreate(dirs)
+            continue
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+                        raise StoreLockedError(f"namespace {dirs[0]} has been opening in pid "
+                                               f"{holder} for over {timeout:.0f} s; nothing was opened") from None
+                    time.sleep(0.01)
+            if not _linked(fd, path):  # removed while we waited: lock what is there now
+                os.close(fd)
+                fd = -1
+                _recreate(dirs)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield
+            return
+        finally:
+            if fd >= 0:
+                os.close(fd)  # releases the lock
+
+
+def _recreate(dirs: Sequence[str]) -> None:
+    for d in dirs:
+        private_dir(os.path.dirname(d), os.path.basename(d))
+
+
+@contextmanager
+def setup_lock_if_free(namespace_dir: str) -> Iterator[bool]:
+    """Hold the namespace's setup lock if no store is opening it now: yields True while held,
+    False (holding nothing) when a store is opening it. Also True, holding nothing, where no
+    store could open it: `namespace_dir` is gone, or a symbolic link stands where the lock file
+    should be (`setup_lock` refuses to follow it)."""
+    path = os.path.join(namespace_dir, LOCK_FILE)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-                    raise StoreLockedError(f"namespace {namespace_dir} has been opening in pid "
-                                           f"{holder} for over {timeout:.0f} s; nothing was opened") from None
-                time.sleep(0.01)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield _linked(fd, path)
     finally:
-        os.close(fd)  # releases the lock
+        os.close(fd)
