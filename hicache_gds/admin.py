@@ -85,7 +85,8 @@ def ls_main(argv: Sequence[str] | None = None) -> int:
         return 0
     rows = [("NAMESPACE", "PAGES", "BYTES", "CAPACITY", "ON DISK", "LAST USE", "IDLE SINCE", "OPEN BY", "IDENTITY")]
     for n in found:
-        idle = "-" if n.open_by else _ago(n.idle_since) + (f" ({_ENDED[n.ended]})" if n.ended else "")
+        idle = "-" if n.open_by else (_ago(n.idle_since) if n.idle_since else "no recorded use") + (
+            f" ({_ENDED[n.ended]})" if n.ended else "")
         rows.append((n.name, str(n.pages), gib(n.bytes) if n.pages else "0", gib(n.capacity), gib(n.allocated),
                      _ago(n.last_use), idle, ",".join(map(str, n.open_by)) or "-", _who(n)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]

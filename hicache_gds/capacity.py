@@ -39,12 +39,14 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .errors import StoreFullError, StoreLockedError
+from .layout import NAMESPACE_RE
 from .namespaces import Namespace, remove, scan
 from .owners import SETUP_WAIT_S
 from .slabs import SlabSet
@@ -119,8 +121,46 @@ def evictable(roots: Sequence[str], found: Sequence[Namespace]) -> list[Namespac
     return sorted(out, key=lambda n: (n.last_use or 0.0, n.name))
 
 
-def _spaces(roots: Sequence[str], exclude: str = "") -> tuple[list[DirSpace], list[Namespace]]:
-    """Each directory's `DirSpace`, and the namespaces found there (`namespaces.scan`)."""
+def _held(root: str, exclude: str) -> tuple[int, int]:
+    """(bytes allocated, namespace count) of the namespaces directly under `root` but `exclude`
+    (regular files only; links, and directories not shaped like a namespace, are not counted):
+    what the default rule needs when idle namespaces need not be told apart."""
+    total = count = 0
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0, 0
+    for name in names:
+        if name == exclude or not NAMESPACE_RE.fullmatch(name):
+            continue
+        d = os.path.join(root, name)
+        try:
+            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                continue
+            files = os.listdir(d)
+        except OSError:
+            continue
+        count += 1
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(d, f))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_blocks * 512  # allocated: a sparse (not preallocated) slab holds little
+    return total, count
+
+
+def _spaces(roots: Sequence[str], exclude: str = "", detail: bool = True) -> tuple[list[DirSpace], list[Namespace]]:
+    """Each directory's `DirSpace`, and the namespaces found there (`namespaces.scan`); without
+    `detail`, idle namespaces are not told apart (`DirSpace.idle` 0) and none are returned, at the
+    cost of a listing per namespace."""
+    if not detail:
+        out = []
+        for r in roots:
+            total, avail = _fs(r)
+            out.append(DirSpace(r, total, avail, *_held(r, exclude)))
+        return out, []
     found = scan(roots, exclude)
     ev = {n.name for n in evictable(roots, found)}
     out = []
@@ -135,9 +175,9 @@ def _spaces(roots: Sequence[str], exclude: str = "") -> tuple[list[DirSpace], li
     return out, found
 
 
-def dir_space(root: str, exclude: str = "") -> DirSpace:
+def dir_space(root: str, exclude: str = "", detail: bool = True) -> DirSpace:
     """`root`'s file system and the hicache-gds namespaces in it (all but `exclude`)."""
-    return _spaces([root], exclude)[0][0]
+    return _spaces([root], exclude, detail)[0][0]
 
 
 @dataclass(frozen=True)
@@ -147,6 +187,8 @@ class Budget:
     per_dir: int
     dirs: tuple[DirSpace, ...]
     how: str
+    capped: bool = False
+    """Less than `capacity_fraction` asks for, to stay below `max_fill`."""
 
     @property
     def total(self) -> int:
@@ -168,14 +210,17 @@ class Budget:
 
 
 def default_budget(roots: Sequence[str], fraction: float, max_fill: float, *, exclude: str = "",
-                   own: Sequence[int] = (), evict: bool = True) -> Budget:
+                   own: Sequence[int] = (), evict: bool = True, detail: bool = False) -> Budget:
     """The default rule (3 in the module docstring) over the `GDS_PATH` directories `roots`.
 
     `exclude`: the namespace being sized (its own files are not "held by others"); `own`: bytes
     its files already take in each directory; `evict`: count idle namespaces' bytes as room (what
-    opening a new namespace makes of them)."""
-    spaces = tuple(_spaces(roots, exclude)[0])
-    return _budget(spaces, fraction, max_fill, own, evict)
+    opening a new namespace makes of them). Idle namespaces are told apart only where the room
+    without them falls short, or with `detail` (the `DirSpace` fields then say who holds what)."""
+    b = _budget(tuple(_spaces(roots, exclude, detail)[0]), fraction, max_fill, own, evict and detail)
+    if detail or not evict or not b.capped:
+        return b
+    return _budget(tuple(_spaces(roots, exclude)[0]), fraction, max_fill, own, evict)
 
 
 def _budget(spaces: tuple[DirSpace, ...], fraction: float, max_fill: float, own: Sequence[int],
@@ -194,7 +239,7 @@ def _budget(spaces: tuple[DirSpace, ...], fraction: float, max_fill: float, own:
            + (f"; room made by removing idle namespaces, least recently used first ({s.idle_namespaces} hold "
               f"{gib(s.idle)} here)" if takes_idle else "")
            + (f"; the same in each of {len(spaces)} directories" if len(spaces) > 1 else ""))
-    return Budget(per_dir, spaces, how)
+    return Budget(per_dir, spaces, how, capped)
 
 
 @dataclass(frozen=True)
@@ -266,7 +311,7 @@ def size_namespace(cfg, dirs: Sequence[str], slot_bytes: int) -> Sizing:  # noqa
             nslots = max(0, room) // slot_bytes * nd
             if nslots < nd:
                 raise default_budget(roots, cfg.capacity_fraction, cfg.max_fill, exclude=name, own=own,
-                                     evict=False).no_room(cfg.max_fill)
+                                     evict=False, detail=True).no_room(cfg.max_fill)
             how += f"; cut to {gib(nslots * slot_bytes)}: idle namespaces it counted on were opened meanwhile"
         SlabSet(list(dirs), slot_bytes, nslots, cfg.preallocate, create=True)
     return Sizing(nslots, slot_bytes, how)

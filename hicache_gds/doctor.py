@@ -314,7 +314,7 @@ def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
     from .capacity import default_budget
     if cfg is None or not roots:
         return {}
-    b = default_budget(roots, cfg.capacity_fraction, cfg.max_fill)
+    b = default_budget(roots, cfg.capacity_fraction, cfg.max_fill, detail=True)
     out: dict[str, Any] = {
         "configured": cfg.capacity or None, "capacity_fraction": cfg.capacity_fraction, "max_fill": cfg.max_fill,
         "default_per_namespace": b.total, "default_how": b.how,

@@ -162,7 +162,6 @@ def _describe(name: str, roots: list[str], pages: bool = True) -> Namespace:
                                f"a GDS_PATH entry is missing")
     elif meta is None:
         ns.problems.append(f"no {META_FILE} (not opened by this version, or being created)")
-    lock_mtime = 0.0
     for d in ns.dirs:
         try:
             entries = os.listdir(d)
@@ -183,8 +182,6 @@ def _describe(name: str, roots: list[str], pages: bool = True) -> Namespace:
                     ns.slots += st.st_size // ns.slot_bytes
             if f in (INDEX_FILE, INDEX_FILE + "-wal"):  # every put, delete and lease commits to it
                 ns.last_use = max(ns.last_use or 0.0, st.st_mtime)
-            elif f == LOCK_FILE:  # written at every open: the open time where use.json is missing
-                lock_mtime = max(lock_mtime, st.st_mtime)
         ns.dir_bytes[d] = held
         ns.allocated += held
     if ns.dirs:
@@ -192,7 +189,7 @@ def _describe(name: str, roots: list[str], pages: bool = True) -> Namespace:
         ns.open_by = sorted(set(pids))
         use = read_use(ns.dirs[0])
         ns.opened, ns.closed = use.opened, use.closed
-        ns.last_use = max(ns.last_use or 0.0, use.opened or lock_mtime, use.closed or 0.0) or None
+        ns.last_use = max(ns.last_use or 0.0, use.opened or 0.0, use.closed or 0.0) or None
         if not ns.open_by:
             ns.idle_since = ns.last_use
             if dead or (use.opened and (use.closed or 0.0) < use.opened):

@@ -19,10 +19,12 @@ namespace nobody else has open recovers it; later ones join it as it is. Removin
 waited on the lock of a namespace removed meanwhile creates its directories again and starts it
 empty.
 
-When it was last used: every open store records its open and, at `close`, its close in the
-namespace's ``use.json`` (`record_use`, `read_use`). A store killed with SIGKILL records no close:
-its ``procs/`` file stays behind with its lock free (`procs_state` counts it), and its last work
-is the newest write of the namespace's index (`namespaces` reads that).
+When it was last used (`read_use`): every open writes the opener's pid into the ``lock`` file, so
+its mtime is the last open; every `close` sets the mtime of the ``closed`` file (`record_close`).
+Both are file metadata, kept by the kernel whenever the process dies; a machine crash may lose the
+last second or so of them, which only changes which idle namespace goes first. A store killed with
+SIGKILL records no close: its ``procs/`` file stays behind with its lock free (`procs_state` counts
+it), and its last work is the newest write of the namespace's index (`namespaces` reads that).
 
 `holders(namespace_dir)` lists the pids that have a namespace open, for operators' tools.
 """
@@ -30,7 +32,6 @@ is the newest write of the namespace's index (`namespaces` reads that).
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import secrets
@@ -43,15 +44,15 @@ from typing import Iterator, Sequence
 from .errors import ConfigError, StoreLockedError
 from .slabs import private_dir
 
-__all__ = ["Membership", "Use", "holders", "procs_state", "setup_lock", "setup_lock_if_free", "record_use",
-           "read_use", "LOCK_FILE", "PROCS_DIR", "USE_FILE", "SETUP_WAIT_S"]
+__all__ = ["Membership", "Use", "holders", "procs_state", "setup_lock", "setup_lock_if_free", "record_close",
+           "read_use", "LOCK_FILE", "PROCS_DIR", "CLOSED_FILE", "SETUP_WAIT_S"]
 
 log = logging.getLogger("hicache_gds.owners")
 LOCK_FILE = "lock"
 """The namespace's file `setup_lock` locks while a store opens."""
 PROCS_DIR = "procs"
-USE_FILE = "use.json"
-"""In a namespace's first directory: when a store last opened it and when one last closed it."""
+CLOSED_FILE = "closed"
+"""In a namespace's first directory: its mtime is when a store last closed the namespace."""
 SETUP_WAIT_S = 120.0
 """How long an open waits for another process's open of the same namespace before it fails."""
 
@@ -107,7 +108,6 @@ class Membership:
             raise
         self._fd = fd
         self.namespace_dir = namespace_dir
-        record_use(namespace_dir, opened=time.time())
 
     def alive(self, token: str) -> bool:
         """Does the store that holds `token` still have the namespace open? (Our own token: yes.)
@@ -136,8 +136,8 @@ class Membership:
 
     def close(self) -> None:
         if self._fd >= 0:
-            record_use(self.namespace_dir, closed=time.time())  # before the lock goes: a kill -9 between
-            try:                                                 # leaves a dead procs/ file, not a lie
+            record_close(self.namespace_dir)  # before the lock goes: a kill -9 between leaves a dead
+            try:                              # procs/ file, not a close that never finished
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
@@ -178,61 +178,40 @@ def holders(namespace_dir: str) -> list[int]:
 
 @dataclass(frozen=True)
 class Use:
-    """A namespace's recorded use (`USE_FILE`): seconds since the epoch, None where never recorded."""
+    """A namespace's recorded use, in seconds since the epoch (None where never recorded)."""
 
     opened: float | None = None
-    """The newest open by any store."""
+    """The newest open by any store: the ``lock`` file's mtime (`setup_lock` writes the opener's
+    pid into it at every open)."""
     closed: float | None = None
-    """The newest close by any store (a store killed with SIGKILL records none)."""
+    """The newest close by any store: the ``closed`` file's mtime (`record_close`); a store
+    killed with SIGKILL records none."""
 
 
 def read_use(namespace_dir: str) -> Use:
-    """The namespace's recorded use; `Use()` when there is no record or it cannot be read."""
-    try:
-        fd = os.open(os.path.join(namespace_dir, USE_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return Use()
-    try:
-        d = json.loads(os.read(fd, 4096) or b"{}")
-    except ValueError:
-        return Use()
-    finally:
-        os.close(fd)
-    if not isinstance(d, dict):
-        return Use()
-
-    def t(k: str) -> float | None:
-        v = d.get(k)
-        return float(v) if isinstance(v, (int, float)) and v > 0 else None
-    return Use(t("opened"), t("closed"))
-
-
-def record_use(namespace_dir: str, *, opened: float | None = None, closed: float | None = None) -> None:
-    """Record an open or a close in the namespace's ``use.json`` (newest of each kept).
-
-    Written to a new file and renamed over the old, so a reader sees the old record or the new one
-    whenever the writer dies (SIGKILL included: the kernel keeps what was written); not fsynced, so a
-    machine crash may lose the last update, which only changes which idle namespace goes first.
-    Concurrent updates may lose one another's time the same way. Never raises: a store opens and
-    closes whether or not its use can be recorded (a full or read-only disk)."""
-    cur = read_use(namespace_dir)
-    rec = {"opened": max(filter(None, (cur.opened, opened)), default=None),
-           "closed": max(filter(None, (cur.closed, closed)), default=None)}
-    path = os.path.join(namespace_dir, USE_FILE)
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """The namespace's recorded use (`Use`), read from two files' metadata; nothing is opened."""
+    out = []
+    for name in (LOCK_FILE, CLOSED_FILE):
         try:
-            os.write(fd, json.dumps(rec).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.debug("hicache-gds: cannot record the use of %s: %s", namespace_dir, exc)
-        try:
-            os.unlink(tmp)
+            st = os.lstat(os.path.join(namespace_dir, name))
+            out.append(st.st_mtime if stat.S_ISREG(st.st_mode) else None)
         except OSError:
-            pass
+            out.append(None)
+    return Use(*out)
+
+
+def record_close(namespace_dir: str) -> None:
+    """Record a store's close: the ``closed`` file's mtime becomes now (one system call; the file
+    is created at a namespace's first close). A link planted there is never followed (its own
+    time is set). Never raises: a store closes whether or not its close can be recorded."""
+    path = os.path.join(namespace_dir, CLOSED_FILE)
+    try:
+        try:
+            os.utime(path, follow_symlinks=False)
+        except FileNotFoundError:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except OSError as exc:
+        log.debug("hicache-gds: cannot record the close of %s: %s", namespace_dir, exc)
 
 
 def _linked(fd: int, path: str) -> bool:
