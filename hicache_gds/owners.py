@@ -21,8 +21,9 @@ empty.
 
 When it was last used (`read_use`): every open writes the opener's pid into the ``lock`` file, so
 its mtime is the last open; every `close` sets the mtime of the ``closed`` file (`record_close`).
-Both are file metadata, kept by the kernel whenever the process dies; a machine crash may lose the
-last second or so of them, which only changes which idle namespace goes first. A store killed with
+Both are file metadata, kept by the kernel however the process dies; a machine crash may lose the
+last few seconds of them (the file system's journal commit), which only changes which idle
+namespace goes first. A store killed with
 SIGKILL records no close: its ``procs/`` file stays behind with its lock free (`procs_state` counts
 it), and its last work is the newest write of the namespace's index (`namespaces` reads that).
 
