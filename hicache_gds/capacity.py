@@ -48,7 +48,7 @@ from typing import Iterator, Sequence
 from .errors import StoreFullError, StoreLockedError
 from .layout import NAMESPACE_RE
 from .namespaces import Namespace, remove, scan
-from .owners import SETUP_WAIT_S
+from .owners import CLOSED_FILE, SETUP_WAIT_S
 from .slabs import SlabSet
 
 __all__ = ["DirSpace", "Budget", "Sizing", "dir_space", "default_budget", "size_namespace", "budget_lock",
@@ -142,6 +142,8 @@ def _held(root: str, exclude: str) -> tuple[int, int]:
             continue
         count += 1
         for f in files:
+            if f == CLOSED_FILE:  # an empty marker (its mtime is the use record): nothing to count
+                continue
             try:
                 st = os.lstat(os.path.join(d, f))
             except OSError:

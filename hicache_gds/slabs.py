@@ -86,7 +86,8 @@ class SlabSet:
                 os.fchmod(fd, 0o600)
             if st.st_size != size:
                 os.ftruncate(fd, size)
-            if preallocate and size:
+            # Allocated already (by an earlier open, or by its sizing): no walk over its blocks again.
+            if preallocate and size and not (st.st_size == size and st.st_blocks * 512 >= size):
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:
