@@ -154,7 +154,8 @@ def clear_main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if bool(args.namespaces) == bool(args.all):
         return _fail("clear", ConfigError("name the namespaces to remove, or give --all (not both)"))
-    from .namespaces import RemoveReport, find, remove, resolve
+    from .namespaces import find, resolve
+    from .removal import RemoveReport, remove
     try:
         roots = _roots(args.path)
         found = {n.name: n for n in find(roots)}

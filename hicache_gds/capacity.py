@@ -15,7 +15,7 @@ A namespace's slots are chosen, first rule that applies:
 **One budget per node.** The namespaces under a `GDS_PATH` directory share it. A new namespace
 (no slab files yet, however sized) that would take a file system past ``max_fill`` first makes
 room: the *idle* namespaces there -- no process has them open (`owners`) -- are removed whole,
-least recently used first, with the removal ``hicache-gds clear`` uses (`namespaces.remove`), each
+least recently used first, with the removal ``hicache-gds clear`` uses (`removal.remove`), each
 logged at INFO with what, since when idle, and why. So namespaces opened one after another each
 get their default size while the disk stays at most ``max_fill`` full, and `StoreFullError` comes
 only when namespaces that are open hold the space. The default rule counts idle namespaces' bytes
@@ -47,7 +47,8 @@ from typing import Iterator, Sequence
 
 from .errors import StoreFullError, StoreLockedError
 from .layout import NAMESPACE_RE
-from .namespaces import Namespace, remove, scan
+from .namespaces import Namespace, scan
+from .removal import remove
 from .owners import CLOSED_FILE, SETUP_WAIT_S
 from .slabs import SlabSet
 

@@ -216,99 +216,6 @@ def _nixl() -> dict[str, Any]:
     return out
 
 
-def _installed(modules: Sequence[str]) -> bool:
-    """One of `modules` can be found (looked up, not imported: importing kvikio maps libcufile)."""
-    import importlib.util
-    for m in modules:
-        try:
-            if importlib.util.find_spec(m) is not None:
-                return True
-        except (ImportError, ValueError):
-            continue
-    return not modules
-
-
-def _host_round_trip(cls: Any, opts: Any, directory: str) -> tuple[bool, str]:
-    """Write 1 MiB of random host memory through a new `cls` engine into a file in `directory`,
-    read it back into a poisoned buffer and compare the bytes: (ok, what happened)."""
-    import numpy as np
-
-    from .engines.base import MemKind, Op
-    from .memory import HostBuffer
-    n = 1 << 20
-    fd, path = tempfile.mkstemp(prefix=".hicache-gds-doctor-", dir=directory)
-    os.ftruncate(fd, n)
-    os.close(fd)
-    src, dst = HostBuffer(n, pinned=False), HostBuffer(n, pinned=False)
-    try:
-        src.numpy()[:] = np.random.default_rng().integers(0, 256, n, dtype=np.uint8)
-        dst.numpy()[:] = 0xEE
-        eng = cls(opts)
-        try:
-            for b in (src, dst):
-                eng.register_memory(b.addr, n, MemKind.DRAM)
-            fid = eng.open_file(path)
-            try:
-                for op, b in ((Op.WRITE, src), (Op.READ, dst)):
-                    with eng.submit(op, MemKind.DRAM, np.array([[b.addr, n]], dtype=np.uint64),
-                                    np.array([[fid, 0]], dtype=np.uint64)) as t:
-                        t.wait(20.0)
-            finally:
-                eng.close_file(fid)
-            path_words = eng.capabilities.path
-        finally:
-            eng.close()
-        if not np.array_equal(src.numpy(), dst.numpy()):
-            return False, "1 MiB host-memory round trip: the bytes read back differ"
-        return True, f"1 MiB host-memory round trip byte-exact ({path_words})"
-    except Exception as exc:  # noqa: BLE001 -- any engine's failure is reported, not raised
-        return False, f"{type(exc).__name__}: {exc}"[:300]
-    finally:
-        src.close()
-        dst.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def _engines(cfg: Any, probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
-    """Every registered engine: its declared traits, whether it is installed, whether it works here
-    (checked as its traits say: module docstring)."""
-    from .engines import EngineOptions, engine_class, engine_names, registry
-    from .engines.select import probe_once
-    from .errors import EngineUnavailable
-    opts = EngineOptions.from_config(cfg) if cfg is not None else EngineOptions()
-    out: dict[str, Any] = {}
-    for name in engine_names():
-        hint = registry.get(name, ("", ""))[1]
-        try:
-            cls = engine_class(name)
-        except (EngineUnavailable, TypeError) as exc:
-            out[name] = {"installed": False, "traits": None, "ok": False, "reason": str(exc)}
-            continue
-        t = cls.traits
-        entry: dict[str, Any] = {"installed": True, "traits": {
-            "mem_kinds": sorted(k.value for k in t.mem_kinds), "uses_cufile": t.uses_cufile,
-            "needs_gpu": t.needs_gpu, "remote": t.remote, "auto_rank": t.auto_rank, "requires": list(t.requires)},
-            "summary": t.describe()}
-        if not _installed(t.requires):
-            entry.update(installed=False, ok=False, reason="not installed" + (f" ({hint})" if hint else ""))
-        elif t.remote:
-            entry.update(ok=None, reason="not probed: it moves pages to page servers' memory (the remote tier, "
-                                         "`hicache-gds serve`), not to files")
-        elif (t.needs_gpu or t.uses_cufile) and not gpu:
-            entry.update(ok=False, reason="not probed: no CUDA GPU is visible")
-        elif t.uses_cufile:
-            p = probe_once(probe_dir, name, timeout=timeout)
-            entry.update(ok=p.ok, compat_mode=p.compat_mode, reason=p.reason)
-        else:
-            ok, why = _host_round_trip(cls, opts, probe_dir)
-            entry.update(ok=ok, reason=why)
-        out[name] = entry
-    return out
-
-
 def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
     """The capacity a new namespace would get on `roots`, and what the file systems look like."""
     from .capacity import default_budget
@@ -412,7 +319,8 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
         problems.append(rep["capacity"]["problem"])
     probe_root = usable[0] if usable else tempfile.gettempdir()
     rep["nixl"] = _nixl()
-    rep["engines"] = _engines(cfg, probe_root, gpu["visible"], probe_timeout)
+    from .engines.diagnose import check_engines
+    rep["engines"] = check_engines(cfg, probe_root, gpu["visible"], probe_timeout)
     if rep["nixl"].get("error"):
         warnings.append(f"NIXL: {rep['nixl']['error']}")
     warnings.extend(_cuda_mismatch(rep["nixl"], gpu))

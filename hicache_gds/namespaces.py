@@ -12,12 +12,9 @@ recorded use (`owners.read_use`) and its index's last write.
   fails twice with its index row unchanged around both reads is bad, and its exact row
   (key, slot, checksum) is deleted -- safe while a writer works: a page the writer replaced or
   evicted meanwhile is never reported, and a live writer that still lists a dropped page finds it
-  failing its checksum at its next read and drops it as well;
-* `remove(roots, name)`: delete a namespace's files, refusing an open one unless forced; every
-  step goes through directory file descriptors opened without following links, so nothing
-  outside `GDS_PATH` is ever removed or followed. It holds the namespace's setup lock while it
-  removes (`owners.setup_lock_if_free`), so no store opens the namespace meanwhile, and one that
-  is opening it makes it refuse.
+  failing its checksum at its next read and drops it as well.
+
+Removing a namespace is `removal.remove`.
 """
 
 from __future__ import annotations
@@ -36,11 +33,11 @@ from .errors import ConfigError
 from .index import INDEX_FILE, remove_pages
 from .index_reader import IndexReader
 from .layout import NAMESPACE_RE
-from .owners import LOCK_FILE, PROCS_DIR, procs_state, read_use, setup_lock_if_free
+from .owners import LOCK_FILE, procs_state, read_use
 from .slabs import META_FILE, SlabSet
 
-__all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "RemoveReport", "open_by", "find", "scan",
-           "resolve", "verify", "remove"]
+__all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "open_by", "find", "scan", "resolve", "verify",
+           "real_roots", "is_real_dir"]
 
 SLAB_FILE = SlabSet.FILE_NAME
 _LOOKUP_CHUNK = 4096
@@ -118,14 +115,16 @@ def _iso(t: float | None) -> str | None:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t)) if t else None
 
 
-def _real_dir(parent: str, name: str) -> bool:
+def is_real_dir(parent: str, name: str) -> bool:
+    """`parent`/`name` is a directory itself (not a link to one)."""
     try:
         return stat.S_ISDIR(os.lstat(os.path.join(parent, name)).st_mode)
     except OSError:
         return False
 
 
-def _roots(roots: Sequence[str]) -> list[str]:
+def real_roots(roots: Sequence[str]) -> list[str]:
+    """The `GDS_PATH` directories `roots` as real paths; `ConfigError` for one that is not a directory."""
     out = []
     for r in roots:
         if not os.path.isdir(r):
@@ -135,7 +134,7 @@ def _roots(roots: Sequence[str]) -> list[str]:
 
 
 def _describe(name: str, roots: list[str], pages: bool = True) -> Namespace:
-    ns = Namespace(name, [os.path.join(r, name) for r in roots if _real_dir(r, name)])
+    ns = Namespace(name, [os.path.join(r, name) for r in roots if is_real_dir(r, name)])
     meta = None
     for d in ns.dirs:
         try:
@@ -154,7 +153,7 @@ def _describe(name: str, roots: list[str], pages: bool = True) -> Namespace:
         ns.page_bytes = int(ns.identity.get("page_bytes") or 0)
         # The writer's directory order places slots (slot s lives in directory s % n): use it.
         recorded = [d for d in meta.get("dirs") or [] if isinstance(d, str) and os.path.basename(d) == name]
-        if recorded and all(_real_dir(os.path.dirname(d), name) for d in recorded):
+        if recorded and all(is_real_dir(os.path.dirname(d), name) for d in recorded):
             ns.dirs = recorded
         else:
             ns.whole = False
@@ -221,11 +220,11 @@ def scan(roots: Sequence[str], exclude: str = "") -> list[Namespace]:
 
 
 def _find(roots: Sequence[str], pages: bool, exclude: str = "") -> list[Namespace]:
-    rs = _roots(roots)
+    rs = real_roots(roots)
     names: set[str] = set()
     for r in rs:
         try:
-            names.update(n for n in os.listdir(r) if NAMESPACE_RE.fullmatch(n) and n != exclude and _real_dir(r, n))
+            names.update(n for n in os.listdir(r) if NAMESPACE_RE.fullmatch(n) and n != exclude and is_real_dir(r, n))
         except OSError as exc:
             raise ConfigError(f"GDS_PATH: {r} cannot be listed: {exc.strerror}") from exc
     out = [_describe(n, rs, pages) for n in sorted(names)]
@@ -246,7 +245,7 @@ def resolve(roots: Sequence[str], names: Iterable[str], found: Sequence[Namespac
                               f"shows; a unique prefix of at least ns-xxxx will do)")
         hits = [n for n in have if n == typed] or [n for n in have if n.startswith(typed)]
         if not hits:
-            raise ConfigError(f"no namespace {typed} under {', '.join(_roots(roots))}")
+            raise ConfigError(f"no namespace {typed} under {', '.join(real_roots(roots))}")
         if len(hits) > 1:
             raise ConfigError(f"{typed} names {len(hits)} namespaces ({', '.join(hits)}); give more digits")
         out.append(hits[0])
@@ -403,127 +402,3 @@ def _drop_rows(db_path: str, rows: list[tuple[str, int, int]]) -> int:
         return len(same)
     finally:
         db.close()
-
-
-# -- remove --------------------------------------------------------------------------------------------
-
-@dataclass
-class RemoveReport:
-    namespace: str
-    removed: bool = False
-    files: int = 0
-    freed: int = 0
-    """Bytes the removed files took on disk (returned to the file system once no process holds them)."""
-    open_by: list[int] = field(default_factory=list)
-    reason: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _listing(dirfd: int, name: str) -> list[str] | None:
-    """Names in directory `name` (opened without following links) when none of them is a
-    directory; else None."""
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
-    try:
-        names = os.listdir(fd)
-        if any(stat.S_ISDIR(os.lstat(f, dir_fd=fd).st_mode) for f in names):
-            return None
-        return names
-    finally:
-        os.close(fd)
-
-
-def _remove_dir(root: str, name: str) -> tuple[int, int, str] | None:
-    """Remove `root`/`name` and the files in it, through descriptors: (files, bytes, refusal), or
-    None when there is no such entry."""
-    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        try:
-            nsfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rootfd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                return 0, 0, f"{os.path.join(root, name)} is a symbolic link or not a directory; left alone"
-            raise
-        try:
-            entries, procs = [], None
-            for f in os.listdir(nsfd):
-                st = os.lstat(f, dir_fd=nsfd)
-                if stat.S_ISDIR(st.st_mode):
-                    if f != PROCS_DIR:
-                        return 0, 0, (f"{os.path.join(root, name)} holds a directory ({f}), which no namespace "
-                                      f"has; left alone")
-                    procs = _listing(nsfd, f)
-                    if procs is None:
-                        return 0, 0, (f"{os.path.join(root, name, f)} holds a directory, which no namespace has; "
-                                      f"left alone")
-                    continue
-                entries.append((f, st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0))
-            if procs is not None:  # the open stores' lock files (`owners`): removed first, then the directory
-                pfd = os.open(PROCS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=nsfd)
-                try:
-                    for f in procs:
-                        os.unlink(f, dir_fd=pfd)
-                finally:
-                    os.close(pfd)
-                os.rmdir(PROCS_DIR, dir_fd=nsfd)
-            for f, _ in entries:
-                os.unlink(f, dir_fd=nsfd)  # a link is removed itself; its target is never touched
-        finally:
-            os.close(nsfd)
-        done = len(entries) + len(procs or ()), sum(b for _, b in entries)
-        try:
-            os.rmdir(name, dir_fd=rootfd)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            return *done, (f"{os.path.join(root, name)}: its files were removed, but a process created new ones "
-                           f"meanwhile; left in place")
-        return *done, ""
-    finally:
-        os.close(rootfd)
-
-
-def remove(roots: Sequence[str], name: str, *, force: bool = False) -> RemoveReport:
-    """Delete namespace `name` (its directory in every `GDS_PATH` entry). An open namespace, or one
-    a store is opening, is refused unless `force`: its writer keeps writing into deleted files,
-    whose space returns only when it exits."""
-    if not NAMESPACE_RE.fullmatch(name):
-        raise ConfigError(f"{name!r} is not a namespace name")
-    rs = _roots(roots)
-    rep = RemoveReport(name)
-    dirs = [os.path.join(r, name) for r in rs if _real_dir(r, name)]
-    if not dirs:  # none, or only links and files under its name: each refused by name below
-        return _remove_dirs(rs, name, rep)
-    # The setup lock lives in the namespace's first directory: the one holding namespace.json.
-    first = next((d for d in dirs if os.path.lexists(os.path.join(d, META_FILE))), dirs[0])
-    with setup_lock_if_free(first) as held:
-        for d in dirs:
-            rep.open_by = sorted(set(rep.open_by) | set(open_by(d)))
-        if not held and not force:
-            rep.reason = "a store is opening it now; try again once it is open (and closed)"
-            return rep
-        if rep.open_by and not force:
-            rep.reason = (f"open by pid {', '.join(map(str, rep.open_by))}; stop it first, or use --force (the "
-                          f"writer then writes into deleted files until it exits)")
-            return rep
-        return _remove_dirs(rs, name, rep)
-
-
-def _remove_dirs(rs: list[str], name: str, rep: RemoveReport) -> RemoveReport:
-    refusals, found = [], 0
-    for r in rs:
-        done = _remove_dir(r, name)
-        if done is None:
-            continue
-        found += 1
-        files, freed, refusal = done
-        rep.files += files
-        rep.freed += freed
-        if refusal:
-            refusals.append(refusal)
-    rep.removed = found > 0 and not refusals
-    rep.reason = "; ".join(refusals) or ("" if found else f"no namespace {name} under {', '.join(rs)}")
-    return rep

@@ -348,7 +348,7 @@ def test_clear_never_follows_or_removes_anything_outside(tmp_path, capsys):
     assert rc == 0 and [r["namespace"] for r in out["reports"]] == [os.path.basename(ns)]
     assert not os.path.exists(ns) and os.path.islink(gds / "ns-0123456789abcdef0123")
     # ... and removing it by name directly refuses through the descriptor it opens without following
-    from hicache_gds.namespaces import remove
+    from hicache_gds.removal import remove
     rep = remove([str(gds)], "ns-0123456789abcdef0123", force=True)
     assert not rep.removed and "symbolic link" in rep.reason
     assert _tree(str(outside)) == before and (outside / "precious").read_bytes() == b"keep me"

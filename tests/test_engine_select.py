@@ -181,13 +181,13 @@ def test_doctor_lists_and_probes_plugin_engines_by_their_traits(plugins, gds_dir
 
 def test_a_failing_plugin_engine_is_reported_not_raised(plugins, gds_dir, monkeypatch):
     """A plugin whose IO fails is 'no' with the reason in doctor, and doctor still answers."""
-    from hicache_gds.doctor import _engines
+    from hicache_gds.engines.diagnose import check_engines
     import hicache_gds_plugin_engines as mod  # noqa: F401 -- the plugin's module, importable via the fixture
 
     def broken_open(self, path):
         raise OSError(5, "Input/output error", path)
 
     monkeypatch.setattr(mod.HostEngine, "open_file", broken_open)
-    out = _engines(None, gds_dir, gpu=False, timeout=5)
+    out = check_engines(None, gds_dir, gpu=False, timeout=5)
     assert out["plugin-host"]["ok"] is False and "Input/output error" in out["plugin-host"]["reason"]
     assert out["bounce"]["ok"] is True

@@ -127,6 +127,7 @@ def test_the_graph_sees_lazy_and_relative_imports(graph):
 
 
 @pytest.mark.parametrize("module", ["hicache_gds/engines/select.py", "hicache_gds/doctor.py",
+                                    "hicache_gds/engines/diagnose.py",
                                     "hicache_gds/bench/runner.py", "hicache_gds/bench/cli.py"])
 def test_engine_choice_and_diagnosis_never_name_an_engine(module):
     """`auto`, `doctor` and the benchmark's engine checks go by declared traits: no engine name is
