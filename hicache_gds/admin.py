@@ -1,6 +1,6 @@
 """`hicache-gds ls | verify | clear`: the operator's view of the namespaces under `GDS_PATH`.
 
-    hicache-gds ls     [--path DIRS] [--json]
+    hicache-gds ls     [--path DIRS] [--json]     # idle namespaces: since when, and how their use ended
     hicache-gds verify [NAMESPACE ...] [--path DIRS] [--no-drop] [--keys] [--json]
     hicache-gds clear  (NAMESPACE ... | --all) [--path DIRS] [--force] [--dry-run] [--json]
 
@@ -59,6 +59,9 @@ def _ago(t: float | None) -> str:
     return f"{s:.0f}s ago"
 
 
+_ENDED = {"closed": "closed", "without closing": "its last process ended without closing"}
+
+
 def _who(ns: Any) -> str:
     ident = ns.identity
     shown = [f"{k}={ident[k]}" for k in _SHOWN_IDENTITY if ident.get(k)]
@@ -68,7 +71,8 @@ def _who(ns: Any) -> str:
 def ls_main(argv: Sequence[str] | None = None) -> int:
     """`hicache-gds ls`: every namespace, with what it holds and who has it open."""
     ap = _parser("ls", "List the namespaces under GDS_PATH: identity, pages, bytes, capacity, last use, "
-                       "the pids that have it open.")
+                       "the pids that have it open, or since when it is idle (idle namespaces are removed, least "
+                       "recently used first, when a new namespace needs their room).")
     args = ap.parse_args(argv)
     from .namespaces import find
     try:
@@ -79,10 +83,12 @@ def ls_main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"gds_path": roots, "namespaces": [n.as_dict() for n in found]}, indent=1))
         return 0
-    rows = [("NAMESPACE", "PAGES", "BYTES", "CAPACITY", "ON DISK", "LAST USE", "OPEN BY", "IDENTITY")]
+    rows = [("NAMESPACE", "PAGES", "BYTES", "CAPACITY", "ON DISK", "LAST USE", "IDLE SINCE", "OPEN BY", "IDENTITY")]
     for n in found:
+        idle = "-" if n.open_by else (_ago(n.idle_since) if n.idle_since else "no recorded use") + (
+            f" ({_ENDED[n.ended]})" if n.ended else "")
         rows.append((n.name, str(n.pages), gib(n.bytes) if n.pages else "0", gib(n.capacity), gib(n.allocated),
-                     _ago(n.last_use), ",".join(map(str, n.open_by)) or "-", _who(n)))
+                     _ago(n.last_use), idle, ",".join(map(str, n.open_by)) or "-", _who(n)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
@@ -90,7 +96,10 @@ def ls_main(argv: Sequence[str] | None = None) -> int:
         for p in n.problems:
             print(f"{n.name}: {p}")
     total = sum(n.allocated for n in found)
-    print(f"{len(found)} namespace(s) under {', '.join(roots)}, {gib(total)} on disk")
+    idle = [n for n in found if n.idle]
+    print(f"{len(found)} namespace(s) under {', '.join(roots)}, {gib(total)} on disk"
+          + (f"; {len(idle)} idle ({gib(sum(n.allocated for n in idle))}): removed, least recently used first, "
+             f"when a new namespace needs their room" if idle else ""))
     return 0
 
 
@@ -145,7 +154,8 @@ def clear_main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if bool(args.namespaces) == bool(args.all):
         return _fail("clear", ConfigError("name the namespaces to remove, or give --all (not both)"))
-    from .namespaces import RemoveReport, find, remove, resolve
+    from .namespaces import find, resolve
+    from .removal import RemoveReport, remove
     try:
         roots = _roots(args.path)
         found = {n.name: n for n in find(roots)}

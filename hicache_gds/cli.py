@@ -1,7 +1,7 @@
 """`hicache-gds`: the command-line entry point, one subcommand per tool.
 
     hicache-gds doctor [--json] [--path DIRS]   # can this machine run hicache-gds, and how?
-    hicache-gds ls [--json]                     # namespaces under GDS_PATH: pages, bytes, capacity, writer
+    hicache-gds ls [--json]                     # namespaces under GDS_PATH: pages, bytes, who has it open, idle since
     hicache-gds verify [NS ...] [--json]        # check every page's checksum; drop the bad ones
     hicache-gds clear (NS ... | --all) [--json] # remove namespaces (refuses open ones unless --force)
     hicache-gds serve ...                       # the remote-memory tier server
@@ -51,7 +51,7 @@ def _bench(argv: Sequence[str]) -> int:
 
 SUBCOMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "doctor": (_doctor, "check GPUs, nvidia-fs, cufile.json, NIXL, GDS_PATH; say which engine `auto` picks"),
-    "ls": (_ls, "list namespaces under GDS_PATH: identity, pages, bytes, capacity, last use, writer pid"),
+    "ls": (_ls, "list namespaces under GDS_PATH: identity, pages, bytes, capacity, open by, idle since"),
     "verify": (_verify, "check every page's checksum; report and drop the bad ones (safe while a server writes)"),
     "clear": (_clear, "remove namespaces (one, several or --all); refuses open ones unless --force"),
     "serve": (_serve, "run the remote-memory tier server (--metrics-port: Prometheus metrics)"),

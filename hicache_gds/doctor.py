@@ -3,13 +3,16 @@
 Reports GPUs, the driver and the CUDA versions found (the driver's, torch's build), which NIXL
 build was imported (nixl-cu12 / nixl-cu13) and why, whether nvidia-fs is loaded, which cufile.json
 applies and its compat bounce pool, whether cuFile will run in compat mode on `GDS_PATH`'s file
-system, the NIXL plugins that load, whether kvikio and cufile-python are installed and pass
-the VRAM round trip, O_DIRECT, free space and how full each `GDS_PATH` file system
-is, the capacity a new namespace would get there, and the engine `auto` picks and why.
+system, the NIXL plugins that load, O_DIRECT, free space and how full each `GDS_PATH` file system
+is, the capacity a new namespace would get there (and which idle namespaces it would remove), the
+engine `auto` picks and why, and every registered engine -- built-in or from the entry-point
+group -- with its declared traits, whether it is installed and whether it works here.
 
-Nothing here touches cuFile in this process: GDS is probed only through
-`engines.gds_probe.probe_gds` (a subprocess with a timeout) and only when a GPU is visible,
-because cuFile hangs on machines without one.
+How an engine is checked follows from its traits (`engines.base.Traits`), never its name: one
+that uses cuFile gets a 1 MiB VRAM round trip in a subprocess (`engines.gds_probe.probe_gds`,
+with a timeout), only when a GPU is visible, because cuFile hangs on machines without one; one
+that needs a GPU is not built without one; one that moves pages to page servers is listed, not
+probed; any other gets a 1 MiB host-memory round trip on `GDS_PATH`, in this process.
 
 Exit status: 1 when a problem would stop the store from opening as configured (`ENABLE_GDS=1`
 cannot be honoured, the configured engine cannot run, a `GDS_PATH` directory is unusable, a bad
@@ -200,7 +203,7 @@ def _directory(path: str, gpu: bool, nvfs: bool) -> dict[str, Any]:
     return out
 
 
-def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
+def _nixl() -> dict[str, Any]:
     from ._nixl import loadable_plugins, nixl_info
     out: dict[str, Any] = nixl_info()
     out["version"] = out.get("version") or "not installed"
@@ -210,35 +213,6 @@ def _nixl(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
             out["plugins"] = loadable_plugins()
         except Exception as exc:  # noqa: BLE001 -- NIXL broken
             out["error"] = f"{type(exc).__name__}: {exc}"
-    out["gds"] = {name: _probe(name, probe_dir, gpu, timeout) for name in ("nixl-gds", "nixl-gds-mt")}
-    return out
-
-
-def _probe(engine: str, probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
-    """`engine`'s 1 MiB VRAM round trip, in a subprocess (`probe_gds`, once per engine and file
-    system: `choose_engine` reuses it); not tried without a GPU."""
-    if not gpu:
-        return {"ok": False, "reason": "not probed: no CUDA GPU is visible"}
-    from .engines.select import probe_once
-    p = probe_once(probe_dir, engine, timeout=timeout)
-    return {"ok": p.ok, "compat_mode": p.compat_mode, "reason": p.reason}
-
-
-_ALT_ENGINES = ("kvikio", "cufile")  # each engine's name is the module it needs
-
-
-def _alt_engines(probe_dir: str, gpu: bool, timeout: float) -> dict[str, Any]:
-    """kvikio and cufile-python, the GPU-file engines beside NIXL: installed? does the 1 MiB VRAM
-    round trip pass (in a subprocess, as before the engine is ever loaded into a server)?"""
-    import importlib.util
-
-    out: dict[str, Any] = {}
-    for name in _ALT_ENGINES:
-        if importlib.util.find_spec(name) is None:
-            out[name] = {"installed": False, "ok": False,
-                         "reason": f"not installed (pip install 'hicache-gds[{name}]')"}
-        else:
-            out[name] = {"installed": True, **_probe(name, probe_dir, gpu, timeout)}
     return out
 
 
@@ -247,12 +221,13 @@ def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
     from .capacity import default_budget
     if cfg is None or not roots:
         return {}
-    b = default_budget(roots, cfg.capacity_fraction, cfg.max_fill)
+    b = default_budget(roots, cfg.capacity_fraction, cfg.max_fill, detail=True)
     out: dict[str, Any] = {
         "configured": cfg.capacity or None, "capacity_fraction": cfg.capacity_fraction, "max_fill": cfg.max_fill,
         "default_per_namespace": b.total, "default_how": b.how,
         "dirs": [{"path": s.root, "fill": round(s.fill, 4), "available": s.available, "total": s.total,
-                  "hicache_namespaces": s.namespaces, "hicache_held": s.held} for s in b.dirs]}
+                  "hicache_namespaces": s.namespaces, "hicache_held": s.held, "hicache_idle_namespaces":
+                  s.idle_namespaces, "hicache_idle": s.idle, "open_by": list(s.open_by)} for s in b.dirs]}
     if not cfg.capacity and b.per_dir < 4096:
         out["problem"] = str(b.no_room(cfg.max_fill))
     return out
@@ -343,8 +318,9 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
     if rep["capacity"].get("problem"):
         problems.append(rep["capacity"]["problem"])
     probe_root = usable[0] if usable else tempfile.gettempdir()
-    rep["nixl"] = _nixl(probe_root, gpu["visible"], probe_timeout)
-    rep["gpu_file_engines"] = _alt_engines(probe_root, gpu["visible"], probe_timeout)
+    rep["nixl"] = _nixl()
+    from .engines.diagnose import check_engines
+    rep["engines"] = check_engines(cfg, probe_root, gpu["visible"], probe_timeout)
     if rep["nixl"].get("error"):
         warnings.append(f"NIXL: {rep['nixl']['error']}")
     warnings.extend(_cuda_mismatch(rep["nixl"], gpu))
@@ -407,7 +383,10 @@ def render_text(rep: dict[str, Any]) -> str:
     if cap:
         for d in cap["dirs"]:
             out.append(f"  space      : {d['path']}: {d['fill']:.0%} full; {d['hicache_namespaces']} hicache-gds "
-                       f"namespace(s) hold {_gib(d['hicache_held'])} (`hicache-gds ls`)")
+                       f"namespace(s) hold {_gib(d['hicache_held'])}"
+                       + (f", {d['hicache_idle_namespaces']} of them idle ({_gib(d['hicache_idle'])}: removed, least "
+                          f"recently used first, when a new namespace needs room)" if d["hicache_idle_namespaces"]
+                          else "") + " (`hicache-gds ls`)")
         out.append("capacity     : " + (f"{_gib(cap['configured'])} per namespace (configured)" if cap["configured"]
                                         else f"a new namespace would get {_gib(cap['default_per_namespace'])} "
                                              f"({cap['default_how']})"))
@@ -422,10 +401,10 @@ def render_text(rep: dict[str, Any]) -> str:
         out.append(f"NIXL         : not installed ({n.get('chosen_by', '?')}); the bounce engine serves instead")
     plugins = ", ".join(f"{k} ({', '.join(v) if v else 'does not load'})" for k, v in n["plugins"].items())
     out.append(f"  plugins    : {plugins or '(none)'}")
-    for name, p in n["gds"].items():
-        out.append(f"  {name:<11}: {'works' if p['ok'] else 'no'}: {p['reason']}")
-    for name, p in rep.get("gpu_file_engines", {}).items():
-        out.append(f"{name:<13}: {'works' if p['ok'] else 'no'}: {p['reason']}")
+    out.append("engines      : every registered engine (its traits; how it fared here)")
+    for name, e in rep["engines"].items():
+        verdict = "" if e["ok"] is None else "works: " if e["ok"] else "no: "
+        out.append(f"  {name:<11}: {verdict}{e['reason']}" + (f" [{e['summary']}]" if e.get("summary") else ""))
     cfg = rep["config"]
     if cfg:
         out.append(f"settings     : ENABLE_GDS={cfg['enable_gds']}, engine={cfg['engine']}"

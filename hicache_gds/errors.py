@@ -54,7 +54,8 @@ class TransferTimeout(TransferError, TimeoutError):
 
 
 class StoreFullError(HiCacheGDSError, OSError):
-    """The storage directory has no room for the slab files (ENOSPC)."""
+    """The storage directory has no room for the slab files (ENOSPC), or -- for a namespace sized by
+    default -- none below `max_fill` while the namespaces holding the space are open."""
 
 
 class StoreLockedError(HiCacheGDSError, OSError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
@@ -23,7 +24,10 @@ from .memory import align_up
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["NamespaceLocation", "Pages", "namespace_id", "namespace_location", "page_bytes_for"]
+__all__ = ["NamespaceLocation", "Pages", "namespace_id", "namespace_location", "page_bytes_for", "NAMESPACE_RE"]
+
+NAMESPACE_RE = re.compile(r"ns-[0-9a-f]{20}")
+"""Directory names of namespaces (`namespace_id`)."""
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,20 @@
 """Namespaces on disk, for operators: find them, check every page's checksum, remove them.
 
-Works on the files alone, next to a live writer: nothing here opens a `PageStore`, loads an
-engine or takes a namespace's lock. What each namespace is comes from its ``namespace.json``
-(identity, slot size, directories), its page count from its index read through `IndexReader`
-(which writes nothing, not even SQLite's -wal/-shm files), and who has it open from `open_by`.
+Works on the files alone, next to a live writer: nothing here opens a `PageStore` or loads an
+engine. What each namespace is comes from its ``namespace.json`` (identity, slot size,
+directories), its page count from its index read through `IndexReader` (which writes nothing, not
+even SQLite's -wal/-shm files), who has it open from `open_by`, and since when it is idle from its
+recorded use (`owners.read_use`) and its index's last write.
 
-* `find(roots)`: every namespace under the `GDS_PATH` directories `roots`;
+* `find(roots)`: every namespace under the `GDS_PATH` directories `roots`; `scan(roots)` the same
+  without reading the indexes (no page counts), for sizing and eviction;
 * `verify(ns)`: read every page's slot and compare its xxh3 checksum with the index; a page that
   fails twice with its index row unchanged around both reads is bad, and its exact row
   (key, slot, checksum) is deleted -- safe while a writer works: a page the writer replaced or
   evicted meanwhile is never reported, and a live writer that still lists a dropped page finds it
-  failing its checksum at its next read and drops it as well;
-* `remove(roots, name)`: delete a namespace's files, refusing an open one unless forced; every
-  step goes through directory file descriptors opened without following links, so nothing
-  outside `GDS_PATH` is ever removed or followed.
+  failing its checksum at its next read and drops it as well.
+
+Removing a namespace is `removal.remove`.
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from .capacity import NAMESPACE_RE, SLAB_FILE
 from .errors import ConfigError
 from .index import INDEX_FILE, remove_pages
 from .index_reader import IndexReader
-from .owners import LOCK_FILE, PROCS_DIR, holders
-from .slabs import META_FILE
+from .layout import NAMESPACE_RE
+from .owners import LOCK_FILE, procs_state, read_use
+from .slabs import META_FILE, SlabSet
 
-__all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "RemoveReport", "open_by", "find", "resolve",
-           "verify", "remove"]
+__all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "open_by", "find", "scan", "resolve", "verify",
+           "real_roots", "is_real_dir"]
 
+SLAB_FILE = SlabSet.FILE_NAME
 _LOOKUP_CHUNK = 4096
 
 
@@ -49,10 +51,14 @@ def open_by(ns_dir: str) -> list[int]:
     Told by the kernel: every open store holds a lock on its own file in the namespace's
     ``procs/`` (`owners.holders`), dropped however the process ends; nothing is locked or written
     to find out."""
+    return sorted(set(_procs(ns_dir)[0]))
+
+
+def _procs(ns_dir: str) -> tuple[list[int], int]:
     try:
-        return sorted(set(holders(ns_dir)))
+        return procs_state(ns_dir)
     except ConfigError:
-        return []
+        return [], 0
 
 
 # -- finding namespaces ----------------------------------------------------------------------------
@@ -74,26 +80,51 @@ class Namespace:
     slots: int = 0
     allocated: int = 0
     """Bytes its files take on disk."""
+    dir_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes its files take in each of its directories."""
+    opened: float | None = None
+    """When a store last opened it (recorded at open), seconds since the epoch."""
+    closed: float | None = None
+    """When a store last closed it (recorded at close; none for a store killed with SIGKILL)."""
     last_use: float | None = None
-    """Last open or write (newest mtime of its lock, index and index log), seconds since the epoch."""
+    """Its last use: the newest of its recorded open and close and its index's last write."""
     open_by: list[int] = field(default_factory=list)
+    idle_since: float | None = None
+    """None while a process has it open; else `last_use`: since then nothing has used it."""
+    ended: str = ""
+    """How its last use ended, while idle: "closed", or "without closing" (its last process was
+    killed or crashed: the last write of its index says when)."""
     problems: list[str] = field(default_factory=list)
+    whole: bool = True
+    """All the directories its namespace.json records are there (False: moved, or a `GDS_PATH`
+    entry missing: it is listed, but never evicted)."""
+
+    @property
+    def idle(self) -> bool:
+        return not self.open_by
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["last_use_iso"] = (time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.last_use))
-                             if self.last_use else None)
+        for k in ("last_use", "idle_since", "opened", "closed"):
+            d[f"{k}_iso"] = _iso(getattr(self, k))
+        d["idle"] = self.idle
         return d
 
 
-def _real_dir(parent: str, name: str) -> bool:
+def _iso(t: float | None) -> str | None:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t)) if t else None
+
+
+def is_real_dir(parent: str, name: str) -> bool:
+    """`parent`/`name` is a directory itself (not a link to one)."""
     try:
         return stat.S_ISDIR(os.lstat(os.path.join(parent, name)).st_mode)
     except OSError:
         return False
 
 
-def _roots(roots: Sequence[str]) -> list[str]:
+def real_roots(roots: Sequence[str]) -> list[str]:
+    """The `GDS_PATH` directories `roots` as real paths; `ConfigError` for one that is not a directory."""
     out = []
     for r in roots:
         if not os.path.isdir(r):
@@ -102,8 +133,8 @@ def _roots(roots: Sequence[str]) -> list[str]:
     return out
 
 
-def _describe(name: str, roots: list[str]) -> Namespace:
-    ns = Namespace(name, [os.path.join(r, name) for r in roots if _real_dir(r, name)])
+def _describe(name: str, roots: list[str], pages: bool = True) -> Namespace:
+    ns = Namespace(name, [os.path.join(r, name) for r in roots if is_real_dir(r, name)])
     meta = None
     for d in ns.dirs:
         try:
@@ -122,9 +153,10 @@ def _describe(name: str, roots: list[str]) -> Namespace:
         ns.page_bytes = int(ns.identity.get("page_bytes") or 0)
         # The writer's directory order places slots (slot s lives in directory s % n): use it.
         recorded = [d for d in meta.get("dirs") or [] if isinstance(d, str) and os.path.basename(d) == name]
-        if recorded and all(_real_dir(os.path.dirname(d), name) for d in recorded):
+        if recorded and all(is_real_dir(os.path.dirname(d), name) for d in recorded):
             ns.dirs = recorded
         else:
+            ns.whole = False
             ns.problems.append(f"its directories ({', '.join(recorded) or '?'}) are not all there: moved, or "
                                f"a GDS_PATH entry is missing")
     elif meta is None:
@@ -134,6 +166,7 @@ def _describe(name: str, roots: list[str]) -> Namespace:
             entries = os.listdir(d)
         except OSError:
             continue
+        held = 0
         for f in entries:
             try:
                 st = os.lstat(os.path.join(d, f))
@@ -141,15 +174,28 @@ def _describe(name: str, roots: list[str]) -> Namespace:
                 continue
             if not stat.S_ISREG(st.st_mode):
                 continue
-            ns.allocated += st.st_blocks * 512
+            held += st.st_blocks * 512
             if f == SLAB_FILE:
                 ns.capacity += st.st_size
                 if ns.slot_bytes:
                     ns.slots += st.st_size // ns.slot_bytes
-            if f in (LOCK_FILE, INDEX_FILE, INDEX_FILE + "-wal"):
+            if f in (INDEX_FILE, INDEX_FILE + "-wal"):  # every put, delete and lease commits to it
                 ns.last_use = max(ns.last_use or 0.0, st.st_mtime)
+        ns.dir_bytes[d] = held
+        ns.allocated += held
     if ns.dirs:
-        ns.open_by = open_by(ns.dirs[0])
+        pids, dead = _procs(ns.dirs[0])
+        ns.open_by = sorted(set(pids))
+        use = read_use(ns.dirs[0])
+        ns.opened, ns.closed = use.opened, use.closed
+        ns.last_use = max(ns.last_use or 0.0, use.opened or 0.0, use.closed or 0.0) or None
+        if not ns.open_by:
+            ns.idle_since = ns.last_use
+            if dead or (use.opened and (use.closed or 0.0) < use.opened):
+                ns.ended = "without closing"
+            elif use.closed:
+                ns.ended = "closed"
+    if ns.dirs and pages:
         try:
             reader = IndexReader(os.path.join(ns.dirs[0], INDEX_FILE))
             try:
@@ -164,14 +210,24 @@ def _describe(name: str, roots: list[str]) -> Namespace:
 
 def find(roots: Sequence[str]) -> list[Namespace]:
     """Every namespace under the `GDS_PATH` directories `roots` (oldest use first)."""
-    rs = _roots(roots)
+    return _find(roots, pages=True)
+
+
+def scan(roots: Sequence[str], exclude: str = "") -> list[Namespace]:
+    """`find` without reading the indexes (`pages` stays 0) and without namespace `exclude`: what
+    sizing and eviction need, at the cost of a few system calls per namespace."""
+    return _find(roots, pages=False, exclude=exclude)
+
+
+def _find(roots: Sequence[str], pages: bool, exclude: str = "") -> list[Namespace]:
+    rs = real_roots(roots)
     names: set[str] = set()
     for r in rs:
         try:
-            names.update(n for n in os.listdir(r) if NAMESPACE_RE.fullmatch(n) and _real_dir(r, n))
+            names.update(n for n in os.listdir(r) if NAMESPACE_RE.fullmatch(n) and n != exclude and is_real_dir(r, n))
         except OSError as exc:
             raise ConfigError(f"GDS_PATH: {r} cannot be listed: {exc.strerror}") from exc
-    out = [_describe(n, rs) for n in sorted(names)]
+    out = [_describe(n, rs, pages) for n in sorted(names)]
     return sorted(out, key=lambda n: (n.last_use or 0.0, n.name))
 
 
@@ -189,7 +245,7 @@ def resolve(roots: Sequence[str], names: Iterable[str], found: Sequence[Namespac
                               f"shows; a unique prefix of at least ns-xxxx will do)")
         hits = [n for n in have if n == typed] or [n for n in have if n.startswith(typed)]
         if not hits:
-            raise ConfigError(f"no namespace {typed} under {', '.join(_roots(roots))}")
+            raise ConfigError(f"no namespace {typed} under {', '.join(real_roots(roots))}")
         if len(hits) > 1:
             raise ConfigError(f"{typed} names {len(hits)} namespaces ({', '.join(hits)}); give more digits")
         out.append(hits[0])
@@ -346,108 +402,3 @@ def _drop_rows(db_path: str, rows: list[tuple[str, int, int]]) -> int:
         return len(same)
     finally:
         db.close()
-
-
-# -- remove --------------------------------------------------------------------------------------------
-
-@dataclass
-class RemoveReport:
-    namespace: str
-    removed: bool = False
-    files: int = 0
-    freed: int = 0
-    """Bytes the removed files took on disk (returned to the file system once no process holds them)."""
-    open_by: list[int] = field(default_factory=list)
-    reason: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _listing(dirfd: int, name: str) -> list[str] | None:
-    """Names in directory `name` (opened without following links) when none of them is a
-    directory; else None."""
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
-    try:
-        names = os.listdir(fd)
-        if any(stat.S_ISDIR(os.lstat(f, dir_fd=fd).st_mode) for f in names):
-            return None
-        return names
-    finally:
-        os.close(fd)
-
-
-def _remove_dir(root: str, name: str) -> tuple[int, int, str] | None:
-    """Remove `root`/`name` and the files in it, through descriptors: (files, bytes, refusal), or
-    None when there is no such entry."""
-    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        try:
-            nsfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rootfd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                return 0, 0, f"{os.path.join(root, name)} is a symbolic link or not a directory; left alone"
-            raise
-        try:
-            entries, procs = [], None
-            for f in os.listdir(nsfd):
-                st = os.lstat(f, dir_fd=nsfd)
-                if stat.S_ISDIR(st.st_mode):
-                    if f != PROCS_DIR:
-                        return 0, 0, (f"{os.path.join(root, name)} holds a directory ({f}), which no namespace "
-                                      f"has; left alone")
-                    procs = _listing(nsfd, f)
-                    if procs is None:
-                        return 0, 0, (f"{os.path.join(root, name, f)} holds a directory, which no namespace has; "
-                                      f"left alone")
-                    continue
-                entries.append((f, st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0))
-            if procs is not None:  # the open stores' lock files (`owners`): removed first, then the directory
-                pfd = os.open(PROCS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=nsfd)
-                try:
-                    for f in procs:
-                        os.unlink(f, dir_fd=pfd)
-                finally:
-                    os.close(pfd)
-                os.rmdir(PROCS_DIR, dir_fd=nsfd)
-            for f, _ in entries:
-                os.unlink(f, dir_fd=nsfd)  # a link is removed itself; its target is never touched
-        finally:
-            os.close(nsfd)
-        os.rmdir(name, dir_fd=rootfd)
-        return len(entries) + len(procs or ()), sum(b for _, b in entries), ""
-    finally:
-        os.close(rootfd)
-
-
-def remove(roots: Sequence[str], name: str, *, force: bool = False) -> RemoveReport:
-    """Delete namespace `name` (its directory in every `GDS_PATH` entry). An open namespace is
-    refused unless `force`: its writer keeps writing into deleted files, whose space returns only
-    when it exits."""
-    if not NAMESPACE_RE.fullmatch(name):
-        raise ConfigError(f"{name!r} is not a namespace name")
-    rs = _roots(roots)
-    rep = RemoveReport(name)
-    dirs = [os.path.join(r, name) for r in rs if _real_dir(r, name)]
-    for d in dirs:
-        rep.open_by = sorted(set(rep.open_by) | set(open_by(d)))
-    if rep.open_by and not force:
-        rep.reason = (f"open by pid {', '.join(map(str, rep.open_by))}; stop it first, or use --force (the "
-                      f"writer then writes into deleted files until it exits)")
-        return rep
-    refusals, found = [], 0
-    for r in rs:
-        done = _remove_dir(r, name)
-        if done is None:
-            continue
-        found += 1
-        files, freed, refusal = done
-        rep.files += files
-        rep.freed += freed
-        if refusal:
-            refusals.append(refusal)
-    rep.removed = found > 0 and not refusals
-    rep.reason = "; ".join(refusals) or ("" if found else f"no namespace {name} under {', '.join(rs)}")
-    return rep

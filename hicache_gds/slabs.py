@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,12 +54,6 @@ def private_dir(parent: str, name: str) -> str:
     return path
 
 
-@dataclass(frozen=True)
-class SlotPlace:
-    file_index: int
-    offset: int
-
-
 class SlabSet:
     """The slab files of one namespace: `nslots` slots of `slot_bytes` striped over `dirs`."""
 
@@ -93,7 +86,8 @@ class SlabSet:
                 os.fchmod(fd, 0o600)
             if st.st_size != size:
                 os.ftruncate(fd, size)
-            if preallocate and size:
+            # Allocated already (by an earlier open, or by its sizing): no walk over its blocks again.
+            if preallocate and size and not (st.st_size == size and st.st_blocks * 512 >= size):
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:

@@ -231,7 +231,7 @@ class PageStore:
         try:
             # Opens of one namespace take turns (`setup_lock`): the first opener of a namespace no
             # other process has open sizes and recovers it; later ones join it as it is.
-            with setup_lock(self.dirs[0]):
+            with setup_lock(self.dirs):
                 self._member = Membership(self.dirs[0])
                 others = self._member.others()
                 # The engine first: one that cannot run here must not cost a full fallocate.
@@ -243,10 +243,10 @@ class PageStore:
                 self.engine = engine
                 if not others:
                     self._write_meta()
+                slab0 = os.path.join(self.dirs[0], SlabSet.FILE_NAME)
+                had_slots = os.path.exists(slab0) and os.path.getsize(slab0) > 0  # before sizing creates it
                 self.sizing = self._nslots(cfg) if not others else self._joined_nslots(cfg, len(others))
                 nslots = self.sizing.nslots
-                slab0 = os.path.join(self.dirs[0], SlabSet.FILE_NAME)
-                had_slots = os.path.exists(slab0) and os.path.getsize(slab0) > 0
                 gone = self._short_slabs(nslots) if not others else []  # before SlabSet extends the files back
                 self.slabs = SlabSet(self.dirs, self.slot_bytes, nslots, cfg.preallocate, create=not others)
                 self.index = Index(os.path.join(self.dirs[0], INDEX_FILE), nslots, loc.index_meta,

@@ -101,7 +101,10 @@ def test_ls_lists_identity_pages_bytes_capacity_last_use_and_the_open_writer(gds
         assert by["closed"]["pages"] == 5 and by["closed"]["bytes"] == 5 * PAGE
         assert by["closed"]["capacity"] == 32 * PAGE and by["closed"]["slots"] == 32
         assert by["closed"]["open_by"] == [] and by["closed"]["last_use"] and by["closed"]["last_use_iso"]
+        assert by["closed"]["idle"] and by["closed"]["idle_since"] == by["closed"]["last_use"]
+        assert by["closed"]["ended"] == "closed" and by["closed"]["closed"] >= by["closed"]["opened"]
         assert by["live"]["pages"] == 3 and by["live"]["open_by"] == [os.getpid()]
+        assert not by["live"]["idle"] and by["live"]["idle_since"] is None
         assert by["live"]["name"] == live.namespace and by["live"]["dirs"] == live.dirs
         assert main(["ls", "--path", gds_dir]) == 0
         text = capsys.readouterr().out
@@ -345,7 +348,7 @@ def test_clear_never_follows_or_removes_anything_outside(tmp_path, capsys):
     assert rc == 0 and [r["namespace"] for r in out["reports"]] == [os.path.basename(ns)]
     assert not os.path.exists(ns) and os.path.islink(gds / "ns-0123456789abcdef0123")
     # ... and removing it by name directly refuses through the descriptor it opens without following
-    from hicache_gds.namespaces import remove
+    from hicache_gds.removal import remove
     rep = remove([str(gds)], "ns-0123456789abcdef0123", force=True)
     assert not rep.removed and "symbolic link" in rep.reason
     assert _tree(str(outside)) == before and (outside / "precious").read_bytes() == b"keep me"

@@ -81,6 +81,7 @@ def test_engine_all_runs_every_engine_and_says_why_others_were_skipped(capsys, g
     skipped = {s["engine"]: s["reason"] for s in doc["hicache_gds"]["skipped"]}
     assert "no CUDA GPU" in skipped["nixl-gds"] and "no CUDA GPU" in skipped["nixl-gds-mt"]
     assert "skipping engine nixl-gds: no CUDA GPU" in err
+    assert "nixl-ucx" not in engines and "nixl-ucx" not in skipped  # moves pages to page servers, not files
     # one raw baseline per job point, shared by the engines
     assert len({j["hicache_gds"]["baseline"]["raw"]["write"]["bw_bytes"] for j in doc["jobs"]}) == 1
 

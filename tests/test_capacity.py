@@ -61,8 +61,9 @@ def test_default_is_logged_and_never_past_max_fill_and_the_same_for_a_later_name
         assert "capped so the file system stays at most 90% full" in caplog.text
         assert "held by 1 other namespace" in caplog.text
         assert _below_ceiling(tmpfs)
-        # A third: no room left below the ceiling -- refused, naming the ceiling and what holds the space
-        with pytest.raises(StoreFullError, match=r"max_fill=0.9.*2 hicache-gds namespace\(s\).*hicache-gds ls"):
+        # A third: no room left below the ceiling, and both are open -- refused, naming the ceiling and
+        # what holds the space
+        with pytest.raises(StoreFullError, match=r"max_fill=0.9.*2 hicache-gds namespace\(s\).*are open.*hicache-gds ls"):
             _open(tmpfs, "c")
         assert _below_ceiling(tmpfs)
         # Data still round-trips in the capped namespace (random pages, poisoned destination)
@@ -139,7 +140,18 @@ def test_doctor_shows_what_a_namespace_would_get(tmpfs):
     assert abs(cap["default_per_namespace"] - want) <= PAGE
     text = render_text(rep)
     assert "a new namespace would get 25." in text and "1 hicache-gds namespace(s) hold 32." in text, text
-    # No room left below the ceiling: doctor says so as a problem (the store would not open)
-    with _open(tmpfs, "second"):
-        rep = collect(tmpfs)
-    assert not rep["ok"] and any("max_fill" in p for p in rep["problems"]), rep["problems"]
+    # "first" is idle now: the next namespace removes it and gets the same default share
+    with _open(tmpfs, "second") as second:
+        assert abs(_capacity(second) - 32 * MiB) <= PAGE and dir_space(tmpfs).namespaces == 1
+        with _open(tmpfs, "third"):  # capped: "second" is open, nothing idle to remove
+            rep = collect(tmpfs)
+    # ... so with both open no room is left below the ceiling: a problem (the store would not open)
+    assert not rep["ok"] and any("max_fill" in p and "are open" in p for p in rep["problems"]), rep["problems"]
+    # Both closed: doctor says a new namespace would get its share by removing idle ones
+    rep = collect(tmpfs)
+    assert rep["ok"], rep["problems"]
+    (d,) = rep["capacity"]["dirs"]
+    assert d["hicache_idle_namespaces"] == 2 and d["hicache_idle"] >= 56 * MiB and d["open_by"] == []
+    assert "room made by removing idle namespaces" in rep["capacity"]["default_how"]
+    assert abs(rep["capacity"]["default_per_namespace"] - 32 * MiB) <= PAGE
+    assert "2 of them idle (" in render_text(rep)

@@ -54,7 +54,8 @@ def test_json_report(capsys, monkeypatch, gds_dir):
     (d,) = rep["gds_path"]
     assert d["path"] == gds_dir and d["o_direct"] is True and d["free_bytes"] > 0
     assert d["cufile_compat_mode"] is True and "nvidia-fs" in d["cufile_mode_reason"]
-    assert rep["nixl"]["plugins"]["POSIX"] and rep["nixl"]["gds"]["nixl-gds"]["ok"] is False
+    assert rep["nixl"]["plugins"]["POSIX"] and rep["engines"]["nixl-gds"]["ok"] is False
+    assert rep["engines"]["nixl-posix"]["ok"] is True and rep["engines"]["bounce"]["ok"] is True
     assert rep["engine_auto"]["host_memory"]["engine"] == "nixl-posix"
     assert rep["cufile"]["chosen_by"] in ("libcufile's built-in defaults", "/etc/cufile.json")
     assert rep["config"]["sources"] == {"gds_path": "env", "capacity": "env"}
@@ -136,10 +137,10 @@ def test_doctor_on_the_gpu_machine(capsys, monkeypatch, gds_dir):
     rc, out, _ = doctor(capsys, "--json")
     rep = json.loads(out)
     assert rc == 0 and rep["gpu"]["visible"] and rep["gpu"]["devices"]
-    assert rep["nixl"]["gds"]["nixl-gds"]["ok"], rep["nixl"]["gds"]
+    assert rep["engines"]["nixl-gds"]["ok"], rep["engines"]
     dev = rep["engine_auto"]["device_memory"]
     assert dev["ok"] and dev["engine"] in ("nixl-gds-mt", "nixl-gds") and "probe passed" in dev["reason"]
-    cf = rep["gpu_file_engines"]["cufile"]  # libcufile loaded before cufile-python once aborted it
+    cf = rep["engines"]["cufile"]  # libcufile loaded before cufile-python once aborted it
     assert cf["ok"] or not cf["installed"], cf
     monkeypatch.setenv("ENABLE_GDS", "1")
     rc, out, _ = doctor(capsys)
@@ -147,17 +148,17 @@ def test_doctor_on_the_gpu_machine(capsys, monkeypatch, gds_dir):
 
 
 def test_gpu_file_engines_beside_nixl(capsys, monkeypatch, gds_dir):
-    """kvikio and cufile-python get a line each: not installed (with the extra to install), not
-    probed without a GPU, or the probe's answer."""
+    """kvikio and cufile-python get a line each, as every registered engine does: not installed
+    (with the extra to install), not probed without a GPU, or the probe's answer."""
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "kvikio" else real(n, *a))
     monkeypatch.setenv("GDS_PATH", gds_dir)
     rc, out, _ = doctor(capsys, "--json")
-    eng = json.loads(out)["gpu_file_engines"]
-    assert set(eng) == {"kvikio", "cufile"} and not eng["kvikio"]["installed"]
+    eng = json.loads(out)["engines"]
+    assert {"kvikio", "cufile"} <= set(eng) and not eng["kvikio"]["installed"]
     assert "pip install 'hicache-gds[kvikio]'" in eng["kvikio"]["reason"]
     if eng["cufile"]["installed"] and not eng["cufile"]["ok"]:
         assert eng["cufile"]["reason"]
     rc, out, _ = doctor(capsys)
-    assert "kvikio       : no: not installed" in out and "cufile       : " in out
+    assert "  kvikio     : no: not installed" in out and "  cufile     : " in out

@@ -28,7 +28,7 @@ class TestFaultyPassThrough(EngineTests):
 
 def test_registry_lists_builtin_engines():
     names = engine_names()
-    for n in ("bounce", "nixl-posix", "nixl-gds", "nixl-gds-mt", "kvikio", "cufile"):
+    for n in ("bounce", "nixl-posix", "nixl-gds", "nixl-gds-mt", "kvikio", "cufile", "nixl-ucx"):
         assert n in names
 
 

@@ -124,3 +124,33 @@ def test_the_graph_sees_lazy_and_relative_imports(graph):
     # The reader of this test's results depends on it: a function-level relative import is an edge.
     assert "hicache_gds.engines.cufile_env" in graph["hicache_gds.engines.gds_probe"]
     assert "hicache_gds.bench.jobs" in graph["hicache_gds.bench.runner"]  # `from .jobs import ...` in a method
+
+
+@pytest.mark.parametrize("module", ["hicache_gds/engines/select.py", "hicache_gds/doctor.py",
+                                    "hicache_gds/engines/diagnose.py",
+                                    "hicache_gds/bench/runner.py", "hicache_gds/bench/cli.py"])
+def test_engine_choice_and_diagnosis_never_name_an_engine(module):
+    """`auto`, `doctor` and the benchmark's engine checks go by declared traits: no engine name is
+    compared with, listed, or passed as an argument there (so a new engine needs no edit there).
+    (A subscript such as ``rep["cufile"]``, the cufile.json section, is not an engine name.)"""
+    from hicache_gds.engines import registry
+    tree = ast.parse(open(os.path.join(ROOT, module)).read())
+    used = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            used += [node.left, *node.comparators]
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            used += node.elts
+        elif isinstance(node, ast.Call):
+            used += [*node.args, *(k.value for k in node.keywords)]
+    named = sorted({n.value for n in used if isinstance(n, ast.Constant) and n.value in registry})
+    assert not named, f"{module} names engines {named}"
+
+
+def test_importing_the_package_and_its_testing_helpers_imports_no_pytest():
+    import subprocess
+    import sys
+    code = ("import sys, hicache_gds, hicache_gds.testing, hicache_gds.testing.targets, hicache_gds.testing.cases; "
+            "assert 'pytest' not in sys.modules, 'pytest imported'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -4,8 +4,7 @@ kill -9 torture through the PageStore and through SGLang's backend, damage to sl
 resource faults, concurrency with a watchdog, hostile input, fuzz, privacy. SGLang cases run where
 SGLang and hicache_gds_sglang import (the .venv-sgl / scripts/test.sh environment) and skip elsewhere.
 
-Cases tagged with a known bug (hicache_gds/testing/bugs.py) xfail while the bug reproduces and pass
-once its fix is in (commit a95dda0 fixed all of them).
+The cases that found the bugs listed in RELIABILITY.md run here as regression cases: they must pass.
 """
 
 import json
@@ -16,7 +15,6 @@ import sys
 import pytest
 
 from hicache_gds.testing import targets
-from hicache_gds.testing.bugs import CORRUPTION_KNOWN
 from hicache_gds.testing.cases import Case
 from hicache_gds.testing.corruption import CASES, corruption_cases
 
@@ -26,12 +24,6 @@ TARGETS = ["store", pytest.param("sglang", marks=pytest.mark.skipif(bool(SGL), r
 
 
 def judge(case: Case) -> None:
-    """Pass, fail, or -- for a case tagged with a known bug that still reproduces -- xfail.
-
-    Not strict: with the fix in, the case simply passes.
-    """
-    if case.bug and not case.ok:
-        pytest.xfail(f"{case.bug}: {'; '.join(case.problems)[:300]}")
     assert case.ok, f"{case.name}: {case.problems}"
 
 
@@ -81,8 +73,8 @@ def test_index_recovery_time_small(gds_dir):
 @pytest.mark.parametrize("state", ["closed", "open"])
 @pytest.mark.parametrize("name", CASES)
 def test_corruption(gds_dir, target, name, state):
-    (case,) = corruption_cases(gds_dir, target, names=[name], states=[state], known=CORRUPTION_KNOWN)
-    assert case.wrong_bytes == 0 and case.exceptions == 0, case.problems  # never, known bug or not
+    (case,) = corruption_cases(gds_dir, target, names=[name], states=[state])
+    assert case.wrong_bytes == 0 and case.exceptions == 0, case.problems
     judge(case)
 
 
@@ -166,7 +158,7 @@ def hostile_sglang_cases(tmp_path_factory):
                                   "HiCacheGDS construction: bad extra config"])
 def test_hostile_sglang(hostile_sglang_cases, name):
     case = hostile_sglang_cases[name]
-    if "construction" not in name and "wraps" not in name and not case.bug:
+    if "construction" not in name and "wraps" not in name:
         assert case.exceptions == 0, case.problems  # SGLang never sees an exception on the data path
     judge(case)
 

@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from ..engines import engine_names
-from ..errors import HiCacheGDSError
+from ..engines import engine_class, engine_names
+from ..errors import EngineUnavailable, HiCacheGDSError
 from .jobfile import parse_jobfile, parse_jobfile_text
 from .options import JobOptions, OptionError, argv_to_mapping, canonical_name, expand_sweeps
 from .plot import plot_results, summary_table
@@ -58,10 +58,18 @@ _BOOL = frozenset(("time_based", "direct", "drop_caches", "raw", "fio", "buffere
 _PATHLIKE = frozenset(("output", "plot", "directory", "filename"))
 
 
+def _moves_remote(name: str) -> bool:
+    """Engine `name` declares it moves pages to page servers, not files (`Traits.remote`)."""
+    try:
+        return engine_class(name).traits.remote
+    except (EngineUnavailable, TypeError):
+        return False  # the run says why it cannot be used
+
+
 def resolve_engines(spec: str) -> tuple[list[str], bool]:
     """Engine names of `--engine` (`all`, `a,b` or one name) and whether it named several."""
     if spec == "all":
-        return engine_names(), True
+        return [n for n in engine_names() if not _moves_remote(n)], True
     names = [n.strip() for n in spec.split(",") if n.strip()]
     return names, len(names) > 1
 

@@ -257,8 +257,11 @@ class Session:
             cls = engine_class(engine)
         except ValueError as exc:
             raise OptionError(f"--engine: {exc}", "engine") from None
-        if cls.uses_cufile and not gpu_present():
-            raise EngineUnavailable(f"{engine}: no CUDA GPU is visible, and cuFile hangs without one")
+        if cls.traits.remote:
+            raise OptionError(f"--engine: {engine} moves pages to page servers' memory, not files", "engine")
+        if cls.traits.needs_gpu and not gpu_present():
+            raise EngineUnavailable(f"{engine}: no CUDA GPU is visible, and "
+                                    + ("cuFile hangs without one" if cls.traits.uses_cufile else "it needs one"))
 
     def _store(self, opts: JobOptions, engine: str, dirs: list[str], total: int, need: int) -> _Entry:
         g = opts.geometry

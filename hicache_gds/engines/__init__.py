@@ -2,7 +2,9 @@
 
 Third-party engines register through the `hicache_gds.engines` entry-point group
 (`name = "package.module:Class"`) or `register_engine(...)`. Re-registering a name is an error
-unless `clobber=True`.
+unless `clobber=True`. An engine class declares its `Traits` (memory kinds, cuFile, GPU, remote,
+its rank in `auto`); `auto` and `doctor` read those, so a registered engine is chosen and
+diagnosed without a change here or there.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import types
 from importlib import metadata
 
 from ..errors import EngineUnavailable
-from .base import Capabilities, EngineOptions, MemKind, Op, Transfer, TransferEngine, split_batches
+from .base import Capabilities, EngineOptions, MemKind, Op, Traits, Transfer, TransferEngine, split_batches
 
 __all__ = [
-    "registry", "register_engine", "engine_class", "create_engine", "engine_names",
-    "Capabilities", "EngineOptions", "MemKind", "Op", "Transfer", "TransferEngine", "split_batches",
+    "registry", "register_engine", "engine_class", "create_engine", "engine_names", "ENTRY_POINT_GROUP",
+    "Capabilities", "EngineOptions", "MemKind", "Op", "Traits", "Transfer", "TransferEngine", "split_batches",
 ]
 
 ENTRY_POINT_GROUP = "hicache_gds.engines"
@@ -31,6 +33,7 @@ _known: dict[str, tuple[str, str]] = {
     "nixl-gds": ("hicache_gds.engines.nixl_file:NixlGdsEngine", _NIXL_HINT),
     "nixl-gds-mt": ("hicache_gds.engines.nixl_file:NixlGdsMtEngine", _NIXL_HINT),
     "nixl-posix": ("hicache_gds.engines.nixl_file:NixlPosixEngine", _NIXL_HINT),
+    "nixl-ucx": ("hicache_gds.remote.ucx:NixlUcxEngine", _NIXL_HINT),  # the remote tier's: never a store's
 }
 assert list(_known) == sorted(_known)
 registry = types.MappingProxyType(_known)

@@ -32,6 +32,7 @@ __all__ = [
     "Op",
     "MemKind",
     "Capabilities",
+    "Traits",
     "EngineOptions",
     "Transfer",
     "TransferEngine",
@@ -69,6 +70,39 @@ class Capabilities:
     """VRAM moves to storage without a host copy made by us (cuFile/GDS, compat mode included)."""
     path: str
     """What actually runs, in words: e.g. 'NIXL POSIX (Linux AIO, O_DIRECT)'."""
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What an engine class declares before any instance exists. `auto` (`engines.select`) and
+    `doctor` read these, never engine names, to decide which engines to try, probe and list, so an
+    engine registered through the entry-point group is chosen and diagnosed like a built-in one.
+
+    An instance may offer less than its class declares (`capabilities`: the bounce engine moves
+    VRAM only where a GPU is visible)."""
+
+    mem_kinds: frozenset[MemKind] = frozenset({MemKind.DRAM})
+    """The memory kinds it can move at best."""
+    uses_cufile: bool = False
+    """GPU-direct through cuFile: loaded in a process only after its VRAM round trip passed in a
+    subprocess (`gds_probe`); what ``ENABLE_GDS=1`` asks for, and what ``ENABLE_GDS=0`` refuses."""
+    needs_gpu: bool = False
+    """Cannot be built without a CUDA GPU (its constructor raises `EngineUnavailable`)."""
+    remote: bool = False
+    """Moves bytes to other processes' memory (page servers), not to files: never serves slab files."""
+    auto_rank: int = 0
+    """Preference of `auto` among the engines that fit (higher first); 0: used only when named."""
+    requires: tuple[str, ...] = ()
+    """Modules it imports, any one of which will do (`doctor` says "not installed" when none can be
+    found; looked up without importing them)."""
+
+    def describe(self) -> str:
+        """The traits in a few words, for `doctor`."""
+        bits = ["+".join(sorted(k.value for k in self.mem_kinds))]
+        bits += [w for w, on in (("cuFile", self.uses_cufile), ("needs a GPU", self.needs_gpu),
+                                 ("remote memory", self.remote)) if on]
+        bits.append(f"auto rank {self.auto_rank}" if self.auto_rank > 0 else "only when named")
+        return ", ".join(bits)
 
 
 @dataclass(frozen=True)
@@ -171,8 +205,8 @@ class TransferEngine(ABC):
     """
 
     name: ClassVar[str] = "abstract"
-    uses_cufile: ClassVar[bool] = False
-    """Moves data through cuFile: probed in a subprocess before use, refused by ENABLE_GDS=0."""
+    traits: ClassVar[Traits] = Traits()
+    """What the class declares (`Traits`); `auto` and `doctor` go by these."""
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options

@@ -12,7 +12,7 @@ import os
 import threading
 
 from ..memory import Cudart, HostBuffer, view
-from .base import Capabilities, EngineOptions, MemKind, Op
+from .base import Capabilities, EngineOptions, MemKind, Op, Traits
 from .per_descriptor import ThreadPoolEngine
 
 __all__ = ["BounceEngine"]
@@ -38,6 +38,7 @@ class BounceEngine(ThreadPoolEngine):
     """Thread-pool O_DIRECT IO; pinned host staging for VRAM."""
 
     name = "bounce"
+    traits = Traits(mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), auto_rank=10)  # the fallback: last
 
     def __init__(self, options: EngineOptions) -> None:
         super().__init__(options, "hicache-gds-io")

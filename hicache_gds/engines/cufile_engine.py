@@ -31,7 +31,7 @@ import threading
 from typing import Any
 
 from ..errors import EngineUnavailable, TransferError
-from .base import Capabilities, EngineOptions, MemKind, Op
+from .base import Capabilities, EngineOptions, MemKind, Op, Traits
 from .cufile_env import libcufile_loadable, require_gpu_for_cufile
 from .per_descriptor import ThreadPoolEngine
 
@@ -145,7 +145,8 @@ class CuFileEngine(ThreadPoolEngine):
     """VRAM <-> file through cuFile (cufile-python); GPUDirect Storage, or cuFile's compat mode."""
 
     name = "cufile"
-    uses_cufile = True
+    traits = Traits(mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), uses_cufile=True, needs_gpu=True,
+                    requires=("cufile",))
 
     def __init__(self, options: EngineOptions) -> None:
         require_gpu_for_cufile(self.name)  # cuFileDriverOpen spins forever without a GPU driver

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import EngineUnavailable, TransferError
 from ..memory import view
-from .base import Capabilities, EngineOptions, MemKind, Op
+from .base import Capabilities, EngineOptions, MemKind, Op, Traits
 from .cufile_env import require_gpu_for_cufile
 from .per_descriptor import DescriptorEngine
 
@@ -86,7 +86,8 @@ class KvikioEngine(DescriptorEngine):
     """DRAM or VRAM <-> file through kvikio (cuFile or kvikio's POSIX compat path)."""
 
     name = "kvikio"
-    uses_cufile = True
+    traits = Traits(mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), uses_cufile=True, needs_gpu=True,
+                    requires=("kvikio",))
 
     def __init__(self, options: EngineOptions) -> None:
         require_gpu_for_cufile(self.name)  # before import: kvikio maps libcufile, which hangs without a GPU

@@ -21,7 +21,10 @@ from .._nixl import new_agent, nixl_api
 from ..errors import EngineUnavailable, PeerDisconnected, TransferError
 from .base import Capabilities, EngineOptions, MemKind, Op, Transfer, TransferEngine
 
-__all__ = ["NixlAgentEngine", "NixlTransfer"]
+__all__ = ["NixlAgentEngine", "NixlTransfer", "NIXL_MODULES"]
+
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
+"""NIXL's importable modules, any one of which serves (`Traits.requires`; `_nixl` picks)."""
 
 
 class NixlTransfer(Transfer):

@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import TransferError
-from .base import Capabilities, EngineOptions, MemKind, Op, Transfer
+from .base import Capabilities, EngineOptions, MemKind, Op, Traits, Transfer
 from .cufile_env import cufile_bounce_pool, gds_compat_mode, require_gpu_for_cufile
-from .nixl_agent import NixlAgentEngine, NixlTransfer
+from .nixl_agent import NIXL_MODULES, NixlAgentEngine, NixlTransfer
 
 __all__ = ["NixlPosixEngine", "NixlGdsEngine", "NixlGdsMtEngine"]
 
@@ -207,6 +207,7 @@ class NixlPosixEngine(_NixlFileEngine):
     """NIXL POSIX plugin: DRAM <-> file with Linux AIO (default), io_uring or POSIX AIO."""
 
     name = "nixl-posix"
+    traits = Traits(mem_kinds=frozenset({MemKind.DRAM}), auto_rank=20, requires=NIXL_MODULES)
     plugin = "POSIX"
     _QUEUES = {"aio": ("use_aio", "Linux AIO"), "uring": ("use_uring", "io_uring"),
                "posix_aio": ("use_posix_aio", "POSIX AIO")}
@@ -232,8 +233,9 @@ class NixlGdsEngine(_NixlFileEngine):
     """
 
     name = "nixl-gds"
+    traits = Traits(mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), uses_cufile=True, needs_gpu=True,
+                    auto_rank=20, requires=NIXL_MODULES)
     plugin = "GDS"
-    uses_cufile = True
 
     def __init__(self, options: EngineOptions) -> None:
         require_gpu_for_cufile(self.name)
@@ -290,6 +292,8 @@ class NixlGdsMtEngine(NixlGdsEngine):
     """NIXL GDS_MT plugin: like GDS, with its own thread pool issuing synchronous cuFile IO."""
 
     name = "nixl-gds-mt"
+    traits = Traits(mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), uses_cufile=True, needs_gpu=True,
+                    auto_rank=30, requires=NIXL_MODULES)  # preferred to GDS: no batch pool to run out of
     plugin = "GDS_MT"
 
     def _init_params(self) -> dict[str, str]:

@@ -1,10 +1,17 @@
-"""`auto` and `ENABLE_GDS`: choose an engine from capabilities and say why.
+"""`auto` and `ENABLE_GDS`: choose an engine by what engines declare (`Traits`), and say why.
 
-* `ENABLE_GDS=1`: a GPU-direct engine (cuFile, compat mode included) must pass a real VRAM round
-  trip on `GDS_PATH`, or opening fails with `GDSUnavailable` naming the reason.
-* `ENABLE_GDS=0`: host-memory engines only.
-* `auto`: GPU-direct where the client moves VRAM and the probe passes; otherwise NIXL POSIX
-  through host memory, and the bounce engine where NIXL cannot load.
+Every registered engine (built-in or from the entry-point group) is a candidate; none is named here.
+
+* `ENABLE_GDS=1`: an engine that moves VRAM through cuFile (`Traits.uses_cufile`) must pass a real
+  VRAM round trip on `GDS_PATH` (`probe_gds`, in a subprocess), or opening fails with
+  `GDSUnavailable` naming each candidate's reason.
+* `ENABLE_GDS=0`: engines that do not use cuFile only.
+* `auto`: a cuFile engine where the client moves VRAM and its probe passes; otherwise the best
+  engine that moves the client's memory kinds without cuFile.
+
+Among candidates, a higher `Traits.auto_rank` goes first (ties by name); rank 0 is used only when
+named. Engines that move bytes to page servers (`Traits.remote`) never serve a store's files, and
+engines that need a GPU are skipped where none is visible.
 """
 
 from __future__ import annotations
@@ -16,21 +23,49 @@ from dataclasses import dataclass
 
 from ..config import Config
 from ..errors import ConfigError, EngineUnavailable, GDSUnavailable
-from . import create_engine, engine_class
+from . import engine_class, engine_names
 from .base import EngineOptions, MemKind, TransferEngine
+from .cufile_env import gpu_present
 from .gds_probe import GDSProbe, probe_gds
 
-__all__ = ["Choice", "choose_engine", "probe_once"]
+__all__ = ["Choice", "choose_engine", "probe_once", "candidates"]
 
 log = logging.getLogger("hicache_gds.engines")
-_GDS_ORDER = ("nixl-gds-mt", "nixl-gds")
-_HOST_ORDER = ("nixl-posix", "bounce")
 
 
 @dataclass
 class Choice:
     engine: TransferEngine
     reason: str
+
+
+def candidates(notes: list[str] | None = None) -> list[type[TransferEngine]]:
+    """Engine classes `auto` may choose (auto_rank > 0, not remote), best first; an engine that
+    cannot be imported is left out, with why in `notes`."""
+    out = []
+    for name in engine_names():
+        try:
+            cls = engine_class(name)
+        except (EngineUnavailable, TypeError) as exc:
+            if notes is not None:
+                notes.append(str(exc))
+            continue
+        if cls.traits.auto_rank > 0 and not cls.traits.remote:
+            out.append((name, cls))
+    out.sort(key=lambda nc: (-nc[1].traits.auto_rank, nc[0]))
+    return [cls for _, cls in out]
+
+
+def _names(pred) -> str:  # noqa: ANN001 -- a predicate over Traits
+    """The registered engines whose traits satisfy `pred`, for error messages."""
+    out = []
+    for name in engine_names():
+        try:
+            if pred(engine_class(name).traits):
+                out.append(name)
+        except (EngineUnavailable, TypeError):
+            continue
+    return ", ".join(out) or "(none registered)"
 
 
 def choose_engine(cfg: Config, probe_dir: str, mem_kinds: frozenset[MemKind] = frozenset({MemKind.DRAM})) -> Choice:
@@ -40,51 +75,75 @@ def choose_engine(cfg: Config, probe_dir: str, mem_kinds: frozenset[MemKind] = f
         return _named(cfg, opts, probe_dir, mem_kinds)
     wants_vram = MemKind.VRAM in mem_kinds
     notes: list[str] = []
+    ranked = candidates(notes)
     if cfg.enable_gds == "1" or (cfg.enable_gds == "auto" and wants_vram):
-        for name in _GDS_ORDER:
-            probe = probe_gds(probe_dir, name)
+        for cls in ranked:
+            t = cls.traits
+            if not t.uses_cufile:
+                continue
+            if not mem_kinds <= t.mem_kinds:
+                notes.append(f"{cls.name} cannot move {_kinds(mem_kinds - t.mem_kinds)}")
+                continue
+            probe = probe_gds(probe_dir, cls.name)
             if probe.ok:
-                eng = create_engine(name, opts)
+                eng = cls(opts)
                 mode = "cuFile compat mode (no nvidia-fs)" if probe.compat_mode else "GPUDirect Storage"
-                return _done(Choice(eng, f"{name}: ENABLE_GDS={cfg.enable_gds}, probe passed on {probe_dir} "
+                return _done(Choice(eng, f"{cls.name}: ENABLE_GDS={cfg.enable_gds}, probe passed on {probe_dir} "
                                          f"in {mode}"))
-            notes.append(f"{name}: {probe.reason}")
+            notes.append(f"{cls.name}: {probe.reason}")
         if cfg.enable_gds == "1":
             raise GDSUnavailable("ENABLE_GDS=1 but no GPU-direct engine works on "
-                                 f"{probe_dir}: " + "; ".join(notes))
+                                 f"{probe_dir}: " + ("; ".join(notes) or "no cuFile engine is registered for auto"))
     elif cfg.enable_gds == "auto":
         notes.append("the client moves host memory only, so a host-memory engine serves it directly")
     else:
         notes.append("ENABLE_GDS=0")
-    for name in _HOST_ORDER:
+    for cls in ranked:
+        t = cls.traits
+        if t.uses_cufile:
+            continue
+        if not mem_kinds <= t.mem_kinds:
+            notes.append(f"{cls.name} cannot move {_kinds(mem_kinds - t.mem_kinds)}")
+            continue
+        if t.needs_gpu and not gpu_present():  # asked only then: it imports torch
+            notes.append(f"{cls.name} needs a CUDA GPU and none is visible")
+            continue
         try:
-            eng = create_engine(name, opts)
+            eng = cls(opts)
         except EngineUnavailable as exc:
             notes.append(str(exc))
             continue
         if not mem_kinds <= eng.capabilities.mem_kinds:
-            missing = ", ".join(k.value for k in mem_kinds - eng.capabilities.mem_kinds)
-            notes.append(f"{name} cannot move {missing}")
+            notes.append(f"{cls.name} cannot move {_kinds(mem_kinds - eng.capabilities.mem_kinds)}")
             eng.close()
             continue
-        return _done(Choice(eng, f"{name}: " + "; ".join(notes)))
+        return _done(Choice(eng, f"{cls.name}: " + "; ".join(notes)))
     raise EngineUnavailable("no engine can serve this store: " + "; ".join(notes))
+
+
+def _kinds(kinds: frozenset[MemKind]) -> str:
+    return ", ".join(sorted(k.value for k in kinds))
 
 
 def _named(cfg: Config, opts: EngineOptions, probe_dir: str, mem_kinds: frozenset[MemKind]) -> Choice:
     cls = engine_class(cfg.engine)
-    gpu_direct_class = cls.uses_cufile
-    if cfg.enable_gds == "0" and gpu_direct_class:
+    t = cls.traits
+    if t.remote:
+        raise ConfigError(f"engine: {cfg.engine} moves pages to page servers' memory, not to files; name a "
+                          f"file engine ({_names(lambda x: not x.remote)}) or auto, and reach page servers "
+                          f"through remote_url")
+    if cfg.enable_gds == "0" and t.uses_cufile:
         raise ConfigError(f"engine: {cfg.engine} moves data through cuFile, but ENABLE_GDS=0 asks for the "
-                          f"host path only; use nixl-posix or bounce, or set ENABLE_GDS=auto")
-    if cfg.enable_gds == "1" and not gpu_direct_class:
+                          f"host path only; use {_names(lambda x: not x.uses_cufile and not x.remote)}, or set "
+                          f"ENABLE_GDS=auto")
+    if cfg.enable_gds == "1" and not t.uses_cufile:
         raise GDSUnavailable(f"ENABLE_GDS=1 but engine {cfg.engine} is not GPU-direct; "
-                             f"use nixl-gds, nixl-gds-mt, kvikio or cufile, or engine=auto")
+                             f"use {_names(lambda x: x.uses_cufile)}, or engine=auto")
     if cfg.enable_gds == "1":
         probe = probe_gds(probe_dir, cfg.engine)
         if not probe.ok:
             raise GDSUnavailable(f"ENABLE_GDS=1 but {cfg.engine} fails on {probe_dir}: {probe.reason}")
-    elif gpu_direct_class:
+    elif t.uses_cufile:
         # A cuFile engine is loaded into this process only after its probe passed in a subprocess:
         # libcufile can abort the whole process (seen: cufile-python as a process's first cuFile
         # user, "Assertion failure, file index :cufio-plat line :149"), and this process may be
@@ -96,8 +155,8 @@ def _named(cfg: Config, opts: EngineOptions, probe_dir: str, mem_kinds: frozense
     eng = cls(opts)
     if not mem_kinds <= eng.capabilities.mem_kinds:
         eng.close()
-        raise EngineUnavailable(f"{cfg.engine} cannot move "
-                                f"{', '.join(k.value for k in mem_kinds - eng.capabilities.mem_kinds)} memory here")
+        raise EngineUnavailable(f"{cfg.engine} cannot move {_kinds(mem_kinds - eng.capabilities.mem_kinds)} "
+                                f"memory here")
     return _done(Choice(eng, f"{cfg.engine}: named in the configuration"))
 
 

@@ -18,8 +18,8 @@ import os
 
 import numpy as np
 
-from ..engines.base import Capabilities, EngineOptions, MemKind, Op, Transfer
-from ..engines.nixl_agent import NixlAgentEngine, NixlTransfer
+from ..engines.base import Capabilities, EngineOptions, MemKind, Op, Traits, Transfer
+from ..engines.nixl_agent import NIXL_MODULES, NixlAgentEngine, NixlTransfer
 from ..errors import PeerDisconnected, TransferError
 
 __all__ = ["NixlUcxEngine", "PeerDisconnected", "ucx_path"]
@@ -40,6 +40,7 @@ class NixlUcxEngine(NixlAgentEngine):
     """NIXL UCX backend; DRAM (and VRAM where UCX was built with CUDA) to remote DRAM pools."""
 
     name = "nixl-ucx"
+    traits = Traits(mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), remote=True, requires=NIXL_MODULES)
     plugin = "UCX"
 
     def __init__(self, options: EngineOptions | None = None) -> None:
@@ -79,9 +80,6 @@ class NixlUcxEngine(NixlAgentEngine):
                 self.agent.remove_remote_agent(name)
             except Exception:  # noqa: BLE001 -- already gone
                 pass
-
-    def peer_name(self, peer_id: int) -> str:
-        return self._peers.get(peer_id, f"peer {peer_id}")
 
     def open_file(self, path: str) -> int:
         raise TransferError(f"{self.name} moves memory to remote pools, not files; peers come from add_peer()")

@@ -3,8 +3,19 @@
     from hicache_gds.testing import EngineTests
     class TestMyEngine(EngineTests):
         engine_name = "my-engine"
+
+`EngineTests` is a pytest class, so pytest is imported when it (or `random_bytes`) is first
+asked for, never by importing this package: the reliability harness modules beside it
+(`targets`, `torture`, ...) run in processes without pytest.
 """
 
-from .engine_tests import EngineTests, random_bytes
+from typing import Any
 
 __all__ = ["EngineTests", "random_bytes"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import engine_tests
+        return getattr(engine_tests, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

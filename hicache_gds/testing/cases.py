@@ -29,13 +29,11 @@ class Case:
     served_total: int = 0
     wrong_bytes: int = 0
     exceptions: int = 0
+    """Exceptions that escaped a data-path call (or, for SGLang, any call)."""
     stale_present: int = 0
     """Damaged pages still reported present (exists) before anything read them."""
-    """Exceptions that escaped a data-path call (or, for SGLang, any call)."""
     outcome: str = ""
     problems: list[str] = field(default_factory=list)
-    bug: str = ""
-    """Id of a known bug (RELIABILITY.md) this case demonstrates; the case is expected to fail."""
 
     @property
     def ok(self) -> bool:

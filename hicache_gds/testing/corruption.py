@@ -260,15 +260,10 @@ def _outcome(case: Case, name: str, state: str, logs: str) -> str:
 
 
 def corruption_cases(root: str, target: str = "store", engine: str = "nixl-posix", *, states=("closed", "open"),
-                     names=CASES, seed: int = 0, known: dict[str, str] | None = None) -> list[Case]:
+                     names=CASES, seed: int = 0) -> list[Case]:
     """Run every damage case on a fresh namespace under `root`; returns the case records."""
-    out = []
-    for i, name in enumerate(names):
-        for state in states:
-            case = _run_case(root, target, engine, name, state, seed + i)
-            case.bug = (known or {}).get(f"{name} ({state})", "")
-            out.append(case)
-    return out
+    return [_run_case(root, target, engine, name, state, seed + i) for i, name in enumerate(names)
+            for state in states]
 
 
 def _writer(args: argparse.Namespace) -> None:

@@ -468,8 +468,7 @@ def fuzz(root: str, target: str = "store", examples: int = 200, *, surrogates: b
     from hypothesis import strategies as st
 
     from ..config import Config, describe_keys
-    case = Case("fuzz", f"config and key fuzz{' (with lone surrogates)' if surrogates else ''}", target,
-                bug="")
+    case = Case("fuzz", f"config and key fuzz{' (with lone surrogates)' if surrogates else ''}", target)
     cfg_set = settings(max_examples=examples, deadline=None, database=None,
                        suppress_health_check=list(HealthCheck))
     n = {"config": 0, "keys": 0}

@@ -550,6 +550,41 @@ def test_writer_ranks_get_equal_preallocated_shares_whichever_opens_first(tmp_pa
                 b.close()
 
 
+def test_models_served_one_after_another_each_get_the_default_share(tmp_path, caplog):
+    # Three models, one after another, on a 64 MiB tmpfs already 68 % full, no capacity configured:
+    # each server's default share counts the idle namespaces of the ones before as room, and its
+    # open removes them (least recently used first); every model opens, the mount stays <= 90 %.
+    import logging
+
+    from hicache_gds.capacity import dir_space
+    from hicache_gds.testing.faults import small_tmpfs
+    caplog.set_level(logging.INFO, logger="hicache_gds.capacity")
+    with small_tmpfs(str(tmp_path / "mnt"), "64m") as mnt:
+        if mnt is None:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        s = dir_space(mnt)
+        with open(os.path.join(mnt, "other-data"), "wb") as f:
+            f.write(os.urandom(int(0.68 * s.total)))
+        extra = {"gds_path": mnt, "engine": "bounce", "direct_io": False, "capacity": 0}
+        pool = make_pool("mha", "page_first")
+        sizes = []
+        for model in ("org/model-a", "org/model-b", "org/model-c"):
+            b = attach(storage_config(mnt, extra=dict(extra), model_name=model), pool)
+            try:
+                st = b.stats()["kv"]
+                sizes.append(st["slots"] * st["slot_bytes"])
+                ks = keys(4)
+                assert b.batch_set_v1(ks, indices(range(4))) == [True] * 4
+                poison(pool, range(8, 12))
+                assert b.batch_get_v1(ks, indices(range(8, 12))) == [True] * 4
+                assert same_pages(pool, list(range(4)), pool, list(range(8, 12)))
+                assert dir_space(mnt).fill <= 0.9 + 0.01  # slab files within max_fill (+ small index files)
+            finally:
+                b.close()
+        assert len(set(sizes)) == 1 and sizes[0] > 8 << 20, sizes
+        assert sum("removed idle namespace" in r.getMessage() for r in caplog.records) == 2
+
+
 def test_a_new_host_pool_rebinds_the_same_namespace(gds_dir):
     first, second = make_pool("mla", "page_first", seed=1), make_pool("mla", "page_first", seed=None)
     b = attach(storage_config(gds_dir, is_mla_model=True), first)
