@@ -153,6 +153,11 @@ class Engine:
         """All layers' bytes of one block on one rank, as uint8 (never compared as floats)."""
         return self._block(rank, block_id).contiguous().view(torch.uint8).clone()
 
+    def write_block(self, rank: int, block_id: int, data: torch.Tensor) -> None:
+        """Overwrite one block's bytes (all layers) on one rank, as a forward pass does."""
+        blk = self._block(rank, block_id)
+        blk.copy_(data.contiguous().view(torch.int8).view(blk.shape))
+
     def expected_block(self, rank: int, prefix: list[int]) -> torch.Tensor:
         """What the stand-in forward writes into a block whose tokens end `prefix` (uint8)."""
         blk = self._block(rank, 0)
@@ -193,8 +198,7 @@ class Engine:
             for bi in range(start // BLOCK, (end - 1) // BLOCK + 1):
                 upto = min((bi + 1) * BLOCK, end)
                 for r in range(len(self.workers)):
-                    want = self.expected_block(r, toks[:upto])
-                    self._block(r, ids[bi]).copy_(want.view(torch.int8).view(self._block(r, ids[bi]).shape))
+                    self.write_block(r, ids[bi], self.expected_block(r, toks[:upto]))
 
     def step(self) -> None:
         so = self.scheduler.schedule()
