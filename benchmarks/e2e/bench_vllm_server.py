@@ -514,6 +514,22 @@ def versions() -> dict[str, str]:
     return out
 
 
+def cfgs_wanted(a: argparse.Namespace) -> list[str]:
+    return list(a.configs_list)
+
+
+def space(a: argparse.Namespace) -> dict[str, int]:
+    """Free bytes where the run puts things: the disk under test, and /dev/shm (vLLM's CPU tier is a
+    shared mapping there)."""
+    out = {}
+    for name, path in (("dir_free", a.dir), ("dev_shm_free", "/dev/shm")):
+        try:
+            out[name] = shutil.disk_usage(path).free
+        except OSError:
+            pass
+    return out
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", required=True, help="the disk under test: every configuration's store goes below it")
@@ -568,7 +584,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped leftover server process groups {left}", flush=True)
     args_doc = {k: v for k, v in vars(a).items() if k != "configs_list"}
     doc: dict[str, Any] = {"args": args_doc, "machine": machine(), "versions": versions(), "records": [],
-                           "kv_per_token": a.kv_per_token}
+                           "kv_per_token": a.kv_per_token, "space": space(a)}
+    if "cpu" in cfgs_wanted(a) and doc["space"].get("dev_shm_free", 1 << 62) < a.cpu_gib * 2**30 * 1.1:
+        print(f"WARNING: /dev/shm has {doc['space']['dev_shm_free'] >> 20} MiB free; vLLM's CPU tier maps "
+              f"{a.cpu_gib} GiB there", flush=True)
     path = os.path.join(a.out, "results.json")
     cfgs = list(a.configs_list)
     if a.resume and os.path.exists(path):
