@@ -514,10 +514,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def cfgs_wanted(a: argparse.Namespace) -> list[str]:
-    return list(a.configs_list)
-
-
 def space(a: argparse.Namespace) -> dict[str, int]:
     """Free bytes where the run puts things: the disk under test, and /dev/shm (vLLM's CPU tier is a
     shared mapping there)."""
@@ -585,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     args_doc = {k: v for k, v in vars(a).items() if k != "configs_list"}
     doc: dict[str, Any] = {"args": args_doc, "machine": machine(), "versions": versions(), "records": [],
                            "kv_per_token": a.kv_per_token, "space": space(a)}
-    if "cpu" in cfgs_wanted(a) and doc["space"].get("dev_shm_free", 1 << 62) < a.cpu_gib * 2**30 * 1.1:
+    if "cpu" in a.configs_list and doc["space"].get("dev_shm_free", 1 << 62) < a.cpu_gib * 2**30 * 1.1:
         print(f"WARNING: /dev/shm has {doc['space']['dev_shm_free'] >> 20} MiB free; vLLM's CPU tier maps "
               f"{a.cpu_gib} GiB there", flush=True)
     path = os.path.join(a.out, "results.json")
