@@ -46,6 +46,7 @@ def test_command_lines_of_every_configuration(tmp_path):
             extra = ktc["kv_connector_extra_config"]
             assert extra["gds_path"] == env["GDS_PATH"] == str(tmp_path / cfg)
             assert extra["engine"] == bench.ENGINE[cfg] and extra["block_size"] == 64
+            assert extra["cost_model"] == ("rate" if cfg == "gds-cost" else "off")
             assert env["CUFILE_ENV_PATH_JSON"].endswith("configs/cufile.json")
             if cfg == "gds-plain":
                 assert ktc["kv_connector"] == "OffloadingConnector" and extra["spec_module_path"] == "hicache_gds_vllm"

@@ -14,8 +14,12 @@ recompute  no connector: vLLM's GPU prefix cache only
 cpu        vLLM's own ``OffloadingConnector`` + ``CPUOffloadingSpec``, ``cpu_bytes_to_use`` smaller
            than the working set
 gds        ``HiCacheGDSConnector`` (this project), engine ``nixl-gds-mt``: NIXL GDS_MT moving vLLM's
-           VRAM KV to and from NVMe -- cuFile runs in compat mode on the GPU machine (no nvidia-fs)
-bounce     ``HiCacheGDSConnector``, engine ``bounce`` (pinned host buffers + O_DIRECT)
+           VRAM KV to and from NVMe -- cuFile runs in compat mode on the GPU machine (no nvidia-fs);
+           ``cost_model: off``: every chunk found is loaded (the load path, measured)
+bounce     ``HiCacheGDSConnector``, engine ``bounce`` (pinned host buffers + O_DIRECT), cost model off
+gds-cost   ``gds`` with the load-or-recompute model (``cost_model: rate``): a chunk is loaded only
+           where that beats recomputing it, by rates measured in the running engine
+gds-plain  the spec by name under vLLM's own ``OffloadingConnector`` (no recompute of failed loads)
 =========  ===========================================================================================
 
 Workload: ``--prefixes`` random prompts of ``--prefix-tokens`` tokens, each sent once with a short
@@ -63,10 +67,11 @@ sys.path.insert(0, HERE)
 from bench_sglang_server import Server, _ratio, _table, drop_caches, free_port, machine, pct, tokens  # noqa: E402
 
 MODEL_DIR = os.path.join(HERE, "llama3-8b-shape")
-CONFIGS = ("recompute", "cpu", "gds", "bounce", "gds-plain")
-OFFLOAD = ("cpu", "gds", "bounce", "gds-plain")
-OURS = ("gds", "bounce", "gds-plain")
-ENGINE = {"gds": "nixl-gds-mt", "bounce": "bounce", "gds-plain": "nixl-gds-mt"}
+CONFIGS = ("recompute", "cpu", "gds", "bounce", "gds-cost", "gds-plain")
+OFFLOAD = ("cpu", "gds", "bounce", "gds-cost", "gds-plain")
+OURS = ("gds", "bounce", "gds-cost", "gds-plain")
+ENGINE = {"gds": "nixl-gds-mt", "bounce": "bounce", "gds-cost": "nixl-gds-mt", "gds-plain": "nixl-gds-mt"}
+COST_MODEL = {"gds": "off", "bounce": "off", "gds-cost": "rate", "gds-plain": "off"}
 PIDS = "servers.pids"
 
 
@@ -103,7 +108,7 @@ def server_command(cfg: str, a: argparse.Namespace, port: int, store_dir: str) -
     else:
         env.update(GDS_PATH=store_dir, CUFILE_ENV_PATH_JSON=os.path.join(REPO, "configs", "cufile.json"))
         extra: dict[str, Any] = {"gds_path": store_dir, "capacity": a.capacity, "block_size": chunk_tokens,
-                                 "engine": ENGINE[cfg], "cost_model": a.cost_model}
+                                 "engine": ENGINE[cfg], "cost_model": a.cost_model or COST_MODEL[cfg]}
         if cfg == "gds-plain":  # the spec by name under vLLM's own connector (no recompute on failure)
             extra.update(spec_name="HiCacheGDSOffloadingSpec", spec_module_path="hicache_gds_vllm")
             ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
@@ -530,7 +535,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", required=True, help="the disk under test: every configuration's store goes below it")
     p.add_argument("--out", default="/var/tmp/vllm-e2e-out")
-    p.add_argument("--configs", default="recompute,cpu,gds,bounce")
+    p.add_argument("--configs", default="recompute,cpu,gds,bounce,gds-cost")
     p.add_argument("--model", default=MODEL_DIR)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--blocks-per-chunk", type=int, default=4, help="GPU blocks per offloaded chunk (cpu and ours)")
@@ -538,7 +543,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-mem", type=float, default=0.6, help="--gpu-memory-utilization")
     p.add_argument("--cpu-gib", type=float, default=6.0, help="the cpu configuration's cpu_bytes_to_use")
     p.add_argument("--capacity", default="40G", help="hicache-gds capacity per rank")
-    p.add_argument("--cost-model", default="rate", help="hicache-gds-vllm cost_model: rate or off")
+    p.add_argument("--cost-model", default=None,
+                   help="hicache-gds-vllm cost_model for every configuration of ours (default: off, rate for gds-cost)")
     p.add_argument("--attention-backend", default="FLASH_ATTN")
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--batched-tokens", type=int, default=8192, help="--max-num-batched-tokens")

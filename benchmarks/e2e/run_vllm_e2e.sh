@@ -2,7 +2,7 @@
 # Run the vLLM server comparison on a GPU machine prepared by gpu_prepare_vllm.sh:
 #
 #   bash benchmarks/e2e/run_vllm_e2e.sh [CONFIGS] [bench_vllm_server.py options]
-#       CONFIGS default recompute,cpu,gds,bounce (also: gds-plain)
+#       CONFIGS default recompute,cpu,gds,bounce,gds-cost (also: gds-plain)
 #
 # Resumable: configurations already measured under $E2E_OUT are kept (--resume), and no new one is
 # started after $DEADLINE_S seconds minus one configuration's budget (default 510: a device call
@@ -20,7 +20,7 @@ fi
 [ -f /var/tmp/hgds-vllm/env.sh ] && source /var/tmp/hgds-vllm/env.sh
 DIR=${E2E_DIR:-/var/tmp/vllm-e2e-store}
 RES=${E2E_OUT:-/var/tmp/vllm-e2e-out}
-CONFIGS=${1:-recompute,cpu,gds,bounce}
+CONFIGS=${1:-recompute,cpu,gds,bounce,gds-cost}
 [ $# -gt 0 ] && shift
 python3 benchmarks/e2e/bench_vllm_server.py --dir "$DIR" --out "$RES" --resume --deadline-s "${DEADLINE_S:-510}" \
   --configs "$CONFIGS" "$@"
