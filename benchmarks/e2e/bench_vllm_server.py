@@ -92,8 +92,8 @@ def server_command(cfg: str, a: argparse.Namespace, port: int, store_dir: str) -
         cmd = [sys.executable, os.path.join(HERE, "fake_vllm_server.py")]
     else:  # the OpenAI server module `vllm serve` runs (no console script in the bundle)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    cmd += ["--model", a.model, "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", "e2e", "--dtype", "bfloat16", "--block-size", str(a.block_size),
+    cmd += ["--model", a.model, "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", "e2e", "--dtype", "bfloat16", "--block-size", str(a.block_size),
             "--enforce-eager", "--seed", "0", "--gpu-memory-utilization", str(a.gpu_mem),
             "--num-gpu-blocks-override", str(a.gpu_blocks), "--max-model-len", str(a.max_model_len),
             "--max-num-batched-tokens", str(a.batched_tokens), "--max-num-seqs", str(a.max_seqs),

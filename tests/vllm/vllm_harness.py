@@ -177,7 +177,8 @@ class Engine:
             for i in range(n):
                 want = self.expected_block(r, tokens[:(i + 1) * BLOCK])
                 got = self.block_bytes(r, ids[i]).view(want.shape)
-                assert torch.equal(got, want), f"rank {r}: block {i} (id {ids[i]}) of {req_id} is not what compute gives"
+                assert torch.equal(got, want), \
+                    f"rank {r}: block {i} (id {ids[i]}) of {req_id} is not what compute gives"
 
     # -- driving -------------------------------------------------------------------------------
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> None:

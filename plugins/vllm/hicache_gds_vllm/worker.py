@@ -11,8 +11,9 @@ buffers), as DRAM when they are host tensors (CPU runs and tests: NIXL POSIX or 
 CPU offloading orders its copies after the same stream) and queue the job. The IO thread starts
 a job only once that event has completed -- so a store never reads a block before the compute
 that writes it has finished, and a load never writes one before the work queued on it -- and
-gives up after `io_timeout` (the job fails; it never waits unbounded). Two IO threads run jobs in order: one for stores and ordinary loads, one for
-expedited (in-step) loads so they never queue behind a long store. Each job's chunks become one
+gives up after `io_timeout` (the job fails; it never waits unbounded). Two IO threads run jobs in
+order: one for stores and ordinary loads, one for expedited (in-step) loads so they never queue
+behind a long store. Each job's chunks become one
 `Pages` batch per group (`regions.py`): one page = one chunk, segments = per-layer block regions,
 merged where block ids are consecutive.
 
@@ -341,7 +342,8 @@ class HiCacheGDSWorker(OffloadingWorker):
             try:
                 self.stores[pos].delete(ks)
             except Exception as exc:  # noqa: BLE001 -- best effort: the manager forgets them anyway
-                log.warning("hicache-gds-vllm rank %d: could not drop %d unreadable chunks: %s", self.rank, len(ks), exc)
+                log.warning("hicache-gds-vllm rank %d: could not drop %d unreadable chunks: %s", self.rank, len(ks),
+                            exc)
 
     def _run(self, job: _Job, scratch: _Scratch) -> tuple[int, list[str], set[int]]:
         """Run one job; return (bytes of KV moved, keys of the chunks that failed, their GPU blocks)."""
