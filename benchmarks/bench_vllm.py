@@ -2,6 +2,7 @@
 O_DIRECT on the same directory in the same run.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py --dir /work/bench-gds [--rounds 5] [--chunks 128]
+    (.venv-vllm026/bin/python for vLLM 0.26: the same worker, the same numbers)
 
 Shape (Llama-3-8B): 32 layers, 8 KV heads x 128, bf16, 16-token blocks -> one (layer, block) page
 is 64 KiB, laid out as vLLM's LBHNC (one allocation, a view per layer); 4 blocks per chunk ->
@@ -30,12 +31,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor,  # noqa: E402
                                      GPULoadStoreSpec, make_offload_key)
-from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,  # noqa: E402
-                                       OffloadingModelConfig, OffloadingParallelConfig)
+from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 
 from hicache_gds.memory import HostBuffer  # noqa: E402
 from hicache_gds_vllm import HiCacheGDSOffloadingSpec, HiCacheLoadSpec, HiCacheStoreSpec  # noqa: E402
 from hicache_gds_vllm.spec import store_key  # noqa: E402
+from hicache_gds_vllm.testing import offloading_config  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, BPC = 32, 8, 128, 16, 4
 PAGE = BLOCK * HEADS * 2 * HEAD_DIM * 2  # K+V, bf16: 64 KiB
@@ -53,18 +54,11 @@ def drop_caches() -> bool:
 
 
 def make_config(gds_path: str, capacity: int, verify: bool) -> OffloadingConfig:
-    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+    """Llama-3-8B's offloading config, for whichever vLLM (0.26 or 0.33) is installed."""
     extra = {"spec_name": "HiCacheGDSOffloadingSpec", "spec_module_path": "hicache_gds_vllm",
              "blocks_per_chunk": BPC, "gds_path": gds_path, "capacity": capacity, "verify": verify}
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=BLOCK, layer_names=names, group_id=0),),
-        worker_kv_bytes_per_block=LAYERS * PAGE, enable_kv_cache_events=False, extra_config=extra,
-        engine_id="bench", model=OffloadingModelConfig("meta-llama/Meta-Llama-3-8B", "bfloat16", 8192),
-        cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=BPC),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=None, is_parallelism_agnostic=True),
-        kv_cache_layout="LBHNC")
+    return offloading_config(extra, layers=LAYERS, tokens_per_block=BLOCK, bytes_per_block=LAYERS * PAGE,
+                             engine_id="bench")
 
 
 class Raw:

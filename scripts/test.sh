@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: system services (fio, redis-server), a virtualenv with
 # hicache-gds, its plugins and SGLang's real classes, then pytest; then the SGLang plugin's tests
-# once more against SGLang 0.5.17 (SKIP_SGLANG_0517=1 skips) and vLLM's in their own virtualenv
-# (SKIP_VLLM=1 skips). Usage: bash scripts/test.sh [pytest args]
+# once more against SGLang 0.5.17 (SKIP_SGLANG_0517=1 skips) and vLLM's in their own virtualenvs, against
+# vLLM 0.33 and 0.26 (SKIP_VLLM=1 skips both, SKIP_VLLM_026=1 the second). Usage: bash scripts/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -40,10 +40,18 @@ if [ -z "${SKIP_SGLANG_0517:-}" ] && [ -x scripts/install-sglang-test-deps.sh ];
   [ $rc -eq 0 ] && rc=$rc2
 fi
 if [ -z "${SKIP_VLLM:-}" ]; then
-  bash scripts/install-vllm-test-deps.sh python3 .venv-vllm >/dev/null && \
+  bash scripts/install-vllm-test-deps.sh python3 .venv-vllm 0.33 >/dev/null && \
     VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"
   rc2=$?
   [ $rc -eq 0 ] && rc=$rc2
+  # vLLM 0.26 (the newest release on torch 2.11, the one a GPU machine with torch 2.11 runs): its own
+  # venv over the CPU torch 2.13.0.
+  if [ -z "${SKIP_VLLM_026:-}" ]; then
+    bash scripts/install-vllm-test-deps.sh python3 .venv-vllm026 0.26 >/dev/null && \
+      VLLM_TARGET_DEVICE=cpu .venv-vllm026/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"
+    rc2=$?
+    [ $rc -eq 0 ] && rc=$rc2
+  fi
 fi
 set -e
 exit $rc

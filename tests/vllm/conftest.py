@@ -1,10 +1,12 @@
-"""tests/vllm: the vLLM adapter (plugins/vllm) against vLLM 0.33's real Scheduler and OffloadingConnector.
+"""tests/vllm: the vLLM adapter (plugins/vllm) against vLLM's real Scheduler and OffloadingConnector, on
+whichever of the adapter's releases is installed (scripts/test.sh runs it against 0.33 and 0.26).
 
 The whole folder is skipped where vLLM (or the adapter) cannot be imported, as in the main suite's
 venv: its test modules are not collected, and `test_0_vllm_available.py` reports one skip with the
 reason. Set up with
 
-    scripts/install-vllm-test-deps.sh python3.11          # creates .venv-vllm (~6 min)
+    scripts/install-vllm-test-deps.sh python3.11                     # .venv-vllm: vLLM 0.33 (~3-6 min)
+    scripts/install-vllm-test-deps.sh python3.11 .venv-vllm026 0.26   # .venv-vllm026: vLLM 0.26 (~3 min)
     VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest tests/vllm
 """
 
@@ -17,14 +19,28 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no GPU: vLLM's CPU platfor
 import pytest
 
 
+def _cpu_platform() -> None:
+    """vLLM's CPU platform on this CPU machine. 0.33 chooses it by VLLM_TARGET_DEVICE=cpu; 0.26 only in
+    a CPU build of vLLM (the PyPI wheel is a CUDA build) or on macOS, and otherwise runs on
+    `UnspecifiedPlatform`, whose configs cannot be built. Tests only: a GPU machine finds CUDA."""
+    import vllm.platforms as platforms
+    plugins = getattr(platforms, "builtin_platform_plugins", {})
+    cpu = plugins.get("cpu")
+    if cpu is not None and cpu() is None and os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        plugins["cpu"] = lambda: "vllm.platforms.cpu.CpuPlatform"
+        if type(getattr(platforms, "_current_platform", None)).__name__ == "UnspecifiedPlatform":
+            platforms._current_platform = None  # `import vllm` resolved it already; nothing else holds it yet
+
+
 def _missing() -> str | None:
     try:
         import vllm
         if getattr(vllm, "__file__", None) is None:  # only this folder, seen as a namespace package
             raise ImportError("No module named 'vllm'")
+        _cpu_platform()
         import vllm.v1.kv_offload.base  # noqa: F401
     except Exception as exc:  # noqa: BLE001 -- ImportError, or a broken install raising anything
-        return (f"vLLM 0.33 is not importable here ({type(exc).__name__}: {exc}); "
+        return (f"vLLM is not importable here ({type(exc).__name__}: {exc}); "
                 f"install it with scripts/install-vllm-test-deps.sh")
     try:
         import hicache_gds_vllm  # noqa: F401

@@ -8,4 +8,5 @@ def test_vllm_and_adapter_import(vllm_missing):
         pytest.skip(vllm_missing)
     import vllm
 
-    assert vllm.__version__.startswith("0.33.")
+    # The adapter's range (plugins/vllm/pyproject.toml); scripts/test.sh runs this folder on both ends.
+    assert vllm.__version__.startswith(("0.26.", "0.33."))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm_harness import Engine
+from vllm_harness import LAYOUTS, Engine
 
 PROMPT = list(range(1, 131))  # 8 full blocks + 2 tokens = 4 chunks of 2 blocks
 
@@ -31,9 +31,11 @@ def assert_loaded(e: Engine, req: str, want: dict, first: int = 0, nblocks: int 
             assert torch.equal(got, data), f"rank {r} block {i} (id {e.block_ids[req][i]}) differs"
 
 
+@pytest.mark.parametrize("connector", ["offloading", "hicache"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_store_reset_load_byte_exact(root, gds_dir, world_size):
-    e = engine(root, gds_dir, world_size=world_size, seed=world_size)
+def test_store_reset_load_byte_exact(root, gds_dir, world_size, layout, connector):
+    e = engine(root, gds_dir, world_size=world_size, seed=world_size, layout=layout, connector=connector)
     e.add("A", PROMPT)
     e.run()
     assert e.manager.stats()["ready"] == 4  # every rank acknowledged every store job
@@ -45,6 +47,8 @@ def test_store_reset_load_byte_exact(root, gds_dir, world_size):
     assert e.load_jobs == 1
     assert e.scheduler.connector.connector_scheduler.manager.stats()["pinned"] == 0
     assert_loaded(e, "B", want)
+    e.check_kv("B", PROMPT)
+    assert not e.invalid_blocks
     e.shutdown()
 
 
@@ -120,13 +124,14 @@ def test_warm_restart_loads_from_disk(root, gds_dir):
     e2.shutdown()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_two_engines_share_chunks_and_a_load_is_leased(root, gds_dir, world_size):
+def test_two_engines_share_chunks_and_a_load_is_leased(root, gds_dir, world_size, layout):
     """Two engines of the same model and layout (two engine ids) open the same namespaces: chunks
     one stores are hits for the other (a miss in its own map checked against the shared indexes),
     loaded byte-exact, and leased on every rank while the load is in flight."""
-    a = engine(root, gds_dir, world_size=world_size, seed=21)
-    b = engine(root, gds_dir, world_size=world_size, seed=22)
+    a = engine(root, gds_dir, world_size=world_size, seed=21, layout=layout)
+    b = engine(root, gds_dir, world_size=world_size, seed=22, layout=layout)
     try:
         assert a.worker(0).stores[0].namespace == b.worker(0).stores[0].namespace
         a.add("A", PROMPT)

@@ -116,7 +116,8 @@ def test_reset_cache(gds_dir):
     assert m.lookup(key(2), CTX) is LookupResult.MISS
     out = m.prepare_store([key(3)], CTX)
     assert out.store_spec.clear and out.store_spec.drops == []
-    m.on_reset_flushed()
+    if hasattr(m, "on_reset_flushed"):  # 0.33's manager API (inherited default); 0.26 has none
+        m.on_reset_flushed()
 
 
 def test_events_are_emitted_for_stores_and_evictions(gds_dir):

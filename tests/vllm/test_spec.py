@@ -5,32 +5,21 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-                                       OffloadingModelConfig, OffloadingParallelConfig)
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from hicache_gds import ConfigError
-from hicache_gds_vllm import HiCacheGDSOffloadingSpec
+from hicache_gds_vllm import HiCacheGDSOffloadingSpec, compat
 from hicache_gds_vllm.spec import engine_identity, hicache_config
+from hicache_gds_vllm.testing import offloading_config
 
 BASE_EXTRA = {"spec_name": "HiCacheGDSOffloadingSpec", "spec_module_path": "hicache_gds_vllm",
               "blocks_per_chunk": 4, "offload_prompt_only": True}
 
 
-def make_config(extra: dict, *, rank: int = 0, world_size: int = 1, dtype: str = "bfloat16",
-                model: str = "meta-llama/Meta-Llama-3-8B", bytes_per_block: int = 32 * 64 * 1024,
-                events: bool = False, engine_id: str = "engine-0") -> OffloadingConfig:
+def make_config(extra: dict, **kw) -> OffloadingConfig:
     """An OffloadingConfig as vLLM builds it for Llama-3-8B (32 layers, 64 KiB pages, 16-token blocks)."""
-    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(32))
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=layers, group_id=0),),
-        worker_kv_bytes_per_block=bytes_per_block, enable_kv_cache_events=events, extra_config=extra,
-        engine_id=engine_id, model=OffloadingModelConfig(model, dtype, 8192),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=extra.get("blocks_per_chunk", 1)),
-        parallel=OffloadingParallelConfig(rank=rank, world_size=world_size, tp_size=world_size, pp_size=1,
-                                          pcp_size=1, dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=None, is_parallelism_agnostic=world_size == 1),
-        kv_cache_layout="LBHNC")
+    return offloading_config(extra, **kw)
 
 
 def test_factory_loads_spec_from_extra_config(gds_dir):
@@ -66,6 +55,7 @@ def test_identity_separates_what_changes_the_bytes():
     for other in (make_config(BASE_EXTRA, dtype="float16"), make_config(BASE_EXTRA, world_size=2),
                   make_config(BASE_EXTRA, model="other"), make_config({**BASE_EXTRA, "blocks_per_chunk": 2})):
         assert engine_identity(other) != base
+    assert base["kv_handoff"] == compat.KV_HANDOFF
     # The scheduler (rank 0) and a worker of rank 3 share the engine identity; ranks differ per store.
     assert engine_identity(make_config(BASE_EXTRA, rank=3, world_size=4)) == \
         engine_identity(make_config(BASE_EXTRA, rank=0, world_size=4))

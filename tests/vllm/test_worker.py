@@ -69,7 +69,7 @@ def make_worker(gds_dir, layers=3, nblocks=24, bpc=4, seed=0):
     tensors = [CanonicalKVCacheTensor(kv[i].view(torch.int8), page) for i in range(layers)]
     refs = [[CanonicalKVCacheRef(i, page) for i in range(layers)]]
     extra = {**BASE_EXTRA, "blocks_per_chunk": bpc, "gds_path": gds_dir, "capacity": "16M", "preallocate": False}
-    spec = HiCacheGDSOffloadingSpec(make_config(extra, bytes_per_block=layers * page))
+    spec = HiCacheGDSOffloadingSpec(make_config(extra, layers=layers, bytes_per_block=layers * page))
     return spec, spec.get_worker(CanonicalKVCaches(tensors, refs)), kv
 
 

@@ -1,16 +1,31 @@
-"""A CPU stand-in for a vLLM engine: the real Scheduler + OffloadingConnector, with W simulated ranks.
+"""A CPU stand-in for a vLLM engine: the real Scheduler + offloading connector, with W simulated ranks.
 
-Each rank is a WORKER-role OffloadingConnector over its own CPU KV tensors (random bytes, one
-LBHNC allocation per rank, as vLLM makes). A step runs the scheduler, hands the metadata to every
-rank exactly as the model runner does (handle_preemptions, start_load_kv, wait_for_save,
-get_finished, build_connector_worker_meta), aggregates the ranks' worker metadata the way vLLM's
-executor does (job counts summed; a load is finished only when every rank reports it), and feeds a
-ModelRunnerOutput back. No model runs: KV bytes are whatever is in the tensors.
+Each rank is a WORKER-role connector over its own CPU KV cache (random bytes), handed over the way
+the installed vLLM's model runner does it:
+
+* ``layout="per-layer"``: per-layer views of one layer-outermost allocation (`register_kv_caches`;
+  what 0.33 always does, and 0.26 for backends without a cross-layer layout);
+* ``layout="cross-layer"`` (0.26): one (blocks, heads, layers, tokens, 2 x head_dim) tensor laid out
+  as FlashAttention's cross-layer cache (`register_cross_layers_kv_cache`), as vLLM 0.26 allocates
+  it for a single uniform group.
+
+``connector`` picks vLLM's `OffloadingConnector` (the spec by name) or this adapter's
+`HiCacheGDSConnector`. A step runs the scheduler, hands the metadata to every rank exactly as the
+model runner does (handle_preemptions, start_load_kv, wait_for_save, get_finished,
+get_block_ids_with_load_errors, build_connector_worker_meta), aggregates the ranks' outputs the
+way vLLM's executor does (job counts summed, failed blocks joined; a load is finished only when
+every rank reports it), and feeds a ModelRunnerOutput back.
+
+A stand-in forward pass writes the KV of the tokens each step computes: every block's bytes are a
+function of the token prefix up to the block's end (and the rank), as a real model's are. So
+after any mix of loads and recomputes, every full block of a request must hold
+`expected_block(...)`: what computing it would have produced (`check_kv`).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 from functools import reduce
@@ -29,8 +44,14 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from hicache_gds_vllm import compat
+from hicache_gds_vllm.connector import HiCacheGDSConnector
+from hicache_gds_vllm.testing import kv_cache_tensors
+
 BLOCK = 16
 EOS = 0
+CROSS_LAYER = compat.KV_HANDOFF.startswith("cross-layer")  # this vLLM can hand KV over as cross-layer blocks
+LAYOUTS = ("per-layer", "cross-layer") if CROSS_LAYER else ("per-layer",)
 
 
 def tiny_model_dir(root: str, layers: int, heads: int, head_dim: int) -> str:
@@ -49,19 +70,28 @@ class Engine:
 
     def __init__(self, root: str, gds_path: str, *, world_size: int = 1, blocks_per_chunk: int = 2,
                  num_blocks: int = 64, layers: int = 2, heads: int = 4, head_dim: int = 64,
-                 extra: dict | None = None, seed: int = 0) -> None:
-        self.layers, self.num_blocks = layers, num_blocks
-        extra_config = {"spec_name": "HiCacheGDSOffloadingSpec", "spec_module_path": "hicache_gds_vllm",
-                        "blocks_per_chunk": blocks_per_chunk, "gds_path": gds_path, "capacity": "64M",
-                        "preallocate": False, **(extra or {})}
+                 extra: dict | None = None, seed: int = 0, layout: str = "per-layer",
+                 connector: str = "offloading", max_num_seqs: int = 4) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: this vLLM hands KV to workers as {LAYOUTS}")
+        self.layers, self.num_blocks, self.layout, self.seed = layers, num_blocks, layout, seed
+        extra_config = {"blocks_per_chunk": blocks_per_chunk, "gds_path": gds_path, "capacity": "64M",
+                        "preallocate": False, "cost_model": "off", **(extra or {})}
+        if connector == "offloading":
+            extra_config.update(spec_name="HiCacheGDSOffloadingSpec", spec_module_path="hicache_gds_vllm")
+            conn_cls, ktc = OffloadingConnector, {"kv_connector": "OffloadingConnector"}
+        elif connector == "hicache":
+            conn_cls = HiCacheGDSConnector
+            ktc = {"kv_connector": "HiCacheGDSConnector", "kv_connector_module_path": "hicache_gds_vllm.connector"}
+        else:
+            raise ValueError(f"connector {connector!r}: 'offloading' or 'hicache'")
         vc = VllmConfig(
             model_config=ModelConfig(model=tiny_model_dir(root, layers, heads, head_dim), skip_tokenizer_init=True,
                                      dtype="float16", max_model_len=4096),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=4096,
-                                             is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                                kv_connector_extra_config=extra_config),
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+                                             max_model_len=4096, is_encoder_decoder=False),
+            kv_transfer_config=KVTransferConfig(kv_role="kv_both", kv_connector_extra_config=extra_config, **ktc),
         )
         vc.parallel_config.world_size = world_size  # ranks are simulated in this process
         vc.cache_config.num_gpu_blocks = num_blocks
@@ -69,19 +99,30 @@ class Engine:
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head_dim, dtype=torch.float16)
         self.page_bytes = spec.page_size_bytes
         names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks,
+                                             kv_cache_tensors=kv_cache_tensors(names, self.page_bytes, num_blocks),
                                              kv_cache_groups=[KVCacheGroupSpec(names, spec)])
         gen = torch.Generator().manual_seed(seed)
-        self.kv: list[torch.Tensor] = []  # per rank: (L, B, H, N, 2*D) fp16, LBHNC in one allocation
-        self.workers: list[OffloadingConnector] = []
+        # Per rank, the whole KV cache as int8 with blocks on dimension `_bdim`:
+        # (L, B, H, N, 2*D*2) per-layer (layer-outermost), (B, H, L, N, 2*D*2) cross-layer.
+        self.kv: list[torch.Tensor] = []
+        self._bdim = 1 if layout == "per-layer" else 0
+        self.workers: list = []
         for rank in range(world_size):
             rc = copy.deepcopy(vc)
             rc.parallel_config.rank = rank
-            kv = torch.randint(-128, 127, (layers, num_blocks, heads, BLOCK, 4 * head_dim), dtype=torch.int8,
-                               generator=gen).view(torch.float16)
-            conn = OffloadingConnector(rc, KVConnectorRole.WORKER, self.kv_cache_config)
-            with set_current_vllm_config(rc):
-                conn.register_kv_caches({n: kv[i] for i, n in enumerate(names)})
+            conn = conn_cls(rc, KVConnectorRole.WORKER, self.kv_cache_config)
+            if layout == "per-layer":
+                kv = torch.randint(-128, 127, (layers, num_blocks, heads, BLOCK, 4 * head_dim), dtype=torch.int8,
+                                   generator=gen)
+                with set_current_vllm_config(rc):
+                    conn.register_kv_caches({n: kv[i].view(torch.float16) for i, n in enumerate(names)})
+            else:
+                from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+                kv = torch.randint(-128, 127, (num_blocks, heads, layers, BLOCK, 4 * head_dim), dtype=torch.int8,
+                                   generator=gen)
+                with set_current_vllm_config(rc):
+                    conn.register_cross_layers_kv_cache(kv.view(torch.float16), FlashAttentionBackend)
             self.kv.append(kv)
             self.workers.append(conn)
         self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=self.kv_cache_config,
@@ -93,6 +134,8 @@ class Engine:
         self._hasher = get_request_block_hasher(BLOCK, sha256)
         self.block_ids: dict[str, list[int]] = {}
         self.load_jobs = 0
+        self.invalid_blocks: set[int] = set()  # every block a rank reported as failed to load
+        self.computed_tokens = 0  # tokens the stand-in forward computed (recomputes included)
         self._recv_counts: dict[str, int] = {}
 
     # -- handles -------------------------------------------------------------------------------
@@ -103,19 +146,60 @@ class Engine:
     def worker(self, rank: int = 0):
         return self.workers[rank].connector_worker.worker
 
+    def _block(self, rank: int, block_id: int) -> torch.Tensor:
+        return self.kv[rank].select(self._bdim, block_id)
+
     def block_bytes(self, rank: int, block_id: int) -> torch.Tensor:
         """All layers' bytes of one block on one rank, as uint8 (never compared as floats)."""
-        return self.kv[rank][:, block_id].contiguous().view(torch.uint8).clone()
+        return self._block(rank, block_id).contiguous().view(torch.uint8).clone()
+
+    def write_block(self, rank: int, block_id: int, data: torch.Tensor) -> None:
+        """Overwrite one block's bytes (all layers) on one rank, as a forward pass does."""
+        blk = self._block(rank, block_id)
+        blk.copy_(data.contiguous().view(torch.int8).view(blk.shape))
+
+    def expected_block(self, rank: int, prefix: list[int]) -> torch.Tensor:
+        """What the stand-in forward writes into a block whose tokens end `prefix` (uint8)."""
+        blk = self._block(rank, 0)
+        digest = hashlib.sha256(json.dumps([rank, self.seed, prefix]).encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        return torch.randint(0, 256, tuple(blk.shape), dtype=torch.uint8, generator=gen)
 
     def poison(self, value: int = 0xA5) -> None:
         for kv in self.kv:
             kv.view(torch.uint8).fill_(value)
+
+    def check_kv(self, req_id: str, tokens: list[int], nblocks: int | None = None) -> None:
+        """Every full block of `tokens` in the request's GPU blocks holds what computing it gives."""
+        ids = self.block_ids[req_id]
+        n = len(tokens) // BLOCK if nblocks is None else nblocks
+        for r in range(len(self.workers)):
+            for i in range(n):
+                want = self.expected_block(r, tokens[:(i + 1) * BLOCK])
+                got = self.block_bytes(r, ids[i]).view(want.shape)
+                assert torch.equal(got, want), \
+                    f"rank {r}: block {i} (id {ids[i]}) of {req_id} is not what compute gives"
 
     # -- driving -------------------------------------------------------------------------------
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> None:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, EOS)
         self.scheduler.add_request(Request(req_id, tokens, sp, None, block_hasher=self._hasher))
+
+    def _forward(self, so) -> None:
+        """The stand-in model: write the blocks holding the tokens each request computes this step."""
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            end = req.num_computed_tokens  # the scheduler advanced it when it scheduled the step
+            start = end - n
+            toks = list(req.all_token_ids)
+            ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            self.block_ids[req_id] = list(ids)
+            self.computed_tokens += n
+            for bi in range(start // BLOCK, (end - 1) // BLOCK + 1):
+                upto = min((bi + 1) * BLOCK, end)
+                for r in range(len(self.workers)):
+                    self.write_block(r, ids[bi], self.expected_block(r, toks[:upto]))
 
     def step(self) -> None:
         so = self.scheduler.schedule()
@@ -124,15 +208,19 @@ class Engine:
         meta = so.kv_connector_metadata
         self.load_jobs += len(meta.load_jobs)
         recving: set[str] = set()
+        invalid: set[int] = set()
         metas = []
         for conn in self.workers:
             conn.handle_preemptions(meta)
             conn.bind_connector_metadata(meta)
             conn.start_load_kv(None)
+        self._forward(so)  # after the loads were started, as the model runner does
+        for conn in self.workers:
             if so.total_num_scheduled_tokens > 0:
                 conn.wait_for_save()
             conn.connector_worker.worker.drain()  # IO threads are real; make the test deterministic
             _, rec = conn.get_finished(so.finished_req_ids)
+            invalid |= conn.get_block_ids_with_load_errors()
             for r in rec:
                 self._recv_counts[r] = self._recv_counts.get(r, 0) + 1
                 if self._recv_counts[r] == len(self.workers):
@@ -142,14 +230,16 @@ class Engine:
             if wm is not None:
                 metas.append(wm)
             conn.clear_connector_metadata()
+        self.invalid_blocks |= invalid
         req_ids, sampled = [], []
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             req_ids.append(req_id)
-            done_prefill = req.num_computed_tokens + n >= req.num_prompt_tokens
+            done_prefill = req.num_computed_tokens >= req.num_prompt_tokens
             sampled.append([7] if done_prefill else [])
         agg = reduce(lambda a, b: a.aggregate(b), metas) if metas else None  # vLLM sums ranks' job counts
-        kvo = KVConnectorOutput(finished_sending=set(), finished_recving=recving, kv_connector_worker_meta=agg)
+        kvo = KVConnectorOutput(finished_sending=set(), finished_recving=recving, kv_connector_worker_meta=agg,
+                                invalid_block_ids=invalid)
         out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kvo)
         self.scheduler.update_from_output(so, out)

@@ -1,4 +1,4 @@
-"""hicache-gds for vLLM: an `OffloadingSpec` for vLLM 0.33's `OffloadingConnector`.
+"""hicache-gds for vLLM 0.26 and 0.33: an `OffloadingSpec` for vLLM's `OffloadingConnector`, and `HiCacheGDSConnector`.
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"spec_name": "HiCacheGDSOffloadingSpec",

@@ -27,6 +27,19 @@ the chunks this engine stores, and consults the workers' shared indexes for the 
   nothing (a chunk it evicts may be another engine's hit). `reset_cache` clears the shared
   namespaces -- for every engine sharing them.
 
+* a load that fails on some rank (EIO, a checksum mismatch, a timeout) is logged by that rank's
+  worker (failure log, before it reports the job) and dropped from its store; `complete_load`
+  forgets those chunks, so they are MISSes until stored again. The request itself is recomputed
+  by vLLM (`connector.py`).
+
+Load or recompute: `lookup` answers HIT for a present chunk only where loading the run of chunks
+found so far beats recomputing them, given the IO this engine has queued (`costmodel.py`). vLLM
+scans a request's chunks in prefix order and stops at the first MISS, so a run must be known
+before it can be judged: when the queue makes short runs not worth loading, the first scan
+answers RETRY for present chunks (vLLM keeps scanning and asks again next step) and the next scan
+answers from the run found -- HIT for all of it, or MISS at its first chunk. With an idle disk a
+single chunk pays off and the first scan answers at once.
+
 At start a background thread rebuilds READY chunks from the workers' durable indexes (read-only;
 a chunk counts only if every rank holds it) and the manager answers RETRY for unknown keys until
 that finishes.
@@ -43,13 +56,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Collection, Iterable
 
-from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingEvent, OffloadingManager, OffloadKey,
-                                     PrepareStoreOutput, ReqContext, RequestOffloadingContext, ScheduleEndContext,
-                                     get_offload_group_idx)
+from vllm.v1.kv_offload.base import (LookupResult, OffloadingEvent, OffloadingManager, OffloadKey, PrepareStoreOutput,
+                                     ReqContext, RequestOffloadingContext, ScheduleEndContext, get_offload_group_idx)
 
 from hicache_gds.index import INDEX_FILE, Index
 from hicache_gds.owners import Membership
 
+from . import compat
+from .costmodel import CostModel, breakeven_chunks, cost_model_from
 from .sidecar import FailureLog, read_store_keys
 from .shared import HiCacheLoadSpec, HiCacheStoreSpec, SpecView, store_key
 
@@ -69,6 +83,23 @@ class _Entry:
     group: int
     pins: int = 0
     leases: list = field(default_factory=list)  # per load in flight: [(Index, slot), ...] over the ranks
+
+
+@dataclass
+class _Scan:
+    """One request's lookups in one scheduler step: present chunks found (`run`), and the run the
+    previous step's scan found (`seen`, None on a first scan)."""
+    step: int
+    run: int = 0
+    seen: int | None = None
+
+
+@dataclass
+class _Flight:
+    """Bytes of a job this engine has in flight, and since when (loads: for the read rate)."""
+    nbytes: int
+    t0: float
+    load: bool
 
 
 class SharedIndex:
@@ -93,7 +124,7 @@ class SharedIndex:
         if now < self._next_try.get((rank, pos), 0.0):
             return None
         self._next_try[(rank, pos)] = now + self.RETRY_S
-        d = self.spec.sidecar.read_stores(rank).get(pos)
+        d = self.spec.sidecar.read_stores(rank, self.spec.config.engine_id).get(pos)
         if not d:
             return None
         try:
@@ -186,6 +217,21 @@ class HiCacheGDSManager(OffloadingManager):
         self._warm: threading.Thread | None = None
         self._warm_result: tuple[dict[int, list[str]], bool] | None = None
         self._warm_cancelled = False
+        # Load or recompute (costmodel.py): bytes and tokens of one chunk over every rank, the jobs
+        # in flight (the IO a new load waits behind), and per-request scans of this step.
+        self.cost: CostModel | None = cost_model_from(spec.config.extra_config)
+        self.chunk_bytes = spec.config.worker_kv_bytes_per_block * spec.blocks_per_chunk * self.world_size
+        self.chunk_tokens = {compat.group_id(g, i): g.tokens_per_block * spec.blocks_per_chunk
+                             for i, g in enumerate(spec.config.groups)}
+        self._flights: dict[frozenset, _Flight] = {}
+        self._flight_ttl = max(60.0, 4 * spec.hicache.io_timeout)
+        self._inflight_bytes = 0
+        self._last_done = 0.0
+        self._step = 0
+        self._scans: dict[str, _Scan] = {}
+        self.cost_misses = 0  # requests answered MISS because recomputing was faster
+        self.cost_deferrals = 0  # first scans deferred to judge the run found
+        self.failed_loads = 0  # chunks whose load failed on some rank
         if warm_start:
             self._warm = threading.Thread(target=self._warm_start, name="hicache-gds-vllm-warm", daemon=True)
             self._warm.start()
@@ -198,6 +244,13 @@ class HiCacheGDSManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # docstring inherited
+        found = self._find(key)
+        if found is LookupResult.HIT or found is LookupResult.HIT_PENDING:
+            return self._judge(found, key, req_context)
+        return found
+
+    def _find(self, key: OffloadKey) -> LookupResult:
+        """Where the chunk is: HIT (loadable), HIT_PENDING (being stored), MISS, or RETRY (not known yet)."""
         self._apply_warm()
         e = self._entries.get(key)
         if e is not None and (e.state is ChunkState.PENDING or e.pins):
@@ -217,10 +270,33 @@ class HiCacheGDSManager(OffloadingManager):
             self._event([key], removed=True)
         return LookupResult.RETRY if self._warm is not None else LookupResult.MISS
 
+    def _judge(self, found: LookupResult, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """`found` (a present chunk) if loading the run it belongs to beats recomputing it; see the
+        module docstring for the two-scan rule."""
+        if self.cost is None:
+            return found
+        s = self._scans.get(ctx.req_id)
+        if s is None or s.step != self._step:  # the first lookup of this request in this step
+            s = self._scans[ctx.req_id] = _Scan(self._step, 0, s.run if s is not None else None)
+        s.run += 1
+        need = breakeven_chunks(self.cost, self.chunk_tokens.get(get_offload_group_idx(key), 1), self.chunk_bytes,
+                                self._inflight_bytes)
+        if need is None or (s.seen is not None and s.seen < need):
+            if s.run == 1:
+                self.cost_misses += 1
+            return LookupResult.MISS  # recomputing is faster: the scan stops here
+        if s.seen is not None or need <= 1:
+            return found
+        if s.run == 1:
+            self.cost_deferrals += 1
+        return LookupResult.RETRY  # keep scanning: judged on the next step's scan, from the run found
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HiCacheLoadSpec:
         # docstring inherited
         out = []
         keys = list(keys)
+        self._scans.pop(req_context.req_id, None)
+        self._fly(keys, load=True)
         for k in keys:
             e = self._entries[k]
             if e.state is not ChunkState.READY:
@@ -251,12 +327,26 @@ class HiCacheGDSManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         # docstring inherited
+        self._land(keys)
+        self._poll_failures()
+        bad = []
         for k in keys:
             e = self._entries.get(k)
             if e is not None and e.pins > 0:
                 e.pins -= 1
                 if e.leases:
                     self.shared.release(e.leases.pop(0))
+            sk = store_key(k)
+            if sk in self._failed:  # a rank could not read it (and dropped it from its store)
+                self._failed.discard(sk)
+                bad.append(k)
+        for k in bad:
+            e = self._entries.get(k)
+            if e is not None and e.state is ChunkState.READY and not e.pins:
+                self._forget(k)
+        if bad:
+            self.failed_loads += len(bad)
+            self._event(bad, removed=True)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         # docstring inherited
@@ -291,6 +381,7 @@ class HiCacheGDSManager(OffloadingManager):
             self._used[g] = self._used.get(g, 0) + 1
         order = {k: i for i, k in enumerate(offered)}
         take.sort(key=order.__getitem__)  # vLLM's group-then-chunk order
+        self._fly(take, load=False)
         spec = HiCacheStoreSpec([store_key(k) for k in take], clear=self._clear)
         if self._clear:
             self._clearing = set(take)  # cleared before these are written: done when they complete
@@ -299,6 +390,7 @@ class HiCacheGDSManager(OffloadingManager):
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         # docstring inherited
+        self._land(keys)
         self._poll_failures()
         if self._clearing is not None and self._clearing.intersection(keys):
             self._clearing = None  # every rank ran the job that cleared the namespaces first
@@ -325,6 +417,10 @@ class HiCacheGDSManager(OffloadingManager):
         # docstring inherited
         return RequestOffloadingContext()
 
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        # docstring inherited
+        self._scans.pop(req_context.req_id, None)
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         # docstring inherited
         if not self._events:
@@ -335,6 +431,13 @@ class HiCacheGDSManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # docstring inherited
         self._apply_warm()
+        self._step += 1
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """An engine step computed `tokens` prompt tokens in `seconds` (the prefill rate's samples;
+        `HiCacheGDSConnector` measures them)."""
+        if self.cost is not None:
+            self.cost.observe_prefill(tokens, seconds)
 
     def has_pending_work(self) -> bool:
         # docstring inherited
@@ -353,6 +456,9 @@ class HiCacheGDSManager(OffloadingManager):
                 self.shared.release(held)
         self._entries.clear()
         self._used.clear()
+        self._scans.clear()
+        self._flights.clear()  # vLLM drops the jobs in flight at a reset: their completions never come
+        self._inflight_bytes = 0
         self._clear = True  # the shared namespaces: every engine sharing them loses their chunks
         self._clearing = set()
         self._poll_failures()
@@ -412,13 +518,39 @@ class HiCacheGDSManager(OffloadingManager):
         self.adopted += 1
         self._event([k], removed=False)
 
+    def _fly(self, keys: Collection[OffloadKey], load: bool) -> None:
+        if not keys:
+            return
+        now = time.monotonic()
+        # A job whose completion never came (its request aborted mid-flight, say) leaves the queue
+        # once it is older than any IO may take.
+        stale = [k for k, f in self._flights.items() if now - f.t0 > self._flight_ttl]
+        for k in stale:
+            self._inflight_bytes -= self._flights.pop(k).nbytes
+        f = _Flight(len(keys) * self.chunk_bytes, now, load)
+        old = self._flights.pop(frozenset(keys), None)
+        self._inflight_bytes += f.nbytes - (old.nbytes if old is not None else 0)
+        self._flights[frozenset(keys)] = f
+
+    def _land(self, keys: Collection[OffloadKey]) -> None:
+        """A job finished: its bytes leave the queue; a load's service time (from when the IO before
+        it was done, or from its start) is a read-rate sample."""
+        f = self._flights.pop(frozenset(keys), None)
+        if f is None:
+            return
+        self._inflight_bytes -= f.nbytes
+        now = time.monotonic()
+        if f.load and self.cost is not None:
+            self.cost.observe_load(f.nbytes, now - max(f.t0, self._last_done))
+        self._last_done = now
+
     def _poll_failures(self) -> None:
         for fl in self._logs:
             self._failed.update(fl.poll())
 
     def _event(self, keys: list[OffloadKey], removed: bool) -> None:
         if self._events is not None:
-            self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=removed))
+            self._events.append(OffloadingEvent(keys=list(keys), medium=compat.STORAGE_MEDIUM, removed=removed))
 
     def stats(self) -> dict[str, int]:
         """Chunk counts for logs and tests (call with `lock` held)."""
@@ -426,7 +558,9 @@ class HiCacheGDSManager(OffloadingManager):
         ready = sum(e.state is ChunkState.READY for e in self._entries.values())
         return {"ready": ready, "pending": len(self._entries) - ready, "capacity_per_group": self.capacity,
                 "pinned": sum(e.pins > 0 for e in self._entries.values()), "evictions": self.evictions,
-                "failed_chunks": self.failed_chunks, "vanished": self.vanished, "adopted": self.adopted}
+                "failed_chunks": self.failed_chunks, "vanished": self.vanished, "adopted": self.adopted,
+                "failed_loads": self.failed_loads, "cost_misses": self.cost_misses,
+                "cost_deferrals": self.cost_deferrals, "inflight_bytes": self._inflight_bytes}
 
     # -- warm start ----------------------------------------------------------------------------
     def _warm_start(self) -> None:
@@ -437,10 +571,10 @@ class HiCacheGDSManager(OffloadingManager):
             for pos, g in enumerate(self.spec.config.groups):
                 per_rank = []
                 for r in range(self.world_size):
-                    d = self.spec.sidecar.read_stores(r).get(pos)
+                    d = self.spec.sidecar.read_stores(r, self.spec.config.engine_id).get(pos)
                     per_rank.append(read_store_keys(d) if d else [])
                 common = set(per_rank[0]).intersection(*per_rank[1:]) if per_rank else set()
-                ready[g.group_id] = [k for k in per_rank[0] if k in common][-self.capacity:]
+                ready[compat.group_id(g, pos)] = [k for k in per_rank[0] if k in common][-self.capacity:]
         except Exception:  # noqa: BLE001 -- a warm start is an optimisation; never fail the engine
             log.exception("hicache-gds-vllm: warm start failed; starting cold")
             self._warm_result = ({}, True)

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["GroupGeometry", "ChunkPlan", "plan_group", "coalesce", "scratch_bytes_needed"]
+__all__ = ["GroupGeometry", "ChunkPlan", "plan_group", "coalesce", "scratch_bytes_needed", "chunk_blocks"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,14 @@ class ChunkPlan:
 def chunks_for(n_blocks: int, skip: int, bpc: int) -> int:
     """Chunks touched by `n_blocks` GPU blocks starting at sub-block `skip` of the first chunk."""
     return 0 if n_blocks == 0 else -(-(skip + n_blocks) // bpc)
+
+
+def chunk_blocks(block_ids: np.ndarray, skip: int, bpc: int) -> list[list[int]]:
+    """The GPU block ids each chunk covers, for `block_ids` starting at sub-block `skip` (the
+    blocks a failed chunk would have filled)."""
+    ids = [int(b) for b in np.asarray(block_ids).ravel().tolist()]
+    c = chunks_for(len(ids), skip, bpc)
+    return [ids[max(0, i * bpc - skip):max(0, (i + 1) * bpc - skip)] for i in range(c)]
 
 
 def scratch_bytes_needed(geo: GroupGeometry) -> int:

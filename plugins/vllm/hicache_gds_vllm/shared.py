@@ -72,3 +72,6 @@ class SpecView(Protocol):
     """Position of each vLLM group id in `config.groups`."""
     blocks_per_chunk: int
     """vLLM blocks per offloaded chunk (set by vLLM's `OffloadingSpec`)."""
+    recover_failed_loads: bool
+    """The connector recomputes the blocks of a failed load (`HiCacheGDSConnector`): the worker
+    reports their block ids instead of failing the job."""

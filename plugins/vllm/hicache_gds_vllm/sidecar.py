@@ -7,7 +7,10 @@ goes through this directory, which only this adapter writes:
   there first (link() makes it first-writer-wins), so the manager's capacity and every worker's
   slot count are the same number without the processes talking.
 * `stores-r<rank>.json` — the namespace directories a worker opened, so a restarted manager can
-  find the pages that survived (warm start).
+  find the pages that survived (warm start); and `stores-<engine_id>-r<rank>.json`, the same for
+  one running engine, which its own manager reads first: two engines of one identity whose
+  workers were handed different KV layouts (0.26 with two attention backends, say) open different
+  namespaces, and each manager must consult its own workers' (removed at the worker's shutdown).
 * `failed-<engine_id>-r<rank>.log` — keys whose store failed on that rank, appended *before* the
   worker reports the job finished. The manager reads them in `complete_store`, before it makes a
   chunk loadable; vLLM itself accepts only success for a job.
@@ -78,16 +81,37 @@ class SideDir:
             return int(got["chunks"])
         return proposed
 
-    def write_stores(self, rank: int, dirs: Mapping[int, str]) -> None:
-        self._atomic_json(f"stores-r{rank}.json", {str(g): d for g, d in dirs.items()})
+    def write_stores(self, rank: int, dirs: Mapping[int, str], engine_id: str | None = None) -> None:
+        obj = {str(g): d for g, d in dirs.items()}
+        if engine_id is not None:
+            self._atomic_json(self._engine_stores(engine_id, rank), obj)
+        self._atomic_json(f"stores-r{rank}.json", obj)
 
-    def read_stores(self, rank: int) -> dict[int, str]:
-        got = self._read_json(f"stores-r{rank}.json")
+    def read_stores(self, rank: int, engine_id: str | None = None) -> dict[int, str]:
+        """Group position -> namespace directory of `rank`: the running engine's own, where its
+        worker wrote them, else the last any worker wrote."""
+        got = self._read_json(self._engine_stores(engine_id, rank)) if engine_id is not None else None
+        if not isinstance(got, dict):
+            got = self._read_json(f"stores-r{rank}.json")
         return {int(g): str(d) for g, d in got.items()} if isinstance(got, dict) else {}
 
+    def forget_engine(self, engine_id: str, rank: int) -> None:
+        """Remove what one engine's worker wrote for itself (at its shutdown)."""
+        for name in (self._engine_stores(engine_id, rank), self.failure_log(engine_id, rank)):
+            try:
+                os.unlink(os.path.join(self.path, name))
+            except FileNotFoundError:
+                pass
+
+    @staticmethod
+    def _safe(engine_id: str) -> str:
+        return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in engine_id)[:80]
+
+    def _engine_stores(self, engine_id: str, rank: int) -> str:
+        return f"stores-{self._safe(engine_id)}-r{rank}.json"
+
     def failure_log(self, engine_id: str, rank: int) -> str:
-        safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in engine_id)[:80]
-        return os.path.join(self.path, f"failed-{safe}-r{rank}.log")
+        return os.path.join(self.path, f"failed-{self._safe(engine_id)}-r{rank}.log")
 
 
 class FailureLog:

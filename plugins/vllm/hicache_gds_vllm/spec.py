@@ -30,6 +30,7 @@ from hicache_gds import Config, ConfigError, namespace_id
 from hicache_gds.capacity import default_budget
 from hicache_gds.memory import align_up
 
+from . import compat, costmodel
 from .shared import HiCacheLoadSpec, HiCacheStoreSpec, store_key
 from .sidecar import SideDir
 
@@ -43,8 +44,11 @@ VLLM_KEYS = (
     "eviction_policy", "cache_policy_module_path", "store_threshold", "max_tracker_size", "secondary_tiers",
     "tier_poll_interval_s", "backpressure", "kv_load_tiers",
 )
+# Keys of this adapter that are not hicache-gds settings: the cost model's (`costmodel.py`), and the
+# model's dtype as `HiCacheGDSConnector` resolved it where vLLM 0.26 says "auto".
+ADAPTER_KEYS = costmodel.KEYS + ("model_dtype",)
 _ENV_SPELLINGS = {"ENABLE_GDS": "enable_gds", "GDS_PATH": "gds_path"}
-ADAPTER_FORMAT = "vllm-offloading/1"  # bump when the page layout below changes
+ADAPTER_FORMAT = "vllm-offloading/2"  # bump when the page layout below changes
 
 
 def hicache_config(extra: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
@@ -54,8 +58,8 @@ def hicache_config(extra: Mapping[str, Any], env: Mapping[str, str] | None = Non
         name = _ENV_SPELLINGS.get(k, k)
         if name.upper().startswith("HICACHE_GDS_"):
             name = name[len("HICACHE_GDS_"):]
-        overrides[name.lower() if name not in VLLM_KEYS else name] = v
-    return Config.load(overrides, env=env, ignore=VLLM_KEYS)
+        overrides[name.lower() if name not in VLLM_KEYS + ADAPTER_KEYS else name] = v
+    return Config.load(overrides, env=env, ignore=VLLM_KEYS + ADAPTER_KEYS)
 
 
 def engine_identity(config: OffloadingConfig) -> dict[str, Any]:
@@ -64,17 +68,20 @@ def engine_identity(config: OffloadingConfig) -> dict[str, Any]:
     vLLM's keys carry only a prefix hash and a group index, so two engines whose model, dtype,
     layout, block geometry or parallelism differ must never share a namespace. Nothing else is in
     it -- not the data-parallel index, not the engine id -- so engines that agree on all of that
-    (DP replicas, a second engine on the node) share their chunks.
+    (DP replicas, a second engine on the node) share their chunks. `kv_handoff` says how this vLLM
+    release hands KV to workers (0.26: cross-layer blocks where it can; 0.33: per-layer views);
+    each worker adds the layout it was actually handed to its stores' namespaces.
     """
     par = config.parallel
     groups = [
-        {"id": g.group_id, "tokens_per_block": g.tokens_per_block, "window": g.sliding_window_size_in_chunks,
+        {"id": compat.group_id(g, i), "tokens_per_block": g.tokens_per_block, "window": compat.sliding_window(g),
          "layers": hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:16], "nlayers": len(g.layer_names)}
-        for g in config.groups
+        for i, g in enumerate(config.groups)
     ]
     return {
-        "format": ADAPTER_FORMAT, "model": config.model.name, "dtype": config.model.dtype,
-        "kv_cache_layout": config.kv_cache_layout or "", "canonical_layout": config.canonical_layout,
+        "format": ADAPTER_FORMAT, "model": config.model.name, "dtype": compat.model_dtype(config),
+        "kv_handoff": compat.KV_HANDOFF, "kv_cache_layout": compat.kv_cache_layout(config),
+        "canonical_layout": compat.canonical_layout(config),
         "tokens_per_hash": config.cache.tokens_per_hash, "blocks_per_chunk": config.cache.blocks_per_chunk,
         "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block, "groups": groups,
         "world_size": par.world_size, "tp": par.tp_size, "pp": par.pp_size, "pcp": par.pcp_size,
@@ -110,6 +117,7 @@ class HiCacheGDSOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        compat.stable_block_hashes()  # built before vLLM seeds its block hashes: see compat
         self.hicache = hicache_config(self.extra_config)
         if not self.hicache.gds_path:
             raise ConfigError("GDS_PATH is not set: give gds_path in kv_connector_extra_config or the GDS_PATH "
@@ -123,7 +131,10 @@ class HiCacheGDSOffloadingSpec(OffloadingSpec):
         self.capacity_chunks = self.sidecar.agreed_capacity(
             _proposed_capacity(self.hicache, config), explicit=bool(self.hicache.capacity))
         # Group position (order of config.groups / kv_caches.group_data_refs) by vLLM group id.
-        self.group_pos = {g.group_id: i for i, g in enumerate(config.groups)}
+        self.group_pos = {compat.group_id(g, i): i for i, g in enumerate(config.groups)}
+        # Set by `HiCacheGDSConnector`, whose scheduler recomputes the blocks of a failed load: the
+        # worker then reports a failed load's blocks instead of failing the job (which vLLM asserts).
+        self.recover_failed_loads = False
 
     def get_manager(self) -> OffloadingManager:
         from .manager import HiCacheGDSManager

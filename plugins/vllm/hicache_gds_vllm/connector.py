@@ -1,0 +1,86 @@
+"""`HiCacheGDSConnector`: vLLM's `OffloadingConnector` with hicache-gds as its spec, where a load
+that fails is recomputed instead of stopping the engine.
+
+    --kv-transfer-config '{"kv_connector": "HiCacheGDSConnector",
+        "kv_connector_module_path": "hicache_gds_vllm.connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"gds_path": "/mnt/nvme0/kv", "blocks_per_chunk": 4}}'
+
+Why a connector and not only the spec: vLLM's `OffloadingConnector` asserts that every transfer
+succeeds, so with it a page that cannot be read (EIO, a checksum mismatch, a timeout, a page
+another engine evicted meanwhile) can only stop the engine. vLLM's scheduler (0.26 and 0.33)
+does know how to recover: a connector reports the GPU blocks that failed to load
+(`get_block_ids_with_load_errors`) and, under ``kv_load_failure_policy: "recompute"``, the
+scheduler truncates the request's computed tokens at the first failed block and computes the
+rest. This subclass changes nothing else:
+
+* it selects `HiCacheGDSOffloadingSpec` unless `spec_name` says otherwise;
+* it tells the spec that failed loads are recoverable, so the worker reports a failed load as
+  done and hands over its blocks (`HiCacheGDSWorker.take_load_errors`), which this connector
+  returns from `get_block_ids_with_load_errors`;
+* it sets the scheduler's `kv_load_failure_policy` to "recompute" (vLLM's default, "fail",
+  would fail the request; the scheduler reads it after building its connector);
+* where the KV cache's dtype is "auto" (vLLM 0.26 reports it so), it records the model's dtype
+  for the engine identity (`compat.model_dtype`);
+* it fixes the seed of vLLM's block hashes where vLLM would draw it at random
+  (`compat.stable_block_hashes`), so that restarted and other engines find the chunks;
+* it measures the engine's prefill rate for the load-or-recompute decision: the wall time
+  between one step's scheduling and the next, for steps of at least `PREFILL_SAMPLE_TOKENS`
+  tokens (`manager.observe_step`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from . import compat
+from .spec import HiCacheGDSOffloadingSpec
+
+__all__ = ["HiCacheGDSConnector", "PREFILL_SAMPLE_TOKENS"]
+
+log = logging.getLogger("hicache_gds_vllm")
+
+PREFILL_SAMPLE_TOKENS = 1024  # steps this large are prefill-bound: their duration is a prefill-rate sample
+
+
+class HiCacheGDSConnector(OffloadingConnector):
+    """`OffloadingConnector` + `HiCacheGDSOffloadingSpec`, recomputing the blocks of failed loads."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        ktc = vllm_config.kv_transfer_config
+        extra = ktc.kv_connector_extra_config
+        extra.setdefault("spec_name", HiCacheGDSOffloadingSpec.__name__)
+        extra.setdefault("spec_module_path", "hicache_gds_vllm")
+        if str(vllm_config.cache_config.cache_dtype) == "auto" and vllm_config.model_config is not None:
+            extra.setdefault("model_dtype", str(vllm_config.model_config.dtype).removeprefix("torch."))
+        if role == KVConnectorRole.SCHEDULER and ktc.kv_load_failure_policy != "recompute":
+            log.info("hicache-gds-vllm: kv_load_failure_policy %r -> 'recompute': a chunk that cannot be read "
+                     "from disk is computed again", ktc.kv_load_failure_policy)
+            ktc.kv_load_failure_policy = "recompute"
+        compat.stable_block_hashes(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None))
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_worker is not None and isinstance(self.connector_worker.spec, HiCacheGDSOffloadingSpec):
+            self.connector_worker.spec.recover_failed_loads = True
+        self._last_step: tuple[float, int] | None = None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks whose load failed since the last call (vLLM recomputes them)."""
+        w = self.connector_worker.worker if self.connector_worker is not None else None
+        take = getattr(w, "take_load_errors", None)
+        return take() if take is not None else set()
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        # docstring inherited
+        now = time.monotonic()
+        if self._last_step is not None:
+            t0, tokens = self._last_step
+            manager = self.connector_scheduler.manager if self.connector_scheduler is not None else None
+            observe = getattr(manager, "observe_step", None)
+            if tokens >= PREFILL_SAMPLE_TOKENS and observe is not None:
+                observe(tokens, now - t0)
+        self._last_step = (now, int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
+        return super().build_connector_meta(scheduler_output)
