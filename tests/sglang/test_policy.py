@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hicache_gds import ConfigError
-from hicache_gds.costmodel import STATE_FILE, ReadRate
+from hicache_gds.costmodel import STATE_FILE
 from hicache_gds_sglang import HiCacheGDS, policy
 from hicache_gds_sglang import backend as backend_mod
 from hicache_gds_sglang.policy import POLICY, PolicyConfig
@@ -143,9 +143,13 @@ def test_policy_keys_are_the_plugins_and_checked(gds_dir):
 
 
 # -- the backend's side: sliced gets, cancel, progress, read rate --------------------------------------
-def test_sliced_gets_read_the_same_bytes_and_measure_the_rate(gds_dir):
+def test_sliced_gets_read_the_same_bytes_and_measure_the_rate(gds_dir, monkeypatch):
     b, pool = open_backend(gds_dir, policy_read_slice=3 * PS * BPT)  # 3 pages per slice
     try:
+        cache, _, _ = make_cache(b)  # slices only while compute_or_load runs over the backend
+        kv = b._bindings["kv"]
+        real_get, calls = kv.get, []
+        monkeypatch.setattr(kv, "get", lambda k, h: (calls.append(len(k)), real_get(k, h))[1])
         src, dst = list(range(0, 10)), list(range(20, 30))
         ks = keys(10)
         assert all(b.batch_set_v1(ks, indices(src, PS)))
@@ -153,9 +157,14 @@ def test_sliced_gets_read_the_same_bytes_and_measure_the_rate(gds_dir):
         b.get_stats()  # drain
         assert b.batch_get_v1(ks, indices(dst, PS)) == [True] * 10
         assert all(page_bytes(pool, s) == page_bytes(pool, d) for s, d in zip(src, dst))
+        assert calls == [3, 3, 3, 1]
         m = b.get_stats()
         assert m.prefetch_pgs == [10]  # one get, however many slices
-        assert b.read_rate.total_gets == 1 and b.read_rate.total_bytes == 10 * PS * BPT
+        cache.prefetch_stop_policy = "wait_complete"  # SGLang's policy: one read, no slices
+        poison(pool, dst)
+        assert b.batch_get_v1(ks, indices(dst, PS)) == [True] * 10 and calls[-1] == 10
+        assert all(page_bytes(pool, s) == page_bytes(pool, d) for s, d in zip(src, dst))
+        assert b.read_rate.total_gets == 2 and b.read_rate.total_bytes == 2 * 10 * PS * BPT
         assert b.read_rate.source.startswith("measured")
         assert b.stats()["policy"]["read_bytes_per_s"] > 0
     finally:
@@ -166,6 +175,7 @@ def test_a_cancelled_prefetch_keeps_the_pages_read_before_and_reads_no_more(gds_
     """SGLang's zero-copy page get (its real method) over a get the policy cancels after one slice."""
     b, pool = open_backend(gds_dir, policy_read_slice=2 * PS * BPT)
     try:
+        _cache = make_cache(b)  # noqa: F841 -- the policy in force: gets read in slices
         ks = keys(8)
         assert all(b.batch_set_v1(ks, indices(range(8), PS)))
         dst = list(range(30, 38))
@@ -204,6 +214,7 @@ def test_a_cancelled_prefetch_keeps_the_pages_read_before_and_reads_no_more(gds_
 def test_progress_of_the_get_in_flight_is_visible_between_slices(gds_dir, monkeypatch):
     b, pool = open_backend(gds_dir, policy_read_slice=2 * PS * BPT)
     try:
+        _cache = make_cache(b)  # noqa: F841
         ks = keys(6)
         assert all(b.batch_set_v1(ks, indices(range(6), PS)))
         hi = indices(range(10, 16), PS)

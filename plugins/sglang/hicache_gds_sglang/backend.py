@@ -329,9 +329,10 @@ class HiCacheGDS(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Read pages into the host pool's slots; per-page result (SGLang uses the leading run).
 
-        Reads in slices of ``policy_read_slice`` bytes: between slices the progress is published
-        (`read_progress`) and a prefetch the policy stopped (`cancel_read`) ends, its pages left
-        unread reported False (SGLang keeps the leading run read before)."""
+        While the compute_or_load policy runs over this backend, reads in slices of
+        ``policy_read_slice`` bytes: between slices the progress is published (`read_progress`) and
+        a prefetch the policy stopped (`cancel_read`) ends, its pages left unread reported False
+        (SGLang keeps the leading run read before)."""
         kv = self._bindings.get("kv")
         try:
             n = len(keys)
@@ -343,7 +344,8 @@ class HiCacheGDS(HiCacheStorage):
         if kv is None or not n or host_indices is None or not kv.check_indices(keys, host_indices):
             return self._io("batch_get_v1", kv, keys, host_indices, write=False)
         ps = kv.geo.page_size
-        step = max(1, self.policy_config.read_slice // kv.geo.page_bytes) if self.policy_config.read_slice else n
+        sliced = self.policy_config.read_slice and self._policy_in_force()
+        step = max(1, self.policy_config.read_slice // kv.geo.page_bytes) if sliced else n
         out: List[bool] = []
         t0 = time.perf_counter()
         self._reading = (base, 0)
@@ -367,6 +369,12 @@ class HiCacheGDS(HiCacheStorage):
         return out + [False] * (n - len(out))
 
     # -- the compute_or_load policy's view of the reads (policy.py) -------------------------------
+    def _policy_in_force(self) -> bool:
+        """Slices cost a little throughput (the requests of one slice drain before the next is
+        posted): only while compute_or_load, which may cut a get short, runs over this backend."""
+        from .policy import process_policies
+        return any(p.in_force_for(self) for p in process_policies())
+
     def kv_bytes_per_token(self) -> float | None:
         """Bytes of this rank's KV per token in the store (a KV page / its tokens)."""
         kv = self._bindings.get("kv")

@@ -85,7 +85,7 @@ class PolicyConfig:
     prefill_tokens_per_s: float | None = None
     host_fraction: float = 0.75
     stop_margin: float = 0.05
-    read_slice: int = 256 << 20
+    read_slice: int = 512 << 20
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -429,6 +429,11 @@ class LoadOrCompute:
         cfg = getattr(self._model_backend, "policy_config", None) or PolicyConfig()
         limit = max(int(getattr(controller, "prefetch_capacity_limit", 0) or 0), int(cfg.host_fraction * size))
         return int(controller.prefetch_tokens_occupied) >= limit
+
+    def in_force_for(self, backend: Any) -> bool:
+        """Selected on this policy's cache, whose backend is `backend`."""
+        cache = self._cache()
+        return cache is not None and policy_of(cache) is not None and _backend(cache) is backend
 
     def serves(self, backend: Any) -> bool:
         cache = self._cache()
