@@ -385,6 +385,12 @@ class Suite:
         if a.raw_size not in ("0", "") and "raw_disk" not in self.doc and not a.fake:
             self.doc["raw_disk"] = raw_disk(a.dir, a.raw_size)
             print("[suite] raw disk:", json.dumps(self.doc["raw_disk"]), flush=True)
+            read = next((j.get("raw_MBps") for j in self.doc["raw_disk"].values()
+                         if isinstance(j, dict) and j.get("rw") == "read"), None)
+            if read:
+                kv = a.model_info["kv_bytes_per_token"]
+                print(f"[suite] L3 pays one request at a time when the GPU prefills {a.shape} slower than "
+                      f"{read * 1e6 / kv:,.0f} tokens/s ({read:.0f} MB/s / {kv >> 10} KiB per token)", flush=True)
         todo = [c for c in plan(a) if c["id"] not in self.doc["cells"]]
         print(f"[suite] {len(todo)} measurements to go ({len(self.doc['cells'])} kept)", flush=True)
         rc = 0

@@ -113,6 +113,8 @@ class _Metrics:
 class HiCacheGDS(HiCacheStorage):
     """SGLang HiCache storage backend on hicache-gds (see the module docstring for the contract)."""
 
+    supports_compute_or_load = True  # read_rate, read_progress, cancel_read: what policy.py asks of a backend
+
     def __init__(self, storage_config: HiCacheStorageConfig, mem_pool_host: Any = None, *args: Any,
                  **kwargs: Any) -> None:
         if isinstance(mem_pool_host, dict):  # the `dynamic` loader passes its kwargs dict here
@@ -341,8 +343,9 @@ class HiCacheGDS(HiCacheStorage):
         base = _base_of(host_indices)
         if self._is_cancelled(base):
             return [False] * n
-        if kv is None or not n or host_indices is None or not kv.check_indices(keys, host_indices):
-            return self._io("batch_get_v1", kv, keys, host_indices, write=False)
+        if kv is None or not n or not isinstance(host_indices, torch.Tensor) or \
+                not kv.check_indices(keys, host_indices):
+            return self._io("batch_get_v1", kv, keys, host_indices, write=False)  # says what is wrong
         ps = kv.geo.page_size
         sliced = self.policy_config.read_slice and self._policy_in_force()
         step = max(1, self.policy_config.read_slice // kv.geo.page_bytes) if sliced else n

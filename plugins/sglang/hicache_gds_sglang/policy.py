@@ -146,12 +146,14 @@ def _rid(x: Any) -> str:
 
 
 def _backend(cache: Any) -> Any:
-    """The cache's HiCacheGDS (unwrapped from SGLang's failure injector), or None."""
-    from .backend import HiCacheGDS
+    """The cache's storage backend when it serves this policy (``supports_compute_or_load``: the
+    read rate, progress and cancel hooks; `HiCacheGDS`), unwrapped from SGLang's failure
+    injector; else None."""
     cc = getattr(cache, "cache_controller", None)
     b = getattr(cc, "storage_backend", None) if cc is not None and getattr(cc, "enable_storage", False) else None
-    b = getattr(b, "_backend", b) if b is not None and not isinstance(b, HiCacheGDS) else b
-    return b if isinstance(b, HiCacheGDS) else None
+    if b is not None and not getattr(b, "supports_compute_or_load", False):
+        b = getattr(b, "_backend", None)
+    return b if getattr(b, "supports_compute_or_load", False) is True else None
 
 
 def policy_of(cache: Any) -> "LoadOrCompute | None":
@@ -208,7 +210,6 @@ class LoadOrCompute:
         self.counts: Counter[str] = Counter()
         self.last: dict[str, Any] = {}
         self._last_save = time.monotonic()
-        self._seeded_for: Any = None
         _register_process_policy(self)
 
     # -- wiring ----------------------------------------------------------------------------------
@@ -537,7 +538,6 @@ def _settle(cache: Any) -> None:
     """After init or attach: apply the backend's `policy` key, give the cache its policy object,
     and turn our name into SGLang's default where the backend is not ours."""
     try:
-        from .backend import HiCacheGDS  # noqa: F401 -- the backend module must import
         b = _backend(cache)
         if b is not None and b.policy_config.policy:
             cache.prefetch_stop_policy = b.policy_config.policy
