@@ -24,6 +24,7 @@ import torch
 from hicache_gds import ConfigError
 from hicache_gds.costmodel import STATE_FILE
 from hicache_gds_sglang import HiCacheGDS, policy
+from hicache_gds_sglang import policy_hooks as hooks
 from hicache_gds_sglang import backend as backend_mod
 from hicache_gds_sglang.policy import POLICY, PolicyConfig
 from sgl_helpers import indices, keys, make_pool, page_bytes, poison, storage_config
@@ -55,7 +56,7 @@ A = 1 / 6000  # seeded prefill: 6k tokens/s, linear (the formula's b and c are t
 @pytest.fixture(autouse=True)
 def _fresh_rates():
     backend_mod._RATES.clear()
-    policy._SUPPORTED.add(CACHE)
+    hooks._SUPPORTED.add(CACHE)
     policy._logged.clear()
     yield
     backend_mod._RATES.clear()
@@ -89,7 +90,7 @@ def make_cache(b: HiCacheGDS, *, stop_policy: str = POLICY, host_tokens: int = 9
         cache.enable_storage, cache.is_eagle = True, False
     cache.page_size, cache.prefetch_threshold, cache.prefetch_stop_policy = PS, 256, stop_policy
     cache.cache_controller, cache.ongoing_prefetch = ctl, {}
-    policy._settle(cache)
+    hooks._settle(cache)
     pol = cache._hgds_policy
     pol.prefill.seed_coefficients(A, 0.0, 0.0, "test")
     cache._test_scheduler = Scheduler(waiting_queue=list(queue_reqs), chunked_req=None, chunked_prefill_size=chunk)
@@ -264,10 +265,10 @@ def admit(cache, rid: str, tokens: int, calls: list | None = None):
             calls.append(request.rid)
             ongoing(c, request.rid, PrefetchOperation(request, list(toks)), len(toks))
             return None
-        return policy.around_admit(original, cache, handle(rid), 0, list(range(tokens)), matched_prefix_tokens=[])
+        return hooks.around_admit(original, cache, handle(rid), 0, list(range(tokens)), matched_prefix_tokens=[])
     root = TreeNode()
     root.key = RadixKey([])
-    out = policy.around_admit(CACHE.prefetch_from_storage, cache, rid, root, list(range(tokens)))
+    out = hooks.around_admit(CACHE.prefetch_from_storage, cache, rid, root, list(range(tokens)))
     if calls is not None and rid in cache.ongoing_prefetch:
         calls.append(rid)
     return out
@@ -342,14 +343,14 @@ def test_a_slow_load_is_stopped_when_the_gpu_is_free_and_kept_where_it_is_busy(g
         cache, _, pol = make_cache(b)
         op = in_flight(cache, b, "s", 16384, kept=4096)
         pol._decided["s"] = ("load", 16448, 0, 16384)
-        assert policy.around_can_terminate(getattr(CACHE, STOP), cache, op) is True
+        assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is True
         assert pol.counts["stop"] == 1 and pol.last["kept"] == 4096
         assert b._is_cancelled(op.host_indices)  # its reads left are skipped
         # the same load behind a busy GPU runs on
         cache2, _, pol2 = make_cache(b, queue_reqs=[req("big", 60000), req("s2", 16448)])
         op2 = in_flight(cache2, b, "s2", 16384, kept=4096)
         pol2._decided["s2"] = ("load", 16448, 0, 16384)
-        assert policy.around_can_terminate(getattr(CACHE, STOP), cache2, op2) is False
+        assert hooks.around_can_terminate(getattr(CACHE, STOP), cache2, op2) is False
         assert pol2.counts["stop"] == 0 and not b._is_cancelled(op2.host_indices)
     finally:
         b.close()
@@ -361,7 +362,7 @@ def test_a_finished_load_is_settled_as_each_release_does(gds_dir):
         cache, _, _ = make_cache(b)
         op = in_flight(cache, b, "f", 8192, kept=8192)
         # 0.5.17 inserts it when the policy says so; 0.5.23 through its acknowledgements
-        assert policy.around_can_terminate(getattr(CACHE, STOP), cache, op) is (not V23)
+        assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is (not V23)
         assert not b._is_cancelled(op.host_indices)
     finally:
         b.close()
@@ -373,7 +374,7 @@ def test_a_load_whose_query_has_not_answered_waits_when_loading_is_faster(gds_di
         cache, _, _ = make_cache(b)
         op = operation("q", 8192)
         ongoing(cache, "q", op, 8192)
-        assert policy.around_can_terminate(getattr(CACHE, STOP), cache, op) is False
+        assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is False
     finally:
         b.close()
 
@@ -384,7 +385,7 @@ def test_sglangs_stop_rule_runs_when_the_policy_is_not_selected(gds_dir):
         cache, _, _ = make_cache(b, stop_policy="best_effort")
         op = in_flight(cache, b, "b", 8192, kept=0)
         calls = []
-        assert policy.around_can_terminate(lambda c, o: calls.append(o) or "sglang", cache, op) == "sglang"
+        assert hooks.around_can_terminate(lambda c, o: calls.append(o) or "sglang", cache, op) == "sglang"
         assert calls == [op]
     finally:
         b.close()
@@ -397,8 +398,8 @@ def test_a_failing_decision_waits_and_logs_once(gds_dir, monkeypatch, caplog):
         op = in_flight(cache, b, "e", 8192, kept=0)
         monkeypatch.setattr(pol, "stop", lambda *a: 1 / 0)
         with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang.policy"):
-            assert policy.around_can_terminate(getattr(CACHE, STOP), cache, op) is False
-            assert policy.around_can_terminate(getattr(CACHE, STOP), cache, op) is False
+            assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is False
+            assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is False
         assert caplog.text.count("stop decision failed") == 1
         monkeypatch.setattr(pol, "admit", lambda *a: 1 / 0)
         calls: list = []
@@ -415,12 +416,12 @@ def test_prefetches_may_hold_more_of_the_host_pool_than_sglang_allows(gds_dir):
         cache, ctl, _ = make_cache(b, host_tokens=100000)
         real = HiCacheController.prefetch_rate_limited
         ctl.prefetch_tokens_occupied = 60000  # over SGLang's half, under our three quarters
-        assert real(ctl) is True and policy.around_rate_limited(real, ctl) is False
+        assert real(ctl) is True and hooks.around_rate_limited(real, ctl) is False
         ctl.prefetch_tokens_occupied = 75000
-        assert policy.around_rate_limited(real, ctl) is True
+        assert hooks.around_rate_limited(real, ctl) is True
         cache.prefetch_stop_policy = "timeout"  # SGLang's policy: SGLang's limit
         ctl.prefetch_tokens_occupied = 60000
-        assert policy.around_rate_limited(real, ctl) is True
+        assert hooks.around_rate_limited(real, ctl) is True
     finally:
         b.close()
 
@@ -437,9 +438,9 @@ def test_runtime_attach_takes_the_policy_sglang_would_reject(gds_dir):
         real = CACHE.attach_storage_backend
         ok, msg = real(cache, "gds", None, None, POLICY)  # SGLang alone: not one of its three
         assert not ok and "Invalid hicache_storage_prefetch_policy" in msg
-        ok, _ = policy.around_attach(real, cache, "gds", None, None, POLICY)
+        ok, _ = hooks.around_attach(real, cache, "gds", None, None, POLICY)
         assert ok and cache.prefetch_stop_policy == POLICY and policy.policy_of(cache) is not None
-        ok, _ = policy.around_attach(real, cache, "gds", hicache_storage_prefetch_policy="wait_complete")
+        ok, _ = hooks.around_attach(real, cache, "gds", hicache_storage_prefetch_policy="wait_complete")
         assert ok and cache.prefetch_stop_policy == "wait_complete" and policy.policy_of(cache) is None
     finally:
         b.close()
@@ -452,10 +453,10 @@ def test_our_name_turns_into_sglangs_default_where_the_policy_cannot_run(gds_dir
         assert cache.prefetch_stop_policy == "wait_complete"
         cache.prefetch_stop_policy = POLICY
         ctl.storage_backend, ctl.storage_backend_type = object(), "nixl"
-        policy._settle(cache)
+        hooks._settle(cache)
         assert cache.prefetch_stop_policy == policy.FALLBACK
         other = types.SimpleNamespace(prefetch_stop_policy=POLICY, cache_controller=None)  # a cache we do not hook
-        policy._settle(other)
+        hooks._settle(other)
         assert other.prefetch_stop_policy == policy.FALLBACK
     finally:
         b.close()
@@ -477,8 +478,8 @@ def test_prefill_batches_are_timed_and_decode_batches_ignored(gds_dir):
             return "ran", bt
 
         for _ in range(3):
-            assert policy.around_forward(forward, worker, batch) == ("ran", batch)
-        policy.around_forward(lambda w, bt: None, worker, types.SimpleNamespace(forward_mode=decode))
+            assert hooks.around_forward(forward, worker, batch) == ("ran", batch)
+        hooks.around_forward(lambda w, bt: None, worker, types.SimpleNamespace(forward_mode=decode))
         pol.poll()
         assert pol.prefill.batches == 3
         assert pol.stats()["prefill_batches_observed"] == 3
@@ -492,7 +493,7 @@ def test_policy_metrics_reach_prometheus(gds_dir):
     try:
         cache, _, pol = make_cache(b)
         pol.counts["load"] += 2
-        policy._last_publish[0] = 0.0
+        hooks._last_publish[0] = 0.0
         b.get_stats()
         reg = prometheus_client.REGISTRY
         assert reg.get_sample_value("hicache_gds:read_rate_bytes_per_second") == pytest.approx(1.25e9)
@@ -507,7 +508,7 @@ _REGISTER = textwrap.dedent("""
     import sglang.srt.plugins as P
     P.load_plugins()
     from sglang.srt.server_args import ServerArgs
-    from hicache_gds_sglang import plugin, policy
+    from hicache_gds_sglang import plugin, policy, policy_hooks
     p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)
     action = next(a for a in p._actions if a.dest == "hicache_storage_prefetch_policy")
     assert plugin._policy_ready, "policy hooks not registered"
@@ -515,7 +516,7 @@ _REGISTER = textwrap.dedent("""
         action.choices), action.choices
     args = p.parse_args(["--model-path", "m", "--hicache-storage-prefetch-policy", "wait_complete"])
     assert args.hicache_storage_prefetch_policy == "wait_complete"
-    cls = next(iter(policy._SUPPORTED))
+    cls = next(iter(policy_hooks._SUPPORTED))
     stop = "_can_terminate_prefetch" if hasattr(cls, "_can_terminate_prefetch") else "can_terminate_prefetch"
     for m in ("prefetch_from_storage", stop, "attach_storage_backend"):
         assert hasattr(getattr(cls, m), "__wrapped__"), m

@@ -591,7 +591,7 @@ class HiCacheGDS(HiCacheStorage):
         m = StorageMetrics()
         for k, v in self._metrics.drain().items():
             getattr(m, k).extend(v)
-        from .policy import publish_metrics
+        from .policy_hooks import publish_metrics
         publish_metrics(self)
         return m
 

@@ -104,7 +104,7 @@ def _add_choice(result: Any, *args: Any, **kwargs: Any) -> None:
         elif action.dest == "hicache_storage_prefetch_policy" and _policy_ready:
             from .policy import POLICY
             _append(action, POLICY)
-            action.default = POLICY  # with any backend but gds it turns into SGLang's default (policy._settle)
+            action.default = POLICY  # with any backend but gds it turns into SGLang's default (policy_hooks._settle)
             action.help = (f"{action.help or ''} {POLICY} (hicache-gds, the default): load an L3 hit or recompute "
                            "it, whichever finishes first (needs --hicache-storage-backend gds; with others "
                            "SGLang's timeout runs).").strip()
@@ -206,7 +206,7 @@ def _register_policy(registry: Any, hook_type: Any) -> None:
     """Hook the compute_or_load policy's decision points (module docstring, 5-6) where they exist.
     Fails soft: without them nothing is hooked and SGLang's own policies are all there is."""
     global _policy_ready
-    from . import policy
+    from . import policy, policy_hooks as hooks
     full = []
     for path, (init, stop) in _POLICY_CACHES.items():
         cls = _resolve(path)
@@ -218,22 +218,22 @@ def _register_policy(registry: Any, hook_type: Any) -> None:
                  "own prefetch policies run", policy.POLICY)
         return
     for path, cls, init, stop in full:
-        policy._SUPPORTED.add(cls)
-        registry.register(f"{path}.{init}", policy.after_init, hook_type.AFTER)
-        registry.register(f"{path}.prefetch_from_storage", policy.around_admit, hook_type.AROUND)
-        registry.register(f"{path}.{stop}", policy.around_can_terminate, hook_type.AROUND)
-        registry.register(f"{path}.attach_storage_backend", policy.around_attach, hook_type.AROUND)
+        hooks._SUPPORTED.add(cls)
+        registry.register(f"{path}.{init}", hooks.after_init, hook_type.AFTER)
+        registry.register(f"{path}.prefetch_from_storage", hooks.around_admit, hook_type.AROUND)
+        registry.register(f"{path}.{stop}", hooks.around_can_terminate, hook_type.AROUND)
+        registry.register(f"{path}.attach_storage_backend", hooks.around_attach, hook_type.AROUND)
     for path, init in _SETTLE_CACHES.items():
         if path in {p for p, *_ in full}:
             continue
         cls = _resolve(path)
         if cls is not None and callable(getattr(cls, init, None)):
-            registry.register(f"{path}.{init}", policy.after_init, hook_type.AFTER)
+            registry.register(f"{path}.{init}", hooks.after_init, hook_type.AFTER)
             if callable(getattr(cls, "attach_storage_backend", None)):
-                registry.register(f"{path}.attach_storage_backend", policy.around_attach, hook_type.AROUND)
-    registry.register(_RATE, policy.around_rate_limited, hook_type.AROUND)
+                registry.register(f"{path}.attach_storage_backend", hooks.around_attach, hook_type.AROUND)
+    registry.register(_RATE, hooks.around_rate_limited, hook_type.AROUND)
     missing = []
-    for path, hook in zip(_OPTIONAL, (policy.around_prefetch_kvcache, policy.around_forward)):
+    for path, hook in zip(_OPTIONAL, (hooks.around_prefetch_kvcache, hooks.around_forward)):
         if _resolve(path) is None:
             missing.append(path)
         else:
