@@ -6,7 +6,9 @@ applies and its compat bounce pool, whether cuFile will run in compat mode on `G
 system, the NIXL plugins that load, O_DIRECT, free space and how full each `GDS_PATH` file system
 is, the capacity a new namespace would get there (and which idle namespaces it would remove), the
 engine `auto` picks and why, and every registered engine -- built-in or from the entry-point
-group -- with its declared traits, whether it is installed and whether it works here.
+group -- with its declared traits, whether it is installed and whether it works here; then the
+read rate of each `GDS_PATH` directory, measured, and the prefill rate below which loading from it
+beats recomputing, for ``--model`` or common shapes (`breakeven`).
 
 How an engine is checked follows from its traits (`engines.base.Traits`), never its name: one
 that uses cuFile gets a 1 MiB VRAM round trip in a subprocess (`engines.gds_probe.probe_gds`,
@@ -427,9 +429,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--path", help="directories to check instead of GDS_PATH (comma-separated)")
     ap.add_argument("--probe-timeout", type=float, default=60.0, help="seconds per GDS probe (default 60)")
+    ap.add_argument("--read-probe-mib", type=int, default=256,
+                    help="MiB written and read back with O_DIRECT in each GDS_PATH directory to measure its read rate "
+                         "(0: skip)")
+    ap.add_argument("--model", help="a Hugging Face config.json (or its directory): say when L3 pays for this model")
+    ap.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token (per GPU): say when L3 pays for it")
     args = ap.parse_args(argv)
     rep = collect(args.path, args.probe_timeout)
-    sys.stdout.write(json.dumps(rep, indent=2) + "\n" if args.json else render_text(rep))
+    text = render_text(rep)
+    from .breakeven import render, section  # when L3 pays: a section of its own
+    configured = set((rep.get("config") or {}).get("gds_path") or [])  # never the current directory
+    rep["l3_pays"] = section([d["path"] for d in rep["gds_path"] if d.get("writable") and d["path"] in configured],
+                             args.read_probe_mib, args.kv_bytes_per_token, args.model)
+    head, _, result = text.rstrip("\n").rpartition("\n")  # the verdict stays the last line
+    sys.stdout.write(json.dumps(rep, indent=2) + "\n" if args.json
+                     else f"{head}\n{render(rep['l3_pays'])}{result}\n")
     return 0 if rep["ok"] else 1
 
 

@@ -24,7 +24,7 @@
 #    torch 2.14.1, a CUDA build that runs on the CPU.)
 #  * everything else is one fully pinned list installed with --no-deps: sglang itself (its
 #    Requires-Dist pull flashinfer, sgl-kernel, ... which a CPU test never imports), the modules
-#    its storage/controller/server_args imports need, hicache_gds's deps, and their closure.
+#    its storage/controller/server_args/radix-cache imports need, hicache_gds's deps, and their closure.
 #    Where sglang 0.5.23 pins a version (transformers, tokenizers, apache-tvm-ffi,
 #    compressed-tensors, sentencepiece) that pin is used.
 #  * `nixl==1.5.1` is NIXL's meta package: SGLang's HiCacheNixl does `from nixl._api import ...`;
@@ -91,6 +91,7 @@ sglang.srt.plugins.load_plugins()
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
 from sglang.srt.observability.metrics_collector import StorageMetrics
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 print(f"ok: sglang {sglang.__version__} over the venv (torch {importlib.metadata.version('torch')})")
 EOF
     )
@@ -156,6 +157,13 @@ dill==0.4.1
 sentencepiece==0.2.1
 compressed-tensors==0.18.0
 gguf==0.19.0
+# --- ... and sglang.srt.mem_cache.unified_radix_cache (the prefetch policy's decision points; pins from sglang's metadata) ---
+openai==2.8.0
+distro==1.9.0
+jiter==0.19.0
+sniffio==1.3.1
+partial-json-parser==0.2.1.1.post7
+einops==0.8.1
 # --- hicache_gds: runtime + tests; nixl meta for SGLang's HiCacheNixl ---
 nixl-cu13==1.5.1
 nixl==1.5.1
@@ -266,6 +274,7 @@ import sglang.srt.plugins
 sglang.srt.plugins.load_plugins()
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector
 import prometheus_client
 import nixl, nixl._api, nixl_cu13, xxhash, numpy, pytest, hypothesis, torch, sglang

@@ -2,8 +2,16 @@
 
     python benchmarks/e2e/bench_sglang_server.py --dir /var/tmp/e2e-store \
         --configs recompute,hicache,file,nixl,gds --out results/
+    python benchmarks/e2e/bench_sglang_server.py --mode suite --model benchmarks/e2e/qwen-32b-shape \
+        --dir /var/tmp/e2e-store --out /var/tmp/e2e-out --resume --deadline 510 --plot
 
-Each configuration is a fresh ``python -m sglang.launch_server`` (Llama-3-8B geometry,
+``--mode suite`` (and ``single``, ``burst``, ``open``, each one of its workloads) runs one server
+and switches configurations at runtime -- recompute, gds with each SGLang policy and with
+``compute_or_load``, HiCacheNixl -- with revisits one at a time, bursts of revisits sent at once and
+open-loop Poisson arrivals over a sweep of rates; `suite.py` describes it. The modes below start a
+fresh server per configuration.
+
+Each configuration is a fresh ``python -m sglang.launch_server`` (``--model``'s geometry, Llama-3-8B by default,
 ``--load-format dummy``, ``--skip-tokenizer-init``, token ids over HTTP) on the same ``--dir``:
 
 ============  ==========================================================================
@@ -44,23 +52,17 @@ import glob
 import json
 import os
 import shutil
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2elib import (Result, Server, _jsonable, _revive, backed_up_tokens, compare, drop_caches,  # noqa: E402,F401
+                    free_port, generate, install_guard, log_facts, machine, metrics_lines, raw_disk, stop_leftovers,
+                    tokens, ttft_stats, versions, wait_stored)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 MODEL_DIR = os.path.join(HERE, "llama3-8b-shape")
-KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # Llama-3-8B: layers x (K, V) x KV heads x head_dim x bf16
 CONFIGS = ("recompute", "hicache", "file", "nixl", "gds", "gds-dynamic")
 STORAGE = ("file", "nixl", "gds", "gds-dynamic")
 
@@ -74,7 +76,7 @@ def server_command(cfg: str, a: argparse.Namespace, port: int, store_dir: str) -
            "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph",
            "--max-total-tokens", str(a.max_total_tokens), "--chunked-prefill-size", str(a.chunk),
            "--mem-fraction-static", str(a.mem_fraction), "--random-seed", "0", "--enable-metrics",
-           "--served-model-name", "e2e-llama3-8b-shape"]
+           "--served-model-name", f"e2e-{os.path.basename(os.path.normpath(a.model))}"]
     env = dict(os.environ)
     if cfg == "recompute":
         return cmd, env
@@ -115,189 +117,12 @@ def stored_pages(cfg: str, store_dir: str) -> int:
 
 
 # -- one server ---------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One ``sglang.launch_server`` process group, its log, readiness and shutdown."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: str, port: int) -> None:
-        self.port, self.log_path = port, log_path
-        self.log = open(log_path, "w")
-        self.log.write("$ " + " ".join(cmd) + "\n")
-        self.log.flush()
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_ready(self, timeout: float) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=5) as r:
-                    if r.status == 200:
-                        return time.monotonic() - self.t0
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"server not ready after {timeout:.0f} s; see {self.log_path}")
-
-    def post(self, path: str, body: dict | None = None, timeout: float = 60.0,
-             api_key: str | None = None) -> tuple[int, str]:
-        """POST `body` as JSON; `api_key`: the server's --admin-api-key (its admin endpoints,
-        /flush_cache among them, answer 401 without it)."""
-        headers = {"Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        req = urllib.request.Request(self.url(path), data=json.dumps(body or {}).encode(), method="POST",
-                                     headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, r.read().decode(errors="replace")
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(errors="replace")
-
-    def get(self, path: str, timeout: float = 30.0) -> str:
-        with urllib.request.urlopen(self.url(path), timeout=timeout) as r:
-            return r.read().decode(errors="replace")
-
-    def stop(self, timeout: float = 90.0) -> dict[str, Any]:
-        """SIGTERM the server's process group; SIGKILL what is left after `timeout` (a hang)."""
-        t = time.monotonic()
-        hung = False
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                hung = True
-        left = _group_pids(self.proc.pid)
-        if left:
-            time.sleep(3.0)
-            left = _group_pids(self.proc.pid)
-        if left or hung:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(30)
-        self.log.close()
-        return {"shutdown_s": round(time.monotonic() - t, 2), "hung": hung, "leftover_pids": left,
-                "exit_code": self.proc.returncode}
-
-
-def _group_pids(pgid: int) -> list[int]:
-    out = []
-    for p in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            fields = open(p).read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(p.split("/")[2]))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
 
 
 # -- requests -----------------------------------------------------------------------------------
-@dataclass
-class Result:
-    tag: str
-    prompt_tokens: int
-    ttft_s: float
-    latency_s: float
-    output_ids: list[int]
-    logprobs: list[float]
-    cached: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-
-
-def generate(srv: Server, tag: str, ids: list[int], gen: int, timeout: float) -> Result:
-    """One streamed, greedy /generate; TTFT is the first chunk's arrival."""
-    body = {"input_ids": ids, "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": gen, "temperature": 0.0, "ignore_eos": True}}
-    req = urllib.request.Request(srv.url("/generate"), data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft = None
-    out: list[int] = []
-    last: dict[str, Any] = {}
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                ids_now = chunk.get("output_ids") or []
-                # cumulative (default) or incremental (--incremental-streaming-output) chunks
-                out = list(ids_now) if ids_now[:len(out)] == out and len(ids_now) >= len(out) else out + list(ids_now)
-                last = chunk
-    except Exception as exc:  # noqa: BLE001 -- recorded with the result, the run goes on
-        return Result(tag, len(ids), float("nan"), time.perf_counter() - t0, out, [], {}, f"{type(exc).__name__}: {exc}")
-    meta = last.get("meta_info", {})
-    lps = [float(x[0]) if x and x[0] is not None else float("nan") for x in meta.get("output_token_logprobs") or []]
-    lp_ids = [int(x[1]) for x in meta.get("output_token_logprobs") or [] if x and x[1] is not None]
-    if len(lp_ids) == gen:
-        out = lp_ids  # the authoritative sequence where the server sends it
-    cached = dict(meta.get("cached_tokens_details") or {})
-    cached["cached_tokens"] = meta.get("cached_tokens", 0)
-    return Result(tag, len(ids), ttft if ttft is not None else float("nan"), time.perf_counter() - t0, out, lps,
-                  cached, None if ttft is not None else "no chunk received")
-
-
-def backed_up_tokens(srv: "Server") -> int | None:
-    """SGLang's own count of tokens its controller has written to L3 (``/metrics``), or None."""
-    try:
-        text = srv.get("/metrics")
-    except Exception:  # noqa: BLE001
-        return None
-    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("sglang:backuped_tokens_total")]
-    return int(sum(vals)) if vals else None
-
-
-def wait_stored(srv: "Server", counter: Callable[[], int], expect_tokens: int, stable_s: float,
-                timeout: float) -> dict[str, Any]:
-    """Wait until the L3 writes of what was sent have drained: SGLang's backed-up token count has
-    reached `expect_tokens` (the full pages of every prompt so far) and the backend's page count has
-    not changed for `stable_s`; at most `timeout`."""
-    t0 = time.monotonic()
-    last, since = counter(), time.monotonic()
-    backed = backed_up_tokens(srv)
-    while time.monotonic() - t0 < timeout:
-        time.sleep(0.5)
-        now = counter()
-        if now != last:
-            last, since = now, time.monotonic()
-        backed = backed_up_tokens(srv)
-        if (backed is None or backed >= expect_tokens) and time.monotonic() - since >= stable_s:
-            break
-    return {"stored_pages": last, "backed_up_tokens": backed, "expected_tokens": expect_tokens,
-            "drain_wait_s": round(time.monotonic() - t0, 1), "drained": backed is None or backed >= expect_tokens}
-
-
-def drop_caches() -> str:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "dropped"
-    except OSError as exc:
-        return f"not dropped ({exc.strerror})"
 
 
 # -- workloads ----------------------------------------------------------------------------------
-def tokens(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(1000, 120000, size=n).tolist()
 
 
 def run_prefix(srv: Server, cfg: str, a: argparse.Namespace, store_dir: str) -> dict[str, Any]:
@@ -338,84 +163,6 @@ def run_multiturn(srv: Server, cfg: str, a: argparse.Namespace, store_dir: str) 
 
 
 # -- summary ------------------------------------------------------------------------------------
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(x for x in xs if x == x)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def ttft_stats(rs: list[Result], new_tokens: Callable[[Result], int]) -> dict[str, Any]:
-    t = [r.ttft_s for r in rs if r.error is None]
-    storage = sum(int(r.cached.get("storage", 0) or 0) for r in rs)
-    host = sum(int(r.cached.get("host", 0) or 0) for r in rs)
-    device = sum(int(r.cached.get("device", 0) or 0) for r in rs)
-    prompt = sum(r.prompt_tokens for r in rs)
-    return {"n": len(rs), "errors": sum(r.error is not None for r in rs),
-            "p50": pct(t, 50), "p90": pct(t, 90), "p99": pct(t, 99), "mean": statistics.fmean(t) if t else float("nan"),
-            "prefill_tok_s": sum(new_tokens(r) for r in rs if r.error is None) / max(sum(t), 1e-9),
-            "prompt_tokens": prompt, "cached_device": device, "cached_host": host, "cached_storage": storage,
-            "storage_hit_frac": storage / max(prompt, 1)}
-
-
-def compare(rs: list[Result], ref: list[Result]) -> dict[str, Any]:
-    """Greedy tokens of `rs` against the reference run's, prompt by prompt."""
-    same = sum(a.output_ids == b.output_ids and bool(a.output_ids) for a, b in zip(rs, ref))
-    diffs = [abs(x - y) for a, b in zip(rs, ref) for x, y in zip(a.logprobs, b.logprobs) if x == x and y == y]
-    first_div = [next((k for k, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), None)
-                 for a, b in zip(rs, ref)]
-    return {"prompts": len(ref), "identical": same, "max_abs_logprob_diff": max(diffs) if diffs else None,
-            "first_divergence": [d for d in first_div if d is not None][:8]}
-
-
-def raw_disk(directory: str, size: str) -> dict[str, Any]:
-    """The disk's raw O_DIRECT write and cold read throughput (hicache-gds-bench's raw baseline)."""
-    d = os.path.join(directory, "rawbench")
-    os.makedirs(d, exist_ok=True)
-    cmd = [sys.executable, "-c", "from hicache_gds.bench.cli import main; main()", f"--directory={d}",
-           f"--size={size}", "--engine=nixl-posix", "--output-format=json", "--drop_caches=1"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        doc = json.loads(out.stdout[out.stdout.index("{"):])
-    except Exception as exc:  # noqa: BLE001
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-    res = {}
-    for job in doc.get("jobs", []):
-        ours = job.get("hicache_gds", {})
-        rw = "write" if job.get("write", {}).get("io_bytes") else "read"
-        raw = ours.get("baseline", {}).get("raw", {})
-        res[job.get("jobname", rw)] = {"rw": rw, "nixl_posix_MBps": job.get(rw, {}).get("bw_bytes", 0) / 1e6,
-                                       "raw_MBps": raw.get(rw, {}).get("bw_bytes", 0) / 1e6,
-                                       "raw_path": raw.get("path"), "ratio_to_raw": ours.get("ratio_to_raw")}
-    return res
-
-
-def metrics_lines(srv: Server) -> list[str]:
-    try:
-        text = srv.get("/metrics")
-    except Exception as exc:  # noqa: BLE001
-        return [f"# /metrics failed: {exc}"]
-    return [line for line in text.splitlines() if ("hicache" in line or "storage" in line or "cache_hit" in line)
-            and not line.startswith("#")][:80]
-
-
-def log_facts(path: str) -> dict[str, Any]:
-    """What the server log says about the L3 backend: engine/path lines, warnings, tracebacks."""
-    facts: dict[str, list[str]] = {"backend": [], "warnings": [], "errors": []}
-    with open(path, errors="replace") as f:
-        for line in f:
-            s = line.rstrip()[:400]
-            if "hicache-gds" in s or "HiCacheNixl" in s or "HiCacheFile" in s or "storage backend" in s.lower():
-                facts["backend"].append(s)
-            if "Traceback" in s or " ERROR " in s or "Error:" in s:
-                facts["errors"].append(s)
-            elif "WARNING" in s and ("hicache" in s.lower() or "storage" in s.lower()):
-                facts["warnings"].append(s)
-    return {k: v[:30] for k, v in facts.items()}
 
 
 def run_config(cfg: str, a: argparse.Namespace, out_dir: str) -> dict[str, Any]:
@@ -553,57 +300,11 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _jsonable(o: Any) -> Any:
-    if isinstance(o, Result):
-        return asdict(o)
-    if isinstance(o, dict):
-        return {k: _jsonable(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_jsonable(v) for v in o]
-    if isinstance(o, float) and o != o:
-        return None
-    return o
-
-
-def _revive(rec: dict[str, Any]) -> dict[str, Any]:
-    """A record read back from results JSON, its requests as `Result`s again."""
-    def res(x: Any) -> Any:
-        if isinstance(x, list):
-            return [res(v) for v in x]
-        if isinstance(x, dict) and "ttft_s" in x:
-            return Result(**{**x, "ttft_s": x["ttft_s"] if x["ttft_s"] is not None else float("nan")})
-        return x
-    w = rec.get("workload")
-    if w:
-        rec["workload"] = {k: res(v) for k, v in w.items()}
-    return rec
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-    out = {}
-    for p in ("sglang", "sglang-kernel", "torch", "nixl-cu13", "hicache-gds", "hicache-gds-sglang", "transformers"):
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = "not installed"
-    return out
-
-
-def machine() -> str:
-    try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.strip().splitlines()[0]
-    except Exception:  # noqa: BLE001
-        gpu = "no GPU"
-    return f"{gpu}, {os.cpu_count()} cores"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", required=True, help="the disk under test: every configuration's L3 goes below it")
     p.add_argument("--configs", default="recompute,hicache,file,nixl,gds")
-    p.add_argument("--mode", choices=("prefix", "multiturn"), default="prefix")
+    p.add_argument("--mode", choices=("prefix", "multiturn", "suite", "single", "burst", "open"), default="prefix")
     p.add_argument("--out", default="e2e-results")
     p.add_argument("--model", default=MODEL_DIR)
     p.add_argument("--page-size", type=int, default=64)
@@ -614,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
     p.add_argument("--prefetch-policy", default="wait_complete")
     p.add_argument("--capacity", default="40G", help="hicache-gds namespace capacity")
-    p.add_argument("--prefixes", type=int, default=12)
+    p.add_argument("--prefixes", type=int, default=None, help="prompts (prefix mode: 12; suite: 8)")
     p.add_argument("--prefix-tokens", type=int, default=16384)
     p.add_argument("--suffix-tokens", type=int, default=64)
     p.add_argument("--gen", type=int, default=8, help="greedy tokens generated per request")
@@ -628,11 +329,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-timeout", type=float, default=300.0)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--req-timeout", type=float, default=300.0)
-    p.add_argument("--raw-size", default="4G", help="bytes for the raw disk measurement; 0 skips it")
+    p.add_argument("--raw-size", default=None, help="bytes for the raw disk measurement; 0 skips it "
+                   "(default 4G; suite 2G)")
     p.add_argument("--keep", action="store_true", help="keep each configuration's L3 files")
     p.add_argument("--resume", action="store_true",
                    help="keep the configurations already in --out's results (split a long run over several calls)")
+    import suite
+    suite.add_args(p)
     a = p.parse_args(argv)
+    if a.mode in ("suite", "single", "burst", "open"):
+        a.prefixes = a.prefixes or 8
+        a.raw_size = "2G" if a.raw_size is None else a.raw_size
+        return suite.main(a)
+    a.prefixes = a.prefixes or 12
+    a.raw_size = "4G" if a.raw_size is None else a.raw_size
+    install_guard()
+    stop_leftovers()
     cfgs = [c.strip() for c in a.configs.split(",") if c.strip()]
     bad = [c for c in cfgs if c not in CONFIGS]
     if bad:

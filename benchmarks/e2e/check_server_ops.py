@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_sglang_server import (MODEL_DIR, Server, backed_up_tokens, free_port, generate,  # noqa: E402
                                  log_facts, server_command, stored_pages, tokens)
+from e2elib import install_guard, stop_leftovers  # noqa: E402
 
 KEY = "hicache-gds-ops-check"
 
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--req-timeout", type=float, default=300.0)
     a = p.parse_args(argv)
+    install_guard()  # the servers stop on every exit path
+    stop_leftovers()
     # the fields server_command() reads, as bench_sglang_server's defaults
     a.model, a.page_size, a.chunk, a.hicache_ratio, a.layout = MODEL_DIR, 64, 8192, 2.0, "page_first"
     a.prefetch_policy = "wait_complete"

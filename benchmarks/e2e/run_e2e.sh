@@ -3,10 +3,16 @@
 # `sglang`, `hicache-gds` and `hicache-gds-sglang` are installed):
 #
 #   bash benchmarks/e2e/run_e2e.sh [prefix|multiturn|ops|all] [CONFIGS]    # default: all
+#   bash benchmarks/e2e/run_e2e.sh suite MODEL [ARGS...]                   # e.g. suite llama-32b-shape --capacity 42G
+#   bash benchmarks/e2e/run_e2e.sh clean MODEL                              # remove that shape's L3 ($E2E_DIR/MODEL)
 #
 # prefix     bench_sglang_server.py, 16k-token prefix revisits (CONFIGS default recompute,hicache,file,nixl,gds)
 # multiturn  bench_sglang_server.py --mode multiturn (CONFIGS default recompute,nixl,gds)
 # ops        check_server_ops.py: restart, runtime detach/attach, /flush_cache, a second server, shutdown
+# suite      bench_sglang_server.py --mode suite: one server for MODEL (a directory of benchmarks/e2e),
+#            configurations switched at runtime; its L3 under $E2E_DIR/MODEL, kept between calls
+#            (--resume), results $E2E_OUT/suite-MODEL.{json,md,-ttft-p90.png}; ARGS go to the harness
+#            (--deadline, --rates, --capacity, ...). Exit 3: measurements left, call it again.
 #
 # Resumable: configurations already measured under $E2E_OUT are kept (--resume), so a run longer
 # than one call continues where it stopped. E2E_DIR is the disk under test (default
@@ -18,6 +24,19 @@ DIR=${E2E_DIR:-/var/tmp/e2e-store}
 OUT=${E2E_OUT:-/var/tmp/e2e-out}
 what=${1:-all}
 rc=0
+if [ "$what" = suite ]; then
+  model=${2:?usage: run_e2e.sh suite MODEL [ARGS...]}
+  shift 2
+  python3 benchmarks/e2e/bench_sglang_server.py --mode suite --model "benchmarks/e2e/$model" --dir "$DIR/$model" \
+    --out "$OUT" --resume --plot "$@"
+  exit $?
+fi
+if [ "$what" = clean ]; then
+  model=${2:?usage: run_e2e.sh clean MODEL}
+  rm -rf "${DIR:?}/$model"
+  df -h "$DIR" | tail -1
+  exit 0
+fi
 if [ "$what" = prefix ] || [ "$what" = all ]; then
   python3 benchmarks/e2e/bench_sglang_server.py --dir "$DIR" --out "$OUT" --resume \
     --configs "${2:-recompute,hicache,file,nixl,gds}" || rc=1

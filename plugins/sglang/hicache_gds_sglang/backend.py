@@ -20,6 +20,12 @@ miss (False / 0 / None).
 MLA: one rank writes (``is_storage_writer``); the others skip writes (True, as SGLang expects)
 and read the writer's namespace through the core's read-only `PageReader` (no lock, nothing
 written, every page checked against its checksum).
+
+For the ``compute_or_load`` prefetch policy (`policy`): `read_rate` measures the KV store's gets
+(bytes and seconds of each `batch_get_v1`, seeded before the first from ``policy_read_gbps`` or
+the estimate persisted in the KV namespace directory), `read_progress` says how far the get in
+flight has come, and `cancel_read` cuts short the reads of a prefetch the policy stopped: a get
+reads in slices of ``policy_read_slice`` bytes and checks between them.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Dict, List, Optional
 
@@ -38,10 +45,12 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 
 from hicache_gds import ConfigError, PageReader, PageStore, namespace_location
 from hicache_gds.capacity import default_budget
+from hicache_gds.costmodel import STATE_FILE, ReadRate, load_state, save_state
 from hicache_gds.memory import align_up
 from hicache_gds.slabs import SlabSet
 
 from .naming import KeyScheme, load_config, namespace_identity
+from .policy import PolicyConfig
 from .pools import PoolBinding, describe_pool
 
 __all__ = ["HiCacheGDS"]
@@ -51,6 +60,18 @@ log = logging.getLogger("hicache_gds_sglang")
 
 def _pool_name(name: Any) -> str:
     return str(getattr(name, "value", name))
+
+
+# Read rates by KV namespace directory, for the life of the process: a backend attached again (a
+# runtime detach/attach, a policy switch) goes on from what the last one measured.
+_RATES: dict[str, ReadRate] = {}
+_RATES_LOCK = threading.Lock()
+
+
+def _base_of(t: Any) -> Any:
+    """The tensor `t` is a view of (SGLang passes slices of a prefetch's ``host_indices``), or `t`."""
+    base = getattr(t, "_base", None)
+    return t if base is None else base
 
 
 # 0.5.23's PoolTransferResult carries the restorable prefix lengths (its controller intersects
@@ -92,6 +113,8 @@ class _Metrics:
 class HiCacheGDS(HiCacheStorage):
     """SGLang HiCache storage backend on hicache-gds (see the module docstring for the contract)."""
 
+    supports_compute_or_load = True  # read_rate, read_progress, cancel_read: what policy.py asks of a backend
+
     def __init__(self, storage_config: HiCacheStorageConfig, mem_pool_host: Any = None, *args: Any,
                  **kwargs: Any) -> None:
         if isinstance(mem_pool_host, dict):  # the `dynamic` loader passes its kwargs dict here
@@ -122,6 +145,12 @@ class HiCacheGDS(HiCacheStorage):
         self._metrics = _Metrics()
         self._last_log: dict[str, float] = {}
         self._closed = False
+        self.policy_config = PolicyConfig.from_extra(extra)
+        self.read_rate = ReadRate()
+        self._cost_path: str | None = None
+        self._reading: tuple[Any, int] | None = None  # (host_indices base of the get in flight, pages read)
+        self._cancelled: dict[int, weakref.ref] = {}
+        self._cancel_lock = threading.Lock()
         if mem_pool_host is not None:
             self.register_mem_pool_host(mem_pool_host)
 
@@ -185,6 +214,38 @@ class HiCacheGDS(HiCacheStorage):
                 del self._bindings[name]
                 old.close()
             self._bindings[name] = self._bind(name, pool)
+            if name == "kv":
+                self._seed_read_rate(self._bindings[name])
+
+    def _seed_read_rate(self, kv: PoolBinding) -> None:
+        """The KV namespace's read rate: the one this process already measures for it (a backend
+        detached and attached again keeps its history), else a new one seeded before the first get
+        with ``policy_read_gbps``, else with the estimate an earlier run persisted in the namespace
+        directory (`hicache_gds.costmodel.STATE_FILE`)."""
+        try:
+            dirs = kv.store.stats().get("dirs") or []
+            self._cost_path = None if kv.read_only or not dirs else os.path.join(dirs[0], STATE_FILE)
+            ident = dirs[0] if dirs else None
+            with _RATES_LOCK:
+                known = _RATES.get(ident) if ident else None
+                if known is None and ident:
+                    _RATES[ident] = self.read_rate
+            if known is not None:
+                self.read_rate = known
+                if self.policy_config.read_gbps:
+                    self.read_rate.seed(self.policy_config.read_gbps * 1e9, "configured (policy_read_gbps)")
+                return
+            if self.policy_config.read_gbps:
+                self.read_rate.seed(self.policy_config.read_gbps * 1e9, "configured (policy_read_gbps)")
+                return
+            st = self.cost_state()
+            r = (st or {}).get("read_bytes_per_s")
+            if r and str(st.get("read_source", "")).startswith("measured"):
+                age = max(0.0, time.time() - float(st.get("saved_at", 0)))
+                self.read_rate.seed(float(r), f"persisted {age / 3600:.1f} h ago" if age >= 3600
+                                    else f"persisted {age:.0f} s ago")
+        except Exception as exc:  # noqa: BLE001 -- an estimate is never worth failing the attach
+            log.warning("hicache-gds: no read-rate estimate from an earlier run (%s)", exc)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Bind the KV anchor pool: its own namespace, its kv_buffer registered once.
@@ -231,7 +292,8 @@ class HiCacheGDS(HiCacheStorage):
             return self._bindings[pool], base
         return self._bindings.get("kv"), key
 
-    def _io(self, op: str, binding: PoolBinding | None, keys: List[str], host_indices: Any, write: bool) -> List[bool]:
+    def _io(self, op: str, binding: PoolBinding | None, keys: List[str], host_indices: Any, write: bool,
+            record: bool = True) -> List[bool]:
         try:
             n = len(keys)
         except TypeError:
@@ -249,7 +311,7 @@ class HiCacheGDS(HiCacheStorage):
                 return [False] * n
             t0 = time.perf_counter()
             res = binding.put(keys, host_indices) if write else binding.get(keys, host_indices)
-            if binding.name == "kv":
+            if binding.name == "kv" and record:
                 self._metrics.record(write, sum(res), sum(res) * binding.geo.page_bytes, time.perf_counter() - t0)
             return res
         except Exception as exc:  # noqa: BLE001 -- never raise into SGLang's storage threads
@@ -267,8 +329,86 @@ class HiCacheGDS(HiCacheStorage):
             return 0
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
-        """Read pages into the host pool's slots; per-page result (SGLang uses the leading run)."""
-        return self._io("batch_get_v1", self._bindings.get("kv"), keys, host_indices, write=False)
+        """Read pages into the host pool's slots; per-page result (SGLang uses the leading run).
+
+        While the compute_or_load policy runs over this backend, reads in slices of
+        ``policy_read_slice`` bytes: between slices the progress is published (`read_progress`) and
+        a prefetch the policy stopped (`cancel_read`) ends, its pages left unread reported False
+        (SGLang keeps the leading run read before)."""
+        kv = self._bindings.get("kv")
+        try:
+            n = len(keys)
+        except TypeError:
+            return self._io("batch_get_v1", kv, keys, host_indices, write=False)
+        base = _base_of(host_indices)
+        if self._is_cancelled(base):
+            return [False] * n
+        if kv is None or not n or not isinstance(host_indices, torch.Tensor) or \
+                not kv.check_indices(keys, host_indices):
+            return self._io("batch_get_v1", kv, keys, host_indices, write=False)  # says what is wrong
+        ps = kv.geo.page_size
+        sliced = self.policy_config.read_slice and self._policy_in_force()
+        step = max(1, self.policy_config.read_slice // kv.geo.page_bytes) if sliced else n
+        out: List[bool] = []
+        t0 = time.perf_counter()
+        self._reading = (base, 0)
+        try:
+            for i in range(0, n, step):
+                if i and self._is_cancelled(base):
+                    break
+                res = self._io("batch_get_v1", kv, keys[i:i + step], host_indices[i * ps:(i + step) * ps], write=False,
+                               record=False)
+                out.extend(res)
+                self._reading = (base, len(out))
+                if not all(res):
+                    break
+        finally:
+            self._reading = None
+        secs = time.perf_counter() - t0
+        got = sum(out)
+        self._metrics.record(False, got, got * kv.geo.page_bytes, secs)
+        if got and len(out) == n and all(out):
+            self.read_rate.observe(got * kv.geo.page_bytes, secs)  # whole gets only: a cut one is no rate
+        return out + [False] * (n - len(out))
+
+    # -- the compute_or_load policy's view of the reads (policy.py) -------------------------------
+    def _policy_in_force(self) -> bool:
+        """Slices cost a little throughput (the requests of one slice drain before the next is
+        posted): only while compute_or_load, which may cut a get short, runs over this backend."""
+        from .policy import process_policies
+        return any(p.in_force_for(self) for p in process_policies())
+
+    def kv_bytes_per_token(self) -> float | None:
+        """Bytes of this rank's KV per token in the store (a KV page / its tokens)."""
+        kv = self._bindings.get("kv")
+        return None if kv is None else kv.geo.page_bytes / max(1, kv.geo.page_size)
+
+    def read_progress(self, host_indices: Any) -> int:
+        """Pages read so far by the get in flight into `host_indices` (a prefetch's host slots)."""
+        cur = self._reading
+        return cur[1] if cur is not None and host_indices is not None and cur[0] is host_indices else 0
+
+    def cancel_read(self, host_indices: Any) -> None:
+        """Skip the reads into `host_indices` (a stopped prefetch's slots): gets that target it return
+        False from the next slice on. Held weakly: forgotten with the prefetch."""
+        if host_indices is None:
+            return
+        base = _base_of(host_indices)
+        key = id(base)
+        with self._cancel_lock:
+            self._cancelled[key] = weakref.ref(base, lambda _r, k=key: self._cancelled.pop(k, None))
+
+    def _is_cancelled(self, base: Any) -> bool:
+        ref = self._cancelled.get(id(base))
+        return ref is not None and ref() is base
+
+    def cost_state(self) -> dict | None:
+        """The estimates an earlier run persisted in the KV namespace directory, or None."""
+        return load_state(self._cost_path) if self._cost_path else None
+
+    def save_cost_state(self, state: dict) -> bool:
+        """Persist the policy's estimates in the KV namespace directory (MLA readers write nothing)."""
+        return bool(self._cost_path) and save_state(self._cost_path, state)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Write pages from the host pool's slots; present pages are not rewritten (True)."""
@@ -429,7 +569,17 @@ class HiCacheGDS(HiCacheStorage):
             st.update(pool_class=type(b.pool).__name__, layout=b.geo.layout, read_only=b.read_only,
                       pool_path="zero-copy" if b.geo.zero_copy else "copy", page_order=b.geo.identity["page_order"])
             out[name] = st
+        out["policy"] = self.policy_stats()
         return out
+
+    def policy_stats(self) -> dict:
+        """The prefetch policy's estimates and decisions where it runs in this process, else the
+        read rate this backend measured."""
+        from .policy import process_policies
+        for pol in process_policies():
+            if pol.serves(self):
+                return pol.stats()
+        return {"policy": None, **self.read_rate.snapshot(), "kv_bytes_per_token": self.kv_bytes_per_token()}
 
     def get_stats(self):
         """SGLang's `StorageMetrics` for the operations since the previous call."""
@@ -441,6 +591,8 @@ class HiCacheGDS(HiCacheStorage):
         m = StorageMetrics()
         for k, v in self._metrics.drain().items():
             getattr(m, k).extend(v)
+        from .policy_hooks import publish_metrics
+        publish_metrics(self)
         return m
 
     def close(self) -> None:

@@ -48,12 +48,15 @@ SGLANG_KEYS = (
 
 
 def load_config(extra_config: Mapping[str, Any] | None) -> Config:
-    """The hicache-gds `Config` for one backend: extra-config keys > environment > defaults."""
+    """The hicache-gds `Config` for one backend: extra-config keys > environment > defaults. The
+    prefetch policy's keys (`policy.POLICY_KEYS`) are the plugin's, read by `policy.PolicyConfig`."""
+    from .policy import POLICY_KEYS
     try:
-        cfg = Config.load(dict(extra_config or {}), ignore=SGLANG_KEYS)
+        cfg = Config.load(dict(extra_config or {}), ignore=SGLANG_KEYS + POLICY_KEYS)
     except ConfigError as exc:
         raise ConfigError(f"hicache-gds (--hicache-storage-backend-extra-config): {exc}. SGLang's own keys "
-                          f"({', '.join(SGLANG_KEYS)}) are ignored") from exc
+                          f"({', '.join(SGLANG_KEYS)}) are ignored; the prefetch policy's are "
+                          f"{', '.join(POLICY_KEYS)}") from exc
     if not cfg.gds_path:
         raise ConfigError("hicache-gds: no storage directory; set GDS_PATH (comma-separated, one per NVMe "
                           "drive) or put \"gds_path\" in --hicache-storage-backend-extra-config")

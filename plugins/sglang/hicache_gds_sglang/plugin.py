@@ -22,9 +22,25 @@ in a host pool of its own; 0.5.23 packs draft layers into the KV pool and has no
    would send draft pages of the wrong size to the KV namespace, and no draft page would ever
    be stored.
 
+And the ``compute_or_load`` prefetch policy (`policy`), where the installed SGLang has its
+decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
+
+5. the cache's ``prefetch_from_storage`` (AROUND: load or recompute), its
+   ``can_terminate_prefetch`` / ``_can_terminate_prefetch`` (AROUND: wait or stop a load in
+   flight), its ``attach_storage_backend`` (AROUND: SGLang validates the policy name against its
+   own three) and its ``__init__`` / ``init_hicache`` (AFTER: set the policy up);
+   ``HiCacheController.prefetch_rate_limited`` (AROUND: the host-pool share of prefetches);
+   ``--hicache-storage-prefetch-policy`` gets the choice, and it becomes the default;
+6. where they import: ``Scheduler._prefetch_kvcache`` (the waiting queue, the request admitted)
+   and ``TpModelWorker.forward_batch_generation`` (prefill batches timed). Without them the
+   policy runs on its seeds and the disk queue alone, and says so once.
+
+Caches without those points (0.5.17's hybrid-model caches) keep SGLang's policy: the name turns
+into SGLang's default there.
+
 These are SGLang internals (tested against 0.5.17 and 0.5.23). When one of 1-3 is missing
 (another SGLang version), nothing is hooked and one log line gives the ``dynamic`` command line,
-which needs no hook.
+which needs no hook; when 5 is missing, SGLang's three policies are all there is.
 """
 
 from __future__ import annotations
@@ -47,7 +63,21 @@ _FACTORY_CLASS = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFac
 _FACTORY_METHODS = ("_do_create_backend", "create_backend")
 _ATTACH = "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend"
 _DRAFT = "sglang.srt.managers.cache_controller.HiCacheController._maybe_register_draft_with_storage"
+_RATE = "sglang.srt.managers.cache_controller.HiCacheController.prefetch_rate_limited"
+# cache class -> (init method, stop method): the policy's decision points in each release
+_POLICY_CACHES = {
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache": ("__init__", "can_terminate_prefetch"),  # 0.5.17
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ("init_hicache", "_can_terminate_prefetch"),  # 0.5.23
+}
+# caches whose policy name must be settled (ours turned into SGLang's default) without the policy
+_SETTLE_CACHES = {
+    "sglang.srt.mem_cache.hi_mamba_radix_cache.HiMambaRadixCache": "__init__",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": "init_hicache",
+}
+_OPTIONAL = ("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache",
+             "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation")
 _registered = False
+_policy_ready = False
 
 
 def dynamic_command() -> str:
@@ -56,18 +86,31 @@ def dynamic_command() -> str:
             f"'{json.dumps(DYNAMIC_EXTRA_CONFIG, separators=(',', ':'))}'")
 
 
+def _append(action: Any, name: str) -> None:
+    if action.choices is not None and name not in action.choices:
+        if isinstance(action.choices, list):
+            action.choices.append(name)
+        else:
+            action.choices = [*action.choices, name]
+
+
 def _add_choice(result: Any, *args: Any, **kwargs: Any) -> None:
     parser = args[0] if args else kwargs.get("parser")
+    found = False
     for action in getattr(parser, "_actions", []):
         if action.dest == "hicache_storage_backend":
-            if action.choices is not None and BACKEND_NAME not in action.choices:
-                if isinstance(action.choices, list):
-                    action.choices.append(BACKEND_NAME)
-                else:
-                    action.choices = [*action.choices, BACKEND_NAME]
-            return None
-    log.warning("hicache-gds: no --hicache-storage-backend option found; select the backend with %s",
-                dynamic_command())
+            _append(action, BACKEND_NAME)
+            found = True
+        elif action.dest == "hicache_storage_prefetch_policy" and _policy_ready:
+            from .policy import POLICY
+            _append(action, POLICY)
+            action.default = POLICY  # with any backend but gds it turns into SGLang's default (policy_hooks._settle)
+            action.help = (f"{action.help or ''} {POLICY} (hicache-gds, the default): load an L3 hit or recompute "
+                           "it, whichever finishes first (needs --hicache-storage-backend gds; with others "
+                           "SGLang's timeout runs).").strip()
+    if not found:
+        log.warning("hicache-gds: no --hicache-storage-backend option found; select the backend with %s",
+                    dynamic_command())
     return None
 
 
@@ -141,9 +184,61 @@ def register() -> None:
         log.warning("hicache-gds: SGLang's internals differ from 0.5.17-0.5.23 (%s); `--hicache-storage-backend gds` "
                     "is not available. Select the backend with: %s", exc, dynamic_command())
         return
+    _register_policy(HookRegistry, HookType)
     HookRegistry.register(_ARGS, _add_choice, HookType.AFTER)
     HookRegistry.register(factory, _create, HookType.AROUND)
     HookRegistry.register(_ATTACH, _select_zero_copy, HookType.AFTER)
     if hasattr(ctl, _DRAFT.rsplit(".", 1)[1]):  # 0.5.17's separate draft host pool
         HookRegistry.register(_DRAFT, _bind_draft, HookType.AFTER)
     _registered = True
+
+
+def _resolve(path: str) -> Any:
+    """The class or function at `path`, or None where this SGLang has none (or it does not import)."""
+    obj_path, attr = path.rsplit(".", 1)
+    try:
+        return getattr(pkgutil.resolve_name(obj_path), attr, None)
+    except Exception:  # noqa: BLE001 -- absent in this release, or its imports fail here
+        return None
+
+
+def _register_policy(registry: Any, hook_type: Any) -> None:
+    """Hook the compute_or_load policy's decision points (module docstring, 5-6) where they exist.
+    Fails soft: without them nothing is hooked and SGLang's own policies are all there is."""
+    global _policy_ready
+    from . import policy, policy_hooks as hooks
+    full = []
+    for path, (init, stop) in _POLICY_CACHES.items():
+        cls = _resolve(path)
+        if isinstance(cls, type) is not None and all(callable(getattr(cls, m, None)) for m in (init, stop, "prefetch_from_storage",
+                                                                             "attach_storage_backend")):
+            full.append((path, cls, init, stop))
+    if not full or _resolve(_RATE) is None:
+        log.info("hicache-gds: this SGLang has none of the prefetch decision points the %s policy hooks; SGLang's "
+                 "own prefetch policies run", policy.POLICY)
+        return
+    for path, cls, init, stop in full:
+        hooks._SUPPORTED.add(cls)
+        registry.register(f"{path}.{init}", hooks.after_init, hook_type.AFTER)
+        registry.register(f"{path}.prefetch_from_storage", hooks.around_admit, hook_type.AROUND)
+        registry.register(f"{path}.{stop}", hooks.around_can_terminate, hook_type.AROUND)
+        registry.register(f"{path}.attach_storage_backend", hooks.around_attach, hook_type.AROUND)
+    for path, init in _SETTLE_CACHES.items():
+        if path in {p for p, *_ in full}:
+            continue
+        cls = _resolve(path)
+        if cls is not None and callable(getattr(cls, init, None)):
+            registry.register(f"{path}.{init}", hooks.after_init, hook_type.AFTER)
+            if callable(getattr(cls, "attach_storage_backend", None)):
+                registry.register(f"{path}.attach_storage_backend", hooks.around_attach, hook_type.AROUND)
+    registry.register(_RATE, hooks.around_rate_limited, hook_type.AROUND)
+    missing = []
+    for path, hook in zip(_OPTIONAL, (hooks.around_prefetch_kvcache, hooks.around_forward)):
+        if _resolve(path) is None:
+            missing.append(path)
+        else:
+            registry.register(path, hook, hook_type.AROUND)
+    if missing:
+        log.warning("hicache-gds: %s cannot be hooked here; the %s policy runs on its seeds and the disk queue",
+                    ", ".join(missing), policy.POLICY)
+    _policy_ready = True

@@ -1,0 +1,476 @@
+"""Compute or load, measured: one server per model shape, configurations switched at runtime.
+
+    python benchmarks/e2e/bench_sglang_server.py --mode suite --model benchmarks/e2e/qwen-32b-shape \\
+        --dir /var/tmp/e2e-store --out /var/tmp/e2e-out --resume --deadline 510
+
+One ``sglang.launch_server`` with HiCache, ``--hicache-storage-backend gds`` and an admin key. The
+L3 is written once (``--prefixes`` prompts of ``--lengths`` tokens), then every configuration is
+measured on that server, on the same disk, interleaved and repeated:
+
+====================  =====================================================================
+recompute             L3 detached (``DELETE /hicache/storage-backend``): every prefix recomputed
+gds-<policy>          gds attached with SGLang's ``wait_complete`` / ``best_effort`` /
+                      ``timeout``, or hicache-gds' ``compute_or_load`` (``PUT`` with the policy;
+                      same backend: SGLang only updates the policy)
+nixl                  SGLang's HiCacheNixl (NIXL POSIX, O_DIRECT, its cleaner off), written once
+                      with the ``single`` prompts
+====================  =====================================================================
+
+Before each measurement ``/flush_cache`` empties the GPU and host pools (L3 stays) and the page
+cache is dropped, so every revisit is served by L3 or recomputed. Workloads (``--workloads``):
+
+* ``single``: ``--single`` of the prompts, one at a time (each prefix once per measurement);
+* ``burst``: ``--burst`` prompts sent at once: makespan, mean and p50/p90/p99 TTFT, output tokens/s;
+* ``open``: Poisson arrivals at each of ``--rates`` requests/s (same arrival times for every
+  configuration): TTFT p50/p90/p99 against rate (``--plot`` draws p90).
+
+Each measurement records where the server says every prompt's cached tokens came from (device,
+host, storage) and the greedy tokens (compared with ``recompute``'s). Results go to
+``<out>/suite-<shape>.json`` after every measurement; ``--resume`` keeps the measured ones, so a
+run longer than one call continues in the next (the L3 on ``--dir`` is kept and checked).
+``--deadline`` (seconds) stops starting measurements that would not end in time, stops the server
+and exits 3 (``--resume`` to go on). ``--fake`` runs the same harness against `fake_server.py`
+(no GPU) to dry-run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2elib import (Result, Server, _jsonable, admin, backed_up_tokens, drop_caches, free_port,  # noqa: E402
+                    generate, install_guard, log_facts, machine, metrics_lines, model_info, pct, raw_disk,
+                    stop_leftovers, tokens, versions)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KEY = "hicache-gds-suite"
+POLICIES = ("wait_complete", "best_effort", "timeout", "compute_or_load")
+CONFIGS = ("recompute", *(f"gds-{p}" for p in POLICIES), "nixl")
+DEFAULT_CONFIGS = "recompute,gds-wait_complete,gds-best_effort,gds-compute_or_load,nixl"
+WORKLOADS = ("single", "burst", "open")
+POP_SUFFIX, VISIT_SUFFIX = 2000, 3000  # token seeds: the writing visit's suffix, the measured visits'
+
+
+# -- the plan -------------------------------------------------------------------------------------
+def lengths(a: argparse.Namespace) -> list[int]:
+    """Prefix lengths (whole pages), evenly from the first to the second of --lengths."""
+    lo, hi = (int(x) for x in a.lengths.split(":"))
+    raw = np.linspace(lo, hi, a.prefixes) if a.prefixes > 1 else np.array([lo])
+    return [int(x) // a.page_size * a.page_size for x in raw]
+
+
+def single_set(a: argparse.Namespace) -> list[int]:
+    """Indices of the prompts sent one at a time (spread over the lengths); HiCacheNixl stores these."""
+    k = min(a.single, a.prefixes)
+    return sorted({int(round(x)) for x in np.linspace(0, a.prefixes - 1, k)})
+
+
+def prompt(i: int, n: int, a: argparse.Namespace, suffix_seed: int) -> list[int]:
+    hi = min(120000, a.vocab - 1)
+    p = np.random.default_rng(1000 + i).integers(1000, hi, size=n).tolist()
+    s = np.random.default_rng(suffix_seed + i).integers(1000, hi, size=a.suffix_tokens).tolist()
+    return p + s
+
+
+def parse_reps(spec: str) -> dict[str, int]:
+    out = {"single": 3, "burst": 2, "open": 1}
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        k, _, v = part.partition("=")
+        if k not in out or not v.isdigit():
+            raise SystemExit(f"--reps: {part!r} is not WORKLOAD=N (workloads {', '.join(out)})")
+        out[k] = int(v)
+    return out
+
+
+def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every measurement, in the order it runs: repetition by repetition, each workload's
+    configurations interleaved (the disk drifts within the hour; neighbours share its state)."""
+    cfgs = [c for c in a.configs.split(",") if c]
+    reps = parse_reps(a.reps)
+    wl = [w for w in a.workloads.split(",") if w]
+    cells = []
+    for r in range(max(reps[w] for w in wl) if wl else 0):
+        for w in ("single", "burst"):
+            if w in wl and r < reps[w]:
+                for c in cfgs:
+                    if w == "burst" and c == "nixl":
+                        continue  # HiCacheNixl holds only the single prompts (disk space)
+                    cells.append({"id": f"{w}/{c}/{r}", "workload": w, "config": c, "rep": r})
+    if "open" in wl:
+        ocfgs = [c for c in a.open_configs.split(",") if c]
+        for r in range(reps["open"]):
+            for rate in [float(x) for x in a.rates.split(",") if x]:
+                for c in ocfgs:
+                    cells.append({"id": f"open/{c}/{r}/{rate:g}", "workload": "open", "config": c, "rep": r,
+                                  "rate": rate})
+    return cells
+
+
+# -- the server -----------------------------------------------------------------------------------
+def gds_extra(a: argparse.Namespace) -> dict[str, Any]:
+    return {"capacity": a.capacity}
+
+
+def nixl_extra() -> dict[str, Any]:
+    # The cleaner counts fullness as 1 - avail/total: on a disk that is ~75 % "full" before anything
+    # is written (the GPU machine's), it would delete HiCacheNixl's pages mid-run.
+    return {"l3_cleaner_enabled": False}
+
+
+def server_command(a: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
+    launcher = [sys.executable, os.path.join(HERE, "fake_server.py")] if a.fake else \
+        [sys.executable, "-m", "sglang.launch_server"]
+    cmd = launcher + [
+        "--model-path", a.model, "--load-format", "dummy", "--skip-tokenizer-init", "--host", "127.0.0.1",
+        "--port", str(port), "--page-size", str(a.page_size), "--attention-backend", "triton",
+        "--sampling-backend", "pytorch", "--grammar-backend", "none", "--disable-prefill-cuda-graph",
+        "--disable-decode-cuda-graph", "--max-total-tokens", str(a.max_total_tokens), "--chunked-prefill-size",
+        str(a.chunk), "--mem-fraction-static", str(a.mem_fraction), "--random-seed", "0", "--enable-metrics",
+        "--served-model-name", f"e2e-{a.shape}", "--admin-api-key", KEY,
+        "--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio), "--hicache-mem-layout", a.layout,
+        "--hicache-io-backend", "kernel", "--hicache-write-policy", "write_through",
+        "--hicache-storage-backend", "gds", "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-backend-extra-config", json.dumps(gds_extra(a))]
+    env = dict(os.environ)
+    env["GDS_PATH"] = os.path.join(a.dir, "gds")
+    env["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] = os.path.join(a.dir, "nixl")
+    env["SGLANG_HICACHE_NIXL_BACKEND_PLUGIN"] = "POSIX"
+    return cmd, env
+
+
+def stored_pages(a: argparse.Namespace, backend: str) -> int:
+    d = os.path.join(a.dir, backend)
+    if backend == "nixl":  # a file per page, or per K and per V (HiCacheNixl's zero-copy MHA pages)
+        names = [f for _, _, files in os.walk(d) for f in files]
+        ks = sum(f.endswith("_k") for f in names)
+        return ks if ks else len(names)
+    if a.fake:
+        try:
+            return len(json.load(open(os.path.join(d, "fake-l3.json"))))
+        except (OSError, ValueError):
+            return 0
+    from hicache_gds import read_keys
+    from hicache_gds.index import INDEX_FILE
+    return sum(len(read_keys(os.path.dirname(p))) for p in glob.glob(os.path.join(d, "**", INDEX_FILE), recursive=True))
+
+
+class Switch:
+    """What the server has attached, and the runtime calls that change it."""
+
+    def __init__(self, srv: Server, a: argparse.Namespace) -> None:
+        self.srv, self.a = srv, a
+        self.backend: str | None = "gds"  # as started
+        self.policy = "wait_complete"
+        self.log: list[dict[str, Any]] = []
+
+    def _call(self, method: str, body: dict | None = None) -> None:
+        t = time.monotonic()
+        for attempt in range(30):  # the server answers 400 while requests are still finishing
+            code, text = admin(self.srv, method, "/hicache/storage-backend", KEY, body)
+            if code == 200:
+                self.log.append({"call": method, "body": body, "s": round(time.monotonic() - t, 2)})
+                return
+            time.sleep(1.0)
+        raise RuntimeError(f"{method} /hicache/storage-backend {json.dumps(body)}: {code} {text[:300]}")
+
+    def to(self, cfg: str) -> None:
+        want, policy = ("gds", cfg[4:]) if cfg.startswith("gds-") else ("nixl", "wait_complete") if cfg == "nixl" \
+            else (None, None)
+        if self.backend is not None and self.backend != want:
+            self._call("DELETE")
+            self.backend = None
+        if want is None:
+            return
+        if self.backend == want and self.policy == policy:
+            return
+        extra = gds_extra(self.a) if want == "gds" else nixl_extra()
+        self._call("PUT", {"hicache_storage_backend": want, "hicache_storage_prefetch_policy": policy,
+                           "hicache_storage_backend_extra_config_json": json.dumps(extra)})
+        self.backend, self.policy = want, policy
+
+    def flush(self) -> None:
+        for _ in range(60):
+            code, text = admin(self.srv, "POST", "/flush_cache", KEY, {})
+            if code == 200:
+                return
+            time.sleep(1.0)
+        raise RuntimeError(f"/flush_cache: {code} {text[:200]}")
+
+
+# -- workloads -------------------------------------------------------------------------------------
+def send_all(srv: Server, items: list[tuple[str, list[int], float]], a: argparse.Namespace) -> list[Result]:
+    """Send each (tag, ids, delay) `delay` seconds after a common start; results in `items` order."""
+    start = threading.Barrier(len(items) + 1) if items else None
+    t0 = [0.0]
+
+    def one(tag: str, ids: list[int], delay: float) -> Result:
+        start.wait()
+        wait = t0[0] + delay - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return generate(srv, tag, ids, a.gen, a.req_timeout)
+
+    with cf.ThreadPoolExecutor(max_workers=max(1, len(items))) as ex:
+        futs = [ex.submit(one, *it) for it in items]
+        t0[0] = time.perf_counter()
+        start.wait()
+        return [f.result() for f in futs]
+
+
+def run_workload(srv: Server, cell: dict[str, Any], a: argparse.Namespace, lens: list[int]) -> list[Result]:
+    w = cell["workload"]
+    if w == "single":
+        return [generate(srv, f"p{i}", prompt(i, lens[i], a, VISIT_SUFFIX), a.gen, a.req_timeout)
+                for i in single_set(a)]
+    if w == "burst":
+        n = min(a.burst, len(lens))
+        return send_all(srv, [(f"p{i}", prompt(i, lens[i], a, VISIT_SUFFIX), 0.0) for i in range(n)], a)
+    rate = cell["rate"]
+    n = a.open_requests or len(lens)
+    gaps = np.random.default_rng(int(rate * 1000) + 7).exponential(1.0 / rate, size=n)
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps)[:-1]])
+    return send_all(srv, [(f"p{i % len(lens)}", prompt(i % len(lens), lens[i % len(lens)], a, VISIT_SUFFIX),
+                           float(t)) for i, t in enumerate(arrivals)], a)
+
+
+def cell_stats(rs: list[Result]) -> dict[str, Any]:
+    ok = [r for r in rs if r.error is None]
+    t = [r.ttft_s for r in ok]
+    split = {k: sum(int(r.cached.get(k, 0) or 0) for r in rs) for k in ("device", "host", "storage")}
+    prompt_tokens = sum(r.prompt_tokens for r in rs)
+    split["computed"] = prompt_tokens - sum(int(r.cached.get("cached_tokens", 0) or 0) for r in rs)
+    makespan = (max(r.t_end for r in rs) - min(r.t_start for r in rs)) if rs else float("nan")
+    gen = sum(len(r.output_ids) for r in ok)
+    return {"n": len(rs), "errors": len(rs) - len(ok), "mean": statistics.fmean(t) if t else float("nan"),
+            "p50": pct(t, 50), "p90": pct(t, 90), "p99": pct(t, 99), "makespan_s": makespan,
+            "output_tok_s": gen / makespan if makespan and makespan == makespan else float("nan"),
+            "prompt_tokens": prompt_tokens, "split": split,
+            "storage_frac": split["storage"] / max(prompt_tokens, 1),
+            "per_prompt": {r.tag: r.ttft_s for r in rs}}
+
+
+# -- one run ---------------------------------------------------------------------------------------
+class Suite:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.t_start = time.monotonic()
+        self.path = os.path.join(a.out, f"suite-{a.shape}.json")
+        self.lens = lengths(a)
+        self.doc: dict[str, Any] = {"cells": {}, "populated": {}, "calls": []}
+        if a.resume and os.path.exists(self.path):
+            self.doc = json.load(open(self.path))
+            self.doc.setdefault("calls", [])
+        self.doc.update(args=vars(a), model=a.model_info, lengths=self.lens, single=single_set(a),
+                        machine=machine(), versions=versions())
+        self.call: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cells": []}
+        self.doc["calls"].append(self.call)
+        self.srv: Server | None = None
+
+    def left(self) -> float:
+        return self.a.deadline - (time.monotonic() - self.t_start) if self.a.deadline else math.inf
+
+    def save(self) -> None:
+        os.makedirs(self.a.out, exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(_jsonable(self.doc), f, indent=1)
+        os.replace(tmp, self.path)
+        from suite_report import write_report
+        write_report(self.doc, self.a.out, self.a.shape, plot=self.a.plot)
+
+    def estimate(self, cell: dict[str, Any]) -> float:
+        """Seconds a measurement is expected to take: its workload's earlier ones, else a guess."""
+        same = [c["wall_s"] for c in self.doc["cells"].values()
+                if c.get("workload") == cell["workload"] and c.get("config") == cell["config"] and "wall_s" in c]
+        if same:
+            return max(same)
+        others = [c["wall_s"] for c in self.doc["cells"].values() if c.get("workload") == cell["workload"]
+                  and "wall_s" in c]
+        if others:
+            return 1.5 * max(others)
+        if cell["workload"] == "open":
+            return (self.a.open_requests or len(self.lens)) / cell["rate"] + 30.0
+        return 60.0
+
+    def start(self) -> None:
+        stop_leftovers()
+        port = free_port()
+        cmd, env = server_command(self.a, port)
+        log_path = os.path.join(self.a.out, f"server-suite-{self.a.shape}-{len(self.doc['calls'])}.log")
+        print(f"[suite] starting: {' '.join(cmd[2:])}", flush=True)
+        self.srv = Server(cmd, env, log_path, port)
+        self.call["start_s"] = round(self.srv.wait_ready(self.a.start_timeout), 1)
+        self.call["command"] = " ".join(cmd[1:])
+        self.switch = Switch(self.srv, self.a)
+        self.switch.to("recompute")  # the warmup (kernels compile) stays out of the L3: disk space
+        warm = generate(self.srv, "warmup", tokens(1, 2 * self.a.chunk + 64), self.a.gen, self.a.req_timeout)
+        self.call["warmup_error"] = warm.error
+        print(f"[suite] ready in {self.call['start_s']} s", flush=True)
+
+    def populate(self, backend: str) -> None:
+        """Write the prompts to one L3 once (kept across calls: checked by its page count)."""
+        idx = list(range(len(self.lens))) if backend == "gds" else single_set(self.a)
+        want = sum((self.lens[i] + self.a.suffix_tokens) // self.a.page_size for i in idx)
+        have = stored_pages(self.a, backend)
+        marker = os.path.join(self.a.dir, f"populated-{backend}.json")
+        spec = {"shape": self.a.shape, "lengths": self.lens, "prompts": idx, "suffix_tokens": self.a.suffix_tokens,
+                "page_size": self.a.page_size, "capacity": self.a.capacity if backend == "gds" else None}
+        try:
+            done = json.load(open(marker))
+        except (OSError, ValueError):
+            done = None
+        if done and done.get("spec") == spec and have >= done.get("min_pages", want):
+            print(f"[suite] {backend}: L3 already holds {have} pages (written by an earlier call, reused)", flush=True)
+            self.doc["populated"].setdefault(backend, dict(done, reused=True))
+            return
+        t = time.monotonic()
+        self.switch.to("gds-wait_complete" if backend == "gds" else "nixl")
+        self.switch.flush()
+        before = backed_up_tokens(self.srv) or 0
+        rs = [generate(self.srv, f"w{i}", prompt(i, self.lens[i], self.a, POP_SUFFIX), self.a.gen, self.a.req_timeout)
+              for i in idx]
+        expect = before + want * self.a.page_size
+        last, since, t_wait = -1, time.monotonic(), time.monotonic()
+        while time.monotonic() - t_wait < self.a.drain_timeout:
+            now = stored_pages(self.a, backend)
+            if now != last:
+                last, since = now, time.monotonic()
+            backed = backed_up_tokens(self.srv)
+            # drained: SGLang counts the pages backed up (or the L3 holds them all), and the L3's
+            # page count has stopped moving
+            if (backed is None or backed >= expect or now >= want) and time.monotonic() - since >= self.a.stable_s:
+                break
+            time.sleep(0.5)
+        pages = stored_pages(self.a, backend)
+        self.doc["populated"][backend] = {"prompts": idx, "pages": pages, "expected_pages": want,
+                                          "min_pages": min(pages, want), "errors": [r.error for r in rs if r.error],
+                                          "seconds": round(time.monotonic() - t, 1),
+                                          "backed_up_tokens": backed_up_tokens(self.srv)}
+        print(f"[suite] {backend}: wrote {pages} pages (expected {want}) in {time.monotonic() - t:.0f} s", flush=True)
+        if not self.doc["populated"][backend]["errors"]:
+            with open(marker, "w") as f:
+                json.dump(dict(self.doc["populated"][backend], spec=spec), f)
+        self.save()
+
+    def measure(self, cell: dict[str, Any]) -> dict[str, Any]:
+        t = time.monotonic()
+        self.switch.to(cell["config"])
+        self.switch.flush()
+        page_cache = drop_caches()
+        time.sleep(0.5)
+        t_run = time.monotonic()
+        rs = run_workload(self.srv, cell, self.a, self.lens)
+        rec = dict(cell, results=rs, stats=cell_stats(rs), page_cache=page_cache,
+                   switch_s=round(t_run - t, 2), wall_s=round(time.monotonic() - t, 1),
+                   at=time.strftime("%H:%M:%S"))
+        if cell["config"].startswith("gds"):
+            rec["metrics"] = [m for m in metrics_lines(self.srv) if "hicache_gds" in m or "prefetch" in m][:40]
+        return rec
+
+    def run(self) -> int:
+        install_guard()
+        a = self.a
+        if a.raw_size not in ("0", "") and "raw_disk" not in self.doc and not a.fake:
+            self.doc["raw_disk"] = raw_disk(a.dir, a.raw_size)
+            print("[suite] raw disk:", json.dumps(self.doc["raw_disk"]), flush=True)
+            read = next((j.get("raw_MBps") for j in self.doc["raw_disk"].values()
+                         if isinstance(j, dict) and j.get("rw") == "read"), None)
+            if read:
+                kv = a.model_info["kv_bytes_per_token"]
+                print(f"[suite] L3 pays one request at a time when the GPU prefills {a.shape} slower than "
+                      f"{read * 1e6 / kv:,.0f} tokens/s ({read:.0f} MB/s / {kv >> 10} KiB per token)", flush=True)
+        todo = [c for c in plan(a) if c["id"] not in self.doc["cells"]]
+        print(f"[suite] {len(todo)} measurements to go ({len(self.doc['cells'])} kept)", flush=True)
+        rc = 0
+        try:
+            if todo:
+                self.start()
+                self.populate("gds")
+                if any(c["config"] == "nixl" for c in todo):
+                    self.populate("nixl")
+            for cell in todo:
+                need = self.estimate(cell) + 30.0  # + stopping the server
+                if need > self.left():
+                    print(f"[suite] {cell['id']} needs ~{need:.0f} s, {self.left():.0f} s left: stopping here "
+                          f"(--resume goes on)", flush=True)
+                    rc = 3
+                    break
+                try:
+                    rec = self.measure(cell)
+                except Exception as exc:  # noqa: BLE001 -- record it, go on with the others
+                    rec = dict(cell, error=f"{type(exc).__name__}: {exc}")
+                    if self.srv is not None and self.srv.proc.poll() is not None:
+                        self.doc["cells"][cell["id"] + "#failed"] = rec
+                        raise RuntimeError(f"the server died during {cell['id']}") from exc
+                s = rec.get("stats", {})
+                print(f"[suite] {cell['id']}: {rec.get('error') or ''} mean TTFT {s.get('mean', float('nan')):.3f} s, "
+                      f"makespan {s.get('makespan_s', float('nan')):.2f} s, storage "
+                      f"{s.get('storage_frac', 0):.0%} (wall {rec.get('wall_s')} s)", flush=True)
+                if "error" not in rec:
+                    self.doc["cells"][cell["id"]] = rec
+                    self.call["cells"].append(cell["id"])
+                else:
+                    self.call.setdefault("errors", []).append(rec)
+                self.save()
+        except Exception as exc:  # noqa: BLE001
+            self.call["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[suite] error: {self.call['error']}", flush=True)
+            rc = 1
+        finally:
+            if self.srv is not None:
+                self.call["switches"] = self.switch.log if hasattr(self, "switch") else []
+                self.call["stop"] = self.srv.stop()
+                self.call["log"] = log_facts(self.srv.log_path)
+            self.call["seconds"] = round(time.monotonic() - self.t_start, 1)
+            self.save()
+        left = [c for c in plan(a) if c["id"] not in self.doc["cells"]]
+        print(f"[suite] done in {self.call['seconds']} s; {len(left)} measurement(s) left", flush=True)
+        return rc if rc else (3 if left else 0)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("suite (one server, configurations switched at runtime)")
+    g.add_argument("--workloads", default="single,burst,open", help=f"of {', '.join(WORKLOADS)}")
+    g.add_argument("--lengths", default="12288:24576", help="FIRST:LAST prefix tokens of the --prefixes prompts")
+    g.add_argument("--single", type=int, default=3, help="prompts sent one at a time (spread over the lengths)")
+    g.add_argument("--burst", type=int, default=8, help="prompts sent at once")
+    g.add_argument("--rates", default="0.1,0.2,0.3", help="open loop: requests/s")
+    g.add_argument("--open-requests", type=int, default=0, help="open loop: requests per rate (0: --prefixes)")
+    g.add_argument("--open-configs", default="recompute,gds-wait_complete,gds-compute_or_load")
+    g.add_argument("--reps", default="single=3,burst=2,open=1", help="repetitions per workload")
+    g.add_argument("--deadline", type=float, default=0.0, help="seconds this call may take (0: no limit)")
+    g.add_argument("--plot", action="store_true", help="draw TTFT p90 against rate (matplotlib: the plot extra)")
+    g.add_argument("--fake", action="store_true", help="run against fake_server.py (dry run, no GPU)")
+
+
+def main(a: argparse.Namespace) -> int:
+    a.model_info = model_info(a.model)
+    a.shape = a.model_info["name"]
+    a.vocab = a.model_info["vocab_size"]
+    if a.configs == "recompute,hicache,file,nixl,gds":  # bench_sglang_server's default: the suite's instead
+        a.configs = DEFAULT_CONFIGS
+    bad = [c for c in (a.configs + "," + a.open_configs).split(",") if c and c not in CONFIGS]
+    if bad:
+        raise SystemExit(f"suite configurations: unknown {bad}; choose from {', '.join(CONFIGS)}")
+    if a.mode in WORKLOADS:
+        a.workloads = a.mode
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.dir, exist_ok=True)
+    kv = a.model_info["kv_bytes_per_token"]
+    print(f"[suite] {a.shape}: {kv} bytes of KV per token ({kv / 1024:.0f} KiB); L3 of {a.prefixes} prompts "
+          f"{lengths(a)[0]}-{lengths(a)[-1]} tokens = {sum(lengths(a)) * kv / 1e9:.1f} GB (gds), "
+          f"{sum(lengths(a)[i] for i in single_set(a)) * kv / 1e9:.1f} GB (nixl)", flush=True)
+    return Suite(a).run()
+

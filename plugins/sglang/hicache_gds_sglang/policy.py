@@ -1,0 +1,490 @@
+"""``compute_or_load``: SGLang's L3 prefetch decided by cost, not by a fixed rule.
+
+SGLang decides whether a request's L3 hit is loaded with a fixed policy (`best_effort` stops a
+prefetch when the request is scheduled, `wait_complete` waits for all of it, `timeout` for a
+length-based deadline) and admits prefetches only while they occupy under half the host pool.
+None of them knows how fast the disk reads or the GPU prefills. This policy asks
+`hicache_gds.costmodel.CostModel` (its docstring has the formula) at SGLang's own decision points:
+
+* **admission** (the cache's ``prefetch_from_storage``): load the hit, or recompute it, whichever
+  finishes the request first given the disk's queue of loads and the GPU's queue of prefills.
+  A request alone so takes min(load, recompute); a burst splits between the disk and the GPU;
+* **in flight** (0.5.17's ``can_terminate_prefetch``, 0.5.23's ``_can_terminate_prefetch``,
+  asked each time the scheduler reaches a waiting request): stop the load and recompute the rest
+  (keeping what was loaded) when the request could start on the GPU before its load ends and the
+  load left takes longer than the compute the pages left would save; else wait;
+* **host pool** (``HiCacheController.prefetch_rate_limited``): prefetches may hold up to
+  `PolicyConfig.host_fraction` of the host pool (SGLang: half), the rest staying for write-back.
+
+Measured in the running server: the store's read rate (`HiCacheGDS.read_rate`, from its gets);
+the prefill cost, from the prefill batches the scheduler runs (``TpModelWorker.
+forward_batch_generation``, timed with CUDA events on the forward stream, no synchronisation);
+the GPU backlog, from the scheduler's waiting queue and chunked request (``Scheduler.
+_prefetch_kvcache`` binds the scheduler); the disk backlog, from the prefetches in flight and the
+backend's progress within a get. Decisions are agreed across TP/PP ranks (SGLang's own
+``_all_reduce``), as SGLang's policies agree theirs.
+
+The functions hooked into SGLang are in `policy_hooks`; this module is the policy's state and
+decisions. Selected by ``--hicache-storage-prefetch-policy compute_or_load`` (the plugin adds the choice and
+makes it the default: with any backend other than ``gds`` it turns into SGLang's default,
+``timeout``), by ``"policy": "compute_or_load"`` in the backend's extra config, or at runtime by
+``PUT /hicache/storage-backend`` with that policy. SGLang's three policies stay available. Each
+hook is fail-soft: an error inside one is logged once and answers as SGLang's would.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import weakref
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hicache_gds import ConfigError
+from hicache_gds.config import parse_size
+from hicache_gds.costmodel import CostModel, PrefillModel
+
+__all__ = ["POLICY", "SGLANG_POLICIES", "POLICY_KEYS", "PolicyConfig", "LoadOrCompute", "policy_of", "process_policies"]
+
+log = logging.getLogger("hicache_gds_sglang.policy")
+
+POLICY = "compute_or_load"
+SGLANG_POLICIES = ("best_effort", "wait_complete", "timeout")
+FALLBACK = "timeout"  # SGLang's default: what our name turns into where the policy cannot run
+POLICY_KEYS = ("policy", "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
+               "policy_stop_margin", "policy_read_slice")
+_SAVE_EVERY_S = 30.0
+_BACKLOG_TTL_S = 0.005  # one scheduler pass: the waiting queue's backlog is summed once per pass
+
+
+def _positive(value: Any, key: str) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number > 0, got {value!r}") from None
+    if not f > 0 or not math.isfinite(f):
+        raise ConfigError(f"{key}: expected a number > 0, got {value!r}")
+    return f
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The policy's settings, from the backend's extra config (``policy*`` keys).
+
+    policy: ``compute_or_load`` or one of SGLang's policies, applied at attach (as the flag would
+    be); None leaves the flag's choice. read_gbps / prefill_tokens_per_s: seeds used until the
+    server has measured its own (they win over a persisted estimate). host_fraction: share of the
+    host pool prefetches may hold. stop_margin: how much sooner stopping must finish before a
+    load in flight is stopped. read_slice: bytes per read of a get, between which a stopped load
+    is cancelled and its progress counted (0: whole gets)."""
+
+    policy: str | None = None
+    read_gbps: float | None = None
+    prefill_tokens_per_s: float | None = None
+    host_fraction: float = 0.75
+    stop_margin: float = 0.05
+    read_slice: int = 512 << 20
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
+        extra = extra or {}
+        kw: dict[str, Any] = {}
+        if "policy" in extra:
+            p = str(extra["policy"]).strip()
+            if p not in (POLICY, *SGLANG_POLICIES):
+                raise ConfigError(f"policy: {p!r} is not one of {', '.join((POLICY, *SGLANG_POLICIES))}")
+            kw["policy"] = p
+        if "policy_read_gbps" in extra:
+            kw["read_gbps"] = _positive(extra["policy_read_gbps"], "policy_read_gbps")
+        if "policy_prefill_tokens_per_s" in extra:
+            kw["prefill_tokens_per_s"] = _positive(extra["policy_prefill_tokens_per_s"], "policy_prefill_tokens_per_s")
+        if "policy_host_fraction" in extra:
+            f = _positive(extra["policy_host_fraction"], "policy_host_fraction")
+            if f > 1:
+                raise ConfigError(f"policy_host_fraction: expected a fraction in (0, 1], got {f}")
+            kw["host_fraction"] = f
+        if "policy_stop_margin" in extra:
+            try:
+                m = float(extra["policy_stop_margin"])
+            except (TypeError, ValueError):
+                m = -1.0
+            if not 0 <= m < 10:
+                raise ConfigError(f"policy_stop_margin: expected a number in [0, 10), got {extra['policy_stop_margin']!r}")
+            kw["stop_margin"] = m
+        if "policy_read_slice" in extra:
+            kw["read_slice"] = parse_size(extra["policy_read_slice"], key="policy_read_slice")
+        return cls(**kw)
+
+
+# -- what the two releases keep where ---------------------------------------------------------
+def _entry_op(entry: Any) -> Any:
+    """The PrefetchOperation of an ``ongoing_prefetch`` entry (0.5.23: a NamedTuple; 0.5.17: a tuple)."""
+    op = getattr(entry, "operation", None)
+    return op if op is not None else entry[2]
+
+
+def _entry_key_len(entry: Any) -> int:
+    key = getattr(entry, "prefetch_key", None)
+    return len(key if key is not None else entry[1])
+
+
+def _req_work(req: Any) -> tuple[int, int]:
+    """(tokens left to prefill, tokens already held) of a queued request, from its last match."""
+    total = len(getattr(req, "origin_input_ids", None) or ()) + len(getattr(req, "output_ids", None) or ())
+    held = getattr(req, "prefix_len", None)  # 0.5.23
+    if not isinstance(held, int):
+        pi = getattr(req, "prefix_indices", None)
+        held = 0 if pi is None else len(pi)
+    held += int(getattr(req, "host_hit_length", 0) or 0)
+    return max(0, total - held), held
+
+
+def _rid(x: Any) -> str:
+    return str(getattr(x, "rid", x))
+
+
+def _backend(cache: Any) -> Any:
+    """The cache's storage backend when it serves this policy (``supports_compute_or_load``: the
+    read rate, progress and cancel hooks; `HiCacheGDS`), unwrapped from SGLang's failure
+    injector; else None."""
+    cc = getattr(cache, "cache_controller", None)
+    b = getattr(cc, "storage_backend", None) if cc is not None and getattr(cc, "enable_storage", False) else None
+    if b is not None and not getattr(b, "supports_compute_or_load", False):
+        b = getattr(b, "_backend", None)
+    return b if getattr(b, "supports_compute_or_load", False) is True else None
+
+
+def policy_of(cache: Any) -> "LoadOrCompute | None":
+    """The policy of `cache` when it is the one in force (selected, and the backend is ours)."""
+    pol = getattr(cache, "_hgds_policy", None)
+    if pol is None or getattr(cache, "prefetch_stop_policy", None) != POLICY:
+        return None
+    return pol if _backend(cache) is not None else None
+
+
+def _agree(cache: Any, flag: bool, op_name: str) -> bool:
+    """The same verdict on every TP/PP rank (SGLang's ``_all_reduce``: PP0's TP ranks reduce, the
+    result travels along PP), as SGLang agrees its own prefetch decisions."""
+    try:
+        import torch
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return flag
+        reduce = getattr(cache, "_all_reduce", None)
+        if reduce is None:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int)
+        reduce(t, getattr(torch.distributed.ReduceOp, op_name))
+        return bool(t.item())
+    except Exception as exc:  # noqa: BLE001 -- never break the scheduler: keep the local verdict
+        _once("agree", "hicache-gds: could not agree a prefetch decision across ranks (%s); deciding locally", exc)
+        return flag
+
+
+_logged: set[str] = set()
+
+
+def _once(tag: str, msg: str, *args: Any) -> None:
+    if tag not in _logged:
+        _logged.add(tag)
+        log.warning(msg, *args)
+
+
+# -- the policy --------------------------------------------------------------------------------
+class LoadOrCompute:
+    """The policy state of one radix cache (one per scheduler process): the prefill model (kept
+    across backend re-attaches), the scheduler it serves, the decisions taken and why."""
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = weakref.ref(cache)
+        self.prefill = PrefillModel(chunk=None)
+        self._model: CostModel | None = None
+        self._model_backend: Any = None
+        self._scheduler: Any = None
+        self.current_req: Any = None
+        self._decided: dict[str, tuple[str, int, int, int]] = {}  # rid -> (action, new, held, hit)
+        self._pending: deque[tuple[Any, Any, list[int], list[int], float, float]] = deque(maxlen=256)
+        self._lock = threading.Lock()
+        self._backlog: tuple[tuple, dict[str, float], float] | None = None
+        self.counts: Counter[str] = Counter()
+        self.last: dict[str, Any] = {}
+        self._last_save = time.monotonic()
+        _register_process_policy(self)
+
+    # -- wiring ----------------------------------------------------------------------------------
+    def bind(self, scheduler: Any) -> None:
+        if self._scheduler is None or self._scheduler() is not scheduler:
+            self._scheduler = weakref.ref(scheduler)
+            chunk = getattr(scheduler, "chunked_prefill_size", None)
+            if isinstance(chunk, int) and chunk > 0:
+                self.prefill.chunk = chunk
+
+    def scheduler(self) -> Any:
+        return None if self._scheduler is None else self._scheduler()
+
+    def model(self, backend: Any) -> CostModel | None:
+        """The cost model over `backend`'s read rate (rebuilt when the backend changes)."""
+        if backend is None:
+            return None
+        if self._model is None or self._model_backend is not backend:
+            bpt = backend.kv_bytes_per_token()
+            if not bpt:
+                return None
+            cfg = backend.policy_config
+            self._model = CostModel(bpt, read=backend.read_rate, prefill=self.prefill, stop_margin=cfg.stop_margin)
+            self._model_backend = backend
+            self._seed(backend)
+        return self._model
+
+    def _seed(self, backend: Any) -> None:
+        """Seed the prefill model before it has measured anything: configured, else persisted."""
+        cfg = backend.policy_config
+        coef, _ = self.prefill.coefficients()
+        if self.prefill.batches:
+            return
+        if cfg.prefill_tokens_per_s:
+            self.prefill.seed_rate(cfg.prefill_tokens_per_s, "configured (policy_prefill_tokens_per_s)")
+        elif coef is None:
+            st = backend.cost_state()
+            if st and self._model is not None:
+                seeded = self._model.seed_from_state(st, read=False)
+                if seeded:
+                    log.info("hicache-gds policy: seeded %s", ", ".join(seeded))
+
+    def maybe_save(self, backend: Any) -> None:
+        now = time.monotonic()
+        if self._model is None or now - self._last_save < _SAVE_EVERY_S:
+            return
+        self._last_save = now
+        backend.save_cost_state(self._model.state())
+
+    # -- prefill observations (TpModelWorker.forward_batch_generation) ---------------------------
+    def prefill_begin(self, batch: Any) -> Any:
+        news = [int(x) for x in (getattr(batch, "extend_lens", None) or [])]
+        prefixes = [int(x) for x in (getattr(batch, "prefix_lens", None) or [])]
+        if not news or len(news) != len(prefixes):
+            return None
+        self.poll()
+        start = _event()
+        return (start, news, prefixes, time.perf_counter())
+
+    def prefill_end(self, token: Any) -> None:
+        if token is None:
+            return
+        start, news, prefixes, t0 = token
+        end = _event()
+        with self._lock:
+            pred = self.prefill.predict(sum(news), 0) or 0.0
+            self._pending.append((start, end, news, prefixes, t0, pred))
+
+    def poll(self) -> None:
+        """Feed finished prefill batches to the model (non-blocking: CUDA events are queried)."""
+        with self._lock:
+            while self._pending:
+                start, end, news, prefixes, t0, _ = self._pending[0]
+                secs = _elapsed(start, end, t0)
+                if secs is None:
+                    break
+                self._pending.popleft()
+                self.prefill.observe(news, prefixes, secs)
+
+    def _in_flight_prefill(self, now: float) -> float:
+        with self._lock:
+            return sum(max(0.0, pred - (now - t0)) for _, _, _, _, t0, pred in self._pending)
+
+    # -- backlogs ----------------------------------------------------------------------------------
+    def _compute(self, model: CostModel, rid: str, req: Any) -> float:
+        d = self._decided.get(rid)
+        if d is not None:
+            action, new, held, hit = d
+            if action in ("load", "wait"):
+                return model.predict_compute(new - hit, held + hit) or 0.0
+            return model.predict_compute(new, held) or 0.0
+        new, held = _req_work(req)
+        return model.predict_compute(new, held) or 0.0
+
+    def gpu_backlog(self, cache: Any, model: CostModel) -> tuple[dict[str, float], float]:
+        """Seconds of prefill ahead of each queued request (by rid), and of the whole queue."""
+        sched = self.scheduler()
+        now = time.monotonic()
+        if sched is None:
+            return {}, self._in_flight_prefill(time.perf_counter())
+        queue = list(getattr(sched, "waiting_queue", None) or [])
+        chunked = getattr(sched, "chunked_req", None)
+        key = (id(getattr(sched, "waiting_queue", None)), len(queue), id(chunked))
+        cached = self._backlog
+        if cached is not None and cached[0] == key and now - cached[2] < _BACKLOG_TTL_S:
+            return cached[1], cached[1].get("", 0.0)
+        acc = self._in_flight_prefill(time.perf_counter())
+        if chunked is not None:
+            new, held = _req_work(chunked)
+            acc += model.predict_compute(new, held) or 0.0
+        ahead: dict[str, float] = {}
+        live = set()
+        for req in queue:
+            rid = _rid(req)
+            live.add(rid)
+            ahead[rid] = acc
+            acc += self._compute(model, rid, req)
+        ahead[""] = acc
+        loading = self._loading_rids(cache)
+        for rid in [r for r in self._decided if r not in live and r not in loading]:
+            del self._decided[rid]
+        self._backlog = (key, ahead, now)
+        return ahead, acc
+
+    @staticmethod
+    def _loading_rids(cache: Any) -> set[str]:
+        return {_rid(k) for k in getattr(cache, "ongoing_prefetch", {})}
+
+    def disk_backlog(self, cache: Any, model: CostModel, backend: Any) -> tuple[dict[str, tuple[float, int, int, int]], float]:
+        """Per loading request (by rid): (seconds until its last page lands, hit, kept, fetched)
+        -- loads run one after another, in order -- and the seconds of the whole disk queue."""
+        out: dict[str, tuple[float, int, int, int]] = {}
+        acc = 0.0
+        ps = max(1, int(getattr(cache, "page_size", 1) or 1))
+        for k, entry in list(getattr(cache, "ongoing_prefetch", {}).items()):
+            op = _entry_op(entry)
+            if op is None or op.is_terminated():
+                continue
+            hit = int(getattr(op, "storage_hit_count", 0) or 0)
+            if not hit and not getattr(op, "hash_value", None):
+                hit = _entry_key_len(entry)  # the storage query has not answered yet: at most the key
+            kept = int(getattr(op, "completed_tokens", 0) or 0)
+            fetched = kept + backend.read_progress(getattr(op, "host_indices", None)) * ps
+            rem = max(0, hit - fetched)
+            acc += model.predict_load(rem * model.bytes_per_token) or 0.0
+            out[_rid(k)] = (acc, hit, kept, fetched)
+        return out, acc
+
+    # -- decisions ---------------------------------------------------------------------------------
+    def admit(self, cache: Any, request: Any, new_input_tokens: Any, held_hint: int | None) -> bool:
+        """Admission: True to prefetch (load), False to recompute."""
+        backend = _backend(cache)
+        model = self.model(backend)
+        if model is None:
+            return True
+        self.poll()
+        ps = max(1, int(getattr(cache, "page_size", 1) or 1))
+        hit = len(new_input_tokens) // ps * ps
+        if hit < int(getattr(cache, "prefetch_threshold", 0) or 0):
+            return True  # SGLang declines it anyway
+        rid = _rid(request)
+        req = self.current_req if self.current_req is not None and _rid(self.current_req) == rid else None
+        if req is not None:
+            new, held = _req_work(req)
+            new = max(new, hit)
+        else:
+            new, held = hit, int(held_hint or 0)
+        _, g = self.gpu_backlog(cache, model)
+        _, d = self.disk_backlog(cache, model, backend)
+        dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d)
+        self._decided[rid] = (dec.action, new, held, hit)
+        self.counts[dec.action] += 1
+        self.last = {"rid": rid, "action": dec.action, "t_load": dec.t_load, "t_compute": dec.t_compute,
+                     "new": new, "held": held, "hit": hit, "gpu_backlog": g, "disk_backlog": d, "reason": dec.reason}
+        log.debug("hicache-gds policy: %s %s (%d new, %d held, %d in L3; load %.3f s, compute %.3f s; %s)", rid,
+                  dec.action, new, held, hit, dec.t_load, dec.t_compute, dec.reason)
+        self.maybe_save(backend)
+        return dec.load
+
+    def stop(self, cache: Any, operation: Any) -> bool:
+        """In flight: True to stop the load now (and recompute what it has not loaded)."""
+        backend = _backend(cache)
+        model = self.model(backend)
+        hv = getattr(operation, "hash_value", None) or []
+        ps = max(1, int(getattr(cache, "page_size", 1) or 1))
+        done = bool(hv) and getattr(operation, "host_indices", None) is not None and \
+            int(operation.completed_tokens) >= len(hv) * ps
+        if done:
+            # 0.5.23 settles a finished load through its acknowledgements (as for wait_complete);
+            # 0.5.17 finishes it here.
+            return not hasattr(cache, "_handle_prefetch_result")
+        if model is None:
+            return False
+        self.poll()
+        rid = _rid(getattr(operation, "request_id", ""))
+        disk, _ = self.disk_backlog(cache, model, backend)
+        if rid not in disk:
+            return False
+        t_disk, hit, kept, fetched = disk[rid]
+        ahead, _ = self.gpu_backlog(cache, model)
+        d = self._decided.get(rid)
+        new, held = (d[1], d[2]) if d is not None else (hit, 0)
+        dec = model.decide(max(new, hit), held, hit, kept=kept, fetched=fetched, in_flight=True,
+                           gpu_backlog=ahead.get(rid, 0.0), disk_backlog=t_disk - (model.predict_load(
+                               max(0, hit - fetched) * model.bytes_per_token) or 0.0))
+        if dec.action == "stop":
+            self.counts["stop"] += 1
+            self._decided[rid] = ("compute", max(new, hit) - kept, held + kept, 0)
+            self.last = {"rid": rid, "action": "stop", "t_load": dec.t_load, "t_compute": dec.t_compute,
+                         "kept": kept, "fetched": fetched, "hit": hit, "reason": dec.reason}
+            log.debug("hicache-gds policy: %s stop after %d of %d tokens (load %.3f s, compute %.3f s)", rid, kept,
+                      hit, dec.t_load, dec.t_compute)
+        return dec.action == "stop"
+
+    def rate_limited(self, controller: Any) -> bool:
+        host = controller.mem_pool_host
+        size = int(getattr(host, "logical_size", 0) or getattr(host, "size", 0))
+        cfg = getattr(self._model_backend, "policy_config", None) or PolicyConfig()
+        limit = max(int(getattr(controller, "prefetch_capacity_limit", 0) or 0), int(cfg.host_fraction * size))
+        return int(controller.prefetch_tokens_occupied) >= limit
+
+    def in_force_for(self, backend: Any) -> bool:
+        """Selected on this policy's cache, whose backend is `backend`."""
+        cache = self._cache()
+        return cache is not None and policy_of(cache) is not None and _backend(cache) is backend
+
+    def serves(self, backend: Any) -> bool:
+        cache = self._cache()
+        return cache is not None and _backend(cache) is backend
+
+    def stats(self) -> dict[str, Any]:
+        cache = self._cache()
+        backend = _backend(cache) if cache is not None else None
+        model = self.model(backend) if backend is not None else None
+        out: dict[str, Any] = {"policy": POLICY, "active": cache is not None and policy_of(cache) is not None,
+                               "decisions": dict(self.counts), "last": dict(self.last)}
+        if model is not None:
+            out.update(model.estimates())
+        else:
+            out.update(self.prefill.snapshot())
+        return out
+
+
+# -- CUDA events (wall clock where there is no GPU) --------------------------------------------
+def _event() -> Any:
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+    except Exception:  # noqa: BLE001
+        pass
+    return time.perf_counter()
+
+
+def _elapsed(start: Any, end: Any, t0: float) -> float | None:
+    """Seconds between two `_event`s, or None while the GPU has not reached the second."""
+    if isinstance(start, float) and isinstance(end, float):
+        return end - start
+    try:
+        if not end.query():
+            return None
+        return start.elapsed_time(end) / 1000.0
+    except Exception:  # noqa: BLE001 -- a broken event: drop the sample
+        return math.nan
+
+
+_PROCESS: list[weakref.ref] = []
+
+
+def _register_process_policy(p: LoadOrCompute) -> None:
+    _PROCESS[:] = [r for r in _PROCESS if r() is not None] + [weakref.ref(p)]
+
+
+def process_policies() -> list[LoadOrCompute]:
+    return [p for p in (r() for r in _PROCESS) if p is not None]

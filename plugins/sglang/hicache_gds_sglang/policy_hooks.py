@@ -1,0 +1,226 @@
+"""How `policy.LoadOrCompute` is wired into SGLang: the functions `plugin.register` hooks onto
+its decision points through SGLang's ``HookRegistry`` (``hook(original, self, *args)`` for AROUND,
+``hook(result, self, *args)`` for AFTER), and the policy's gauges in SGLang's metrics.
+
+Each hook is fail-soft: an error inside one is logged once and answers as SGLang's own code
+would (load, wait, SGLang's host-pool limit), and the policy's name turns into SGLang's default
+(``timeout``) wherever the policy cannot run (another backend, a cache it does not hook).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _backend, _once, policy_of,  # noqa: F401
+                     process_policies)
+
+__all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_rate_limited",
+           "around_prefetch_kvcache", "around_forward", "publish_metrics"]
+
+log = logging.getLogger("hicache_gds_sglang.policy")
+
+
+# -- SGLang's metrics (--enable-metrics): gauges next to its own, refreshed at most once a second ---
+_GAUGES: dict[str, Any] = {}
+_last_publish = [0.0]
+
+
+def _gauges() -> dict[str, Any]:
+    if not _GAUGES:
+        from prometheus_client import Gauge
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            try:
+                return Gauge(name, doc, labels, multiprocess_mode="mostrecent")
+            except (TypeError, ValueError):  # an older prometheus-client without that mode
+                return Gauge(name, doc, labels, multiprocess_mode="livemax")
+
+        _GAUGES.update(
+            read=gauge("hicache_gds:read_rate_bytes_per_second", "The L3 store's measured read rate (recent gets)"),
+            prefill=gauge("hicache_gds:prefill_tokens_per_second",
+                          "Prefill rate of an 8k-token request, fitted on recent prefill batches"),
+            breakeven=gauge("hicache_gds:breakeven_prefill_tokens_per_second",
+                            "Loading a prefix beats recomputing it when prefill is slower than this"),
+            decisions=gauge("hicache_gds:prefetch_decisions", "compute_or_load decisions so far", ("decision",)))
+    return _GAUGES
+
+
+def publish_metrics(backend: Any) -> None:
+    """Called with each `HiCacheGDS.get_stats()` (SGLang asks every scheduler tick when metrics are on)."""
+    now = time.monotonic()
+    if now - _last_publish[0] < 1.0:
+        return
+    _last_publish[0] = now
+    try:
+        st = backend.policy_stats()
+        g = _gauges()
+        for name, key in (("read", "read_bytes_per_s"), ("prefill", "prefill_tokens_per_s_8k"),
+                          ("breakeven", "breakeven_prefill_tokens_per_s")):
+            if st.get(key) is not None:
+                g[name].set(float(st[key]))
+        for decision, n in (st.get("decisions") or {}).items():
+            g["decisions"].labels(decision=decision).set(n)
+    except Exception as exc:  # noqa: BLE001 -- metrics must never break the scheduler
+        _once("metrics", "hicache-gds: policy metrics not published (%s: %s)", type(exc).__name__, exc)
+
+
+# -- hooks (registered by plugin.register through SGLang's HookRegistry) ------------------------
+def _settle(cache: Any) -> None:
+    """After init or attach: apply the backend's `policy` key, give the cache its policy object,
+    and turn our name into SGLang's default where the backend is not ours."""
+    try:
+        b = _backend(cache)
+        if b is not None and b.policy_config.policy:
+            cache.prefetch_stop_policy = b.policy_config.policy
+        if getattr(cache, "_hgds_policy", None) is None and _supported(cache):
+            cache._hgds_policy = LoadOrCompute(cache)
+        cc = getattr(cache, "cache_controller", None)
+        if cc is not None and getattr(cache, "_hgds_policy", None) is not None:
+            cc._hgds_policy = cache._hgds_policy
+        if getattr(cache, "prefetch_stop_policy", None) == POLICY:
+            storage = cc is not None and getattr(cc, "enable_storage", False)
+            if not _supported(cache):
+                _once(f"unsupported-{type(cache).__name__}", "hicache-gds: the %s policy is not available for %s; "
+                      "SGLang's %s policy runs", POLICY, type(cache).__name__, FALLBACK)
+                cache.prefetch_stop_policy = FALLBACK
+            elif storage and b is None:
+                log.info("hicache-gds: the %s policy needs --hicache-storage-backend gds (here: %s); SGLang's %s "
+                         "policy runs", POLICY, getattr(cc, "storage_backend_type", "?"), FALLBACK)
+                cache.prefetch_stop_policy = FALLBACK
+            elif b is not None:
+                pol = cache._hgds_policy
+                model = pol.model(b)
+                est = model.estimates() if model is not None else {}
+                log.info("hicache-gds: prefetch policy %s (read rate %s, prefill %s)", POLICY,
+                         est.get("read_source", "unknown"), est.get("prefill_source", "unknown"))
+    except Exception as exc:  # noqa: BLE001 -- a plugin must never break SGLang's start
+        _once("settle", "hicache-gds: the %s policy could not be set up (%s: %s); SGLang's %s policy runs", POLICY,
+              type(exc).__name__, exc, FALLBACK)
+        if getattr(cache, "prefetch_stop_policy", None) == POLICY:
+            cache.prefetch_stop_policy = FALLBACK
+
+
+_SUPPORTED: set[type] = set()
+
+
+def _supported(cache: Any) -> bool:
+    return any(isinstance(cache, c) for c in _SUPPORTED)
+
+
+def after_init(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
+    _settle(cache)
+    return None
+
+
+def around_attach(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+    """Runtime attach: SGLang validates the policy against its own three, so ours is applied here."""
+    names = ("storage_backend", "storage_backend_extra_config_json", "served_model_name",
+             "hicache_storage_prefetch_policy", "hicache_write_policy")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    wanted = bound.get("hicache_storage_prefetch_policy")
+    if wanted == POLICY:
+        bound["hicache_storage_prefetch_policy"] = None
+    out = original(cache, **bound)
+    ok = bool(out[0]) if isinstance(out, tuple) and out else bool(out)
+    if ok and wanted == POLICY:
+        cache.prefetch_stop_policy = POLICY
+        log.info("hicache-gds: set hicache_storage_prefetch_policy to %s", POLICY)
+    if ok:
+        _settle(cache)
+    return out
+
+
+def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+    pol = policy_of(cache)
+    if pol is None:
+        return original(cache, *args, **kwargs)
+    try:
+        request = args[0] if args else kwargs.get("request", kwargs.get("req_id"))
+        tokens = args[2] if len(args) > 2 else kwargs.get("new_input_tokens", ())
+        matched = kwargs.get("matched_prefix_tokens")
+        admit = pol.admit(cache, request, tokens, None if matched is None else len(matched))
+    except Exception as exc:  # noqa: BLE001
+        _once("admit", "hicache-gds policy: admission failed (%s: %s); loading as SGLang would", type(exc).__name__,
+              exc)
+        admit = True
+    if not _agree(cache, admit, "MIN"):
+        return None
+    return original(cache, *args, **kwargs)
+
+
+def around_can_terminate(original: Any, cache: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
+    pol = policy_of(cache)
+    if pol is None:
+        return original(cache, operation, *args, **kwargs)
+    try:
+        stop = pol.stop(cache, operation)
+    except Exception as exc:  # noqa: BLE001
+        _once("stop", "hicache-gds policy: stop decision failed (%s: %s); waiting for the load", type(exc).__name__,
+              exc)
+        stop = False
+    stop = _agree(cache, stop or operation.is_terminated(), "MAX")
+    hv = getattr(operation, "hash_value", None) or []
+    if stop and int(getattr(operation, "completed_tokens", 0) or 0) < len(hv) * int(getattr(cache, "page_size", 1)):
+        b = _backend(cache)
+        if b is not None:  # the rest of its reads: skipped, and the one in flight cut short
+            b.cancel_read(getattr(operation, "host_indices", None))
+    return stop
+
+
+def around_rate_limited(original: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
+    pol = getattr(controller, "_hgds_policy", None)
+    cache = pol._cache() if pol is not None else None
+    if cache is None or policy_of(cache) is None or getattr(controller, "host_memory_mode", "") == "buffer_only":
+        return original(controller, *args, **kwargs)
+    try:
+        return pol.rate_limited(controller)
+    except Exception as exc:  # noqa: BLE001
+        _once("rate", "hicache-gds policy: host-pool admission failed (%s); SGLang's limit applies", exc)
+        return original(controller, *args, **kwargs)
+
+
+def around_prefetch_kvcache(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Scheduler._prefetch_kvcache: tells the policy which scheduler it serves and which request
+    is being admitted (its tokens and what the cache already holds of them)."""
+    pol = getattr(getattr(scheduler, "tree_cache", None), "_hgds_policy", None)
+    if pol is None:
+        return original(scheduler, req, *args, **kwargs)
+    pol.bind(scheduler)
+    pol.current_req = req
+    try:
+        return original(scheduler, req, *args, **kwargs)
+    finally:
+        pol.current_req = None
+
+
+def _is_prefill(batch: Any) -> bool:
+    fm = getattr(batch, "forward_mode", None)
+    try:
+        return bool(fm is not None and fm.is_extend() and not (getattr(fm, "is_mixed", None) and fm.is_mixed()))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def around_forward(original: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
+    """TpModelWorker.forward_batch_generation: time prefill batches for every policy of the process."""
+    pols = process_policies()
+    batch = args[0] if args else kwargs.get("batch")
+    if not pols or batch is None or not _is_prefill(batch):
+        return original(worker, *args, **kwargs)
+    tokens = []
+    for p in pols:
+        try:
+            tokens.append((p, p.prefill_begin(batch)))
+        except Exception as exc:  # noqa: BLE001
+            _once("forward", "hicache-gds policy: prefill not observed (%s)", exc)
+    try:
+        return original(worker, *args, **kwargs)
+    finally:
+        for p, tok in tokens:
+            try:
+                p.prefill_end(tok)
+            except Exception as exc:  # noqa: BLE001
+                _once("forward-end", "hicache-gds policy: prefill not observed (%s)", exc)

@@ -1,0 +1,545 @@
+"""The ``compute_or_load`` prefetch policy against the installed SGLang's own classes (0.5.17's
+HiRadixCache / 0.5.23's UnifiedRadixCache, HiCacheController, PrefetchOperation, their attach
+paths), and the backend's side of it (read rate, sliced gets, cancel, progress, persistence).
+
+The caches and controllers are SGLang's classes built without their constructors (those need a
+GPU's pools); each test sets the attributes the exercised methods read, and calls the plugin's
+hooks exactly as SGLang's HookRegistry wrapper does: ``hook(original, self, *args)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import textwrap
+import time
+import types
+
+import pytest
+import torch
+
+from hicache_gds import ConfigError
+from hicache_gds.costmodel import STATE_FILE
+from hicache_gds_sglang import HiCacheGDS, policy
+from hicache_gds_sglang import policy_hooks as hooks
+from hicache_gds_sglang import backend as backend_mod
+from hicache_gds_sglang.policy import POLICY, PolicyConfig
+from sgl_helpers import indices, keys, make_pool, page_bytes, poison, storage_config
+
+from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+
+try:  # 0.5.17: dense models' HiCache is HiRadixCache
+    from sglang.srt.managers.cache_controller import PrefetchOperation
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache as CACHE
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+    STOP, V23 = "can_terminate_prefetch", False
+except ImportError:  # 0.5.23: every HiCache stack is a UnifiedRadixCache
+    try:
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as CACHE
+        from sglang.srt.mem_cache.unified_radix_cache import _OngoingPrefetch
+        STOP, V23 = "_can_terminate_prefetch", True
+    except ImportError as exc:  # noqa: F841
+        pytest.skip(f"this SGLang's radix cache does not import here ({exc}); scripts/install-sglang-test-deps.sh "
+                    f"installs what it needs", allow_module_level=True)
+
+PS = 64
+BPT = 1024  # bytes of KV per token of the pools below (2 layers x 2 heads x 64 x bf16 x K,V)
+A = 1 / 6000  # seeded prefill: 6k tokens/s, linear (the formula's b and c are tested in the core)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rates():
+    backend_mod._RATES.clear()
+    hooks._SUPPORTED.add(CACHE)
+    policy._logged.clear()
+    yield
+    backend_mod._RATES.clear()
+
+
+def gbps_for(load_over_compute: float) -> float:
+    """The read rate (GB/s) at which loading a hit takes `load_over_compute` x recomputing it."""
+    return BPT / (A * load_over_compute) / 1e9
+
+
+def open_backend(gds_dir: str, pages: int = 64, **extra) -> tuple[HiCacheGDS, object]:
+    pool = make_pool("mha", "page_first", pages=pages, page_size=PS, layer_num=2, head_num=2, head_dim=64)
+    b = HiCacheGDS(storage_config(gds_dir, extra={k: str(v) if isinstance(v, float) else v for k, v in extra.items()}),
+                   pool)
+    b.register_mem_host_pool_v2(pool, "kv")
+    assert b.kv_bytes_per_token() == BPT
+    return b, pool
+
+
+def make_cache(b: HiCacheGDS, *, stop_policy: str = POLICY, host_tokens: int = 98304, queue_reqs=(), chunk=8192):
+    """SGLang's cache and controller classes, constructor-less, with what the prefetch paths read."""
+    ctl = object.__new__(HiCacheController)
+    ctl.enable_storage, ctl.storage_backend, ctl.storage_backend_type = True, b, "gds"
+    ctl.page_size, ctl.prefetch_queue, ctl.prefetch_tokens_occupied = PS, queue.Queue(), 0
+    ctl.mem_pool_host = types.SimpleNamespace(size=host_tokens, logical_size=host_tokens)
+    ctl.prefetch_capacity_limit, ctl.host_memory_mode = host_tokens // 2, "cache"
+    cache = object.__new__(CACHE)
+    if V23:
+        cache.tree_core = types.SimpleNamespace(page_size=PS, enable_storage=True, is_eagle=False)
+    else:
+        cache.enable_storage, cache.is_eagle = True, False
+    cache.page_size, cache.prefetch_threshold, cache.prefetch_stop_policy = PS, 256, stop_policy
+    cache.cache_controller, cache.ongoing_prefetch = ctl, {}
+    hooks._settle(cache)
+    pol = cache._hgds_policy
+    pol.prefill.seed_coefficients(A, 0.0, 0.0, "test")
+    cache._test_scheduler = Scheduler(waiting_queue=list(queue_reqs), chunked_req=None, chunked_prefill_size=chunk)
+    pol.bind(cache._test_scheduler)  # held weakly by the policy, as the real scheduler is
+    return cache, ctl, pol
+
+
+class Scheduler(types.SimpleNamespace):
+    """What the policy reads of SGLang's Scheduler (bound by its _prefetch_kvcache hook)."""
+
+
+def req(rid: str, n: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(rid=rid, origin_input_ids=list(range(n)), output_ids=[], prefix_indices=[],
+                                 host_hit_length=0)
+
+
+def handle(rid: str):
+    return CacheRequestHandle(rid, 0) if V23 else rid
+
+
+def operation(rid: str, tokens: int):
+    return PrefetchOperation(handle(rid), list(range(tokens)))
+
+
+def ongoing(cache, rid: str, op, tokens: int) -> None:
+    key = RadixKey(list(range(tokens)))
+    if V23:
+        cache.ongoing_prefetch[handle(rid)] = _OngoingPrefetch(0, key, op.host_indices, op, None, {})
+    else:
+        cache.ongoing_prefetch[rid] = (TreeNode(), key, op)
+
+
+# -- configuration -------------------------------------------------------------------------------
+def test_policy_keys_are_the_plugins_and_checked(gds_dir):
+    cfg = PolicyConfig.from_extra({"policy": POLICY, "policy_read_gbps": "1.5", "policy_host_fraction": 0.6,
+                                   "policy_read_slice": "64M", "policy_stop_margin": 0})
+    assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.read_slice, cfg.stop_margin) == (
+        POLICY, 1.5, 0.6, 64 << 20, 0.0)
+    for bad, match in (({"policy": "fastest"}, "policy: 'fastest'"), ({"policy_read_gbps": -1}, "policy_read_gbps"),
+                       ({"policy_host_fraction": 1.5}, "policy_host_fraction"),
+                       ({"policy_read_slice": "lots"}, "policy_read_slice")):
+        with pytest.raises(ConfigError, match=match):
+            PolicyConfig.from_extra(bad)
+        with pytest.raises(ConfigError, match=match):  # the attach fails with the reason
+            HiCacheGDS(storage_config(gds_dir, extra=bad), {})
+    b = HiCacheGDS(storage_config(gds_dir, extra={"policy": "wait_complete", "policy_prefill_tokens_per_s": 9000}), {})
+    try:
+        assert b.policy_config.policy == "wait_complete" and b.policy_config.prefill_tokens_per_s == 9000
+    finally:
+        b.close()
+
+
+# -- the backend's side: sliced gets, cancel, progress, read rate --------------------------------------
+def test_sliced_gets_read_the_same_bytes_and_measure_the_rate(gds_dir, monkeypatch):
+    b, pool = open_backend(gds_dir, policy_read_slice=3 * PS * BPT)  # 3 pages per slice
+    try:
+        cache, _, _ = make_cache(b)  # slices only while compute_or_load runs over the backend
+        kv = b._bindings["kv"]
+        real_get, calls = kv.get, []
+        monkeypatch.setattr(kv, "get", lambda k, h: (calls.append(len(k)), real_get(k, h))[1])
+        src, dst = list(range(0, 10)), list(range(20, 30))
+        ks = keys(10)
+        assert all(b.batch_set_v1(ks, indices(src, PS)))
+        poison(pool, dst)
+        b.get_stats()  # drain
+        assert b.batch_get_v1(ks, indices(dst, PS)) == [True] * 10
+        assert all(page_bytes(pool, s) == page_bytes(pool, d) for s, d in zip(src, dst))
+        assert calls == [3, 3, 3, 1]
+        m = b.get_stats()
+        assert m.prefetch_pgs == [10]  # one get, however many slices
+        cache.prefetch_stop_policy = "wait_complete"  # SGLang's policy: one read, no slices
+        poison(pool, dst)
+        assert b.batch_get_v1(ks, indices(dst, PS)) == [True] * 10 and calls[-1] == 10
+        assert all(page_bytes(pool, s) == page_bytes(pool, d) for s, d in zip(src, dst))
+        assert b.read_rate.total_gets == 2 and b.read_rate.total_bytes == 2 * 10 * PS * BPT
+        assert b.read_rate.source.startswith("measured")
+        assert b.stats()["policy"]["read_bytes_per_s"] > 0
+    finally:
+        b.close()
+
+
+def test_a_cancelled_prefetch_keeps_the_pages_read_before_and_reads_no_more(gds_dir, monkeypatch):
+    """SGLang's zero-copy page get (its real method) over a get the policy cancels after one slice."""
+    b, pool = open_backend(gds_dir, policy_read_slice=2 * PS * BPT)
+    try:
+        _cache = make_cache(b)  # noqa: F841 -- the policy in force: gets read in slices
+        ks = keys(8)
+        assert all(b.batch_set_v1(ks, indices(range(8), PS)))
+        dst = list(range(30, 38))
+        poison(pool, dst)
+        op = operation("r1", 8 * PS)
+        op.hash_value, op.host_indices = ks, indices(dst, PS)
+        kv = b._bindings["kv"]
+        real_get = kv.get
+        seen = []
+
+        def get(keys_, host_indices):
+            seen.append(b.read_progress(op.host_indices))
+            out = real_get(keys_, host_indices)
+            if len(seen) == 1:
+                b.cancel_read(op.host_indices[0:PS])  # a view, as the policy may hold
+            return out
+
+        monkeypatch.setattr(kv, "get", get)
+        ctl = object.__new__(HiCacheController)
+        ctl.storage_backend, ctl.page_size = b, PS
+        batch = op.host_indices[0:8 * PS]  # the controller passes slices of host_indices
+        got = ctl._page_get_zero_copy(op, ks, batch, None)
+        loaded = got if V23 else op.completed_tokens // PS
+        assert loaded == 2 and seen == [0]
+        assert all(page_bytes(pool, s) == page_bytes(pool, d) for s, d in zip(range(2), dst[:2]))
+        fresh = torch.full_like(pool.get_dummy_flat_data_page().view(torch.uint8), 0xA5)
+        assert all(page_bytes(pool, d) == fresh.numpy().tobytes() for d in dst[2:])  # never written
+        before = kv.store.stats()["pages_read"]
+        assert b.batch_get_v1(ks[4:], op.host_indices[4 * PS:8 * PS]) == [False] * 4  # the next batch: nothing read
+        assert kv.store.stats()["pages_read"] == before
+        assert b.read_rate.total_gets == 0  # a get cut short is no rate
+    finally:
+        b.close()
+
+
+def test_progress_of_the_get_in_flight_is_visible_between_slices(gds_dir, monkeypatch):
+    b, pool = open_backend(gds_dir, policy_read_slice=2 * PS * BPT)
+    try:
+        _cache = make_cache(b)  # noqa: F841
+        ks = keys(6)
+        assert all(b.batch_set_v1(ks, indices(range(6), PS)))
+        hi = indices(range(10, 16), PS)
+        kv = b._bindings["kv"]
+        real_get, seen = kv.get, []
+        monkeypatch.setattr(kv, "get", lambda k, h: (seen.append(b.read_progress(hi)), real_get(k, h))[1])
+        assert b.batch_get_v1(ks, hi[0:]) == [True] * 6
+        assert seen == [0, 2, 4] and b.read_progress(hi) == 0  # nothing in flight after
+        assert b.read_progress(torch.arange(4)) == 0
+    finally:
+        b.close()
+
+
+def test_read_rate_seeds_persists_and_carries_over_a_reattach(gds_dir):
+    b, _ = open_backend(gds_dir, policy_read_gbps=2.5)
+    assert b.read_rate.rate == pytest.approx(2.5e9) and b.read_rate.source == "configured (policy_read_gbps)"
+    b.read_rate.observe(1 << 30, 0.5)
+    again, _ = open_backend(gds_dir)  # attached again in this process: the same history
+    assert again.read_rate is b.read_rate
+    cache, _, pol = make_cache(again)
+    assert pol.model(again).read is b.read_rate
+    for n in (2000, 5000, 8000):  # what the server measured of its prefill
+        pol.prefill.observe([n], [0], n * A)
+    assert again.save_cost_state(pol.model(again).state())
+    path = again._cost_path
+    assert os.path.basename(path) == STATE_FILE and os.path.dirname(path) in again.stats()["kv"]["dirs"]
+    b.close(), again.close()
+    backend_mod._RATES.clear()  # a new process: seeded from the file
+    later, _ = open_backend(gds_dir)
+    try:
+        assert later.read_rate.source.startswith("persisted") and later.read_rate.rate > 0
+        _, _, pol2 = make_cache(later)
+        pol2.prefill = policy.PrefillModel()  # nothing measured: the persisted fit seeds it
+        pol2._model = None
+        pol2.model(later)
+        assert pol2.prefill.coefficients()[1].startswith("persisted")
+    finally:
+        later.close()
+
+
+# -- admission ----------------------------------------------------------------------------------------
+def admit(cache, rid: str, tokens: int, calls: list | None = None):
+    """The hook around the cache's own prefetch_from_storage (0.5.17: the real one, into the real
+    controller's queue; 0.5.23's needs its tree core, so a recorder stands in for it)."""
+    if V23:
+        def original(c, request, node, toks, *a, **kw):
+            calls.append(request.rid)
+            ongoing(c, request.rid, PrefetchOperation(request, list(toks)), len(toks))
+            return None
+        return hooks.around_admit(original, cache, handle(rid), 0, list(range(tokens)), matched_prefix_tokens=[])
+    root = TreeNode()
+    root.key = RadixKey([])
+    out = hooks.around_admit(CACHE.prefetch_from_storage, cache, rid, root, list(range(tokens)))
+    if calls is not None and rid in cache.ongoing_prefetch:
+        calls.append(rid)
+    return out
+
+
+@pytest.mark.parametrize("ratio,expect", [(1.3, "compute"), (0.7, "load")])
+def test_a_request_alone_loads_only_when_loading_is_faster(gds_dir, ratio, expect):
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(ratio))
+    try:
+        cache, ctl, pol = make_cache(b)
+        pol.current_req = req("a", 18000)
+        calls: list = []
+        admit(cache, "a", 18000 - 64, calls)
+        assert pol.counts[expect] == 1 and pol.last["action"] == expect
+        if expect == "compute":
+            assert calls == [] and not cache.ongoing_prefetch and ctl.prefetch_queue.empty()
+        else:
+            assert calls == ["a"]
+            if not V23:  # SGLang's own controller took it
+                op = ctl.prefetch_queue.get_nowait()
+                assert op.request_id == "a" and ctl.prefetch_tokens_occupied == len(op.token_ids) > 17000
+    finally:
+        b.close()
+
+
+def test_a_busy_gpu_sends_the_next_request_of_a_burst_to_the_disk(gds_dir):
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(1.3))
+    try:
+        ahead = [req(f"q{i}", 18000) for i in range(2)]  # two recomputes already queued
+        cache, _, pol = make_cache(b, queue_reqs=ahead)
+        pol.current_req = req("c", 18000)
+        calls: list = []
+        admit(cache, "c", 18000 - 64, calls)
+        assert pol.last["action"] == "load" and calls == ["c"]
+        assert pol.last["gpu_backlog"] == pytest.approx(2 * 18000 * A)
+        # and the queue's next one, with this load ahead of it on the disk, is weighed against both
+        pol.current_req = req("d", 18000)
+        admit(cache, "d", 18000 - 64, calls)
+        assert pol.last["disk_backlog"] > 0
+    finally:
+        b.close()
+
+
+def test_sglangs_policies_and_other_backends_are_untouched(gds_dir):
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(5.0))  # loading would be slow
+    try:
+        cache, _, pol = make_cache(b, stop_policy="wait_complete")
+        calls: list = []
+        admit(cache, "w", 18000, calls)
+        assert calls == ["w"] and not pol.counts  # SGLang's own path, no decision taken
+        cache.prefetch_stop_policy = POLICY
+        cache.cache_controller.storage_backend = object()  # not ours: the policy is not in force
+        assert policy.policy_of(cache) is None
+    finally:
+        b.close()
+
+
+# -- in flight -----------------------------------------------------------------------------------------
+def in_flight(cache, b, rid: str, tokens: int, kept: int):
+    op = operation(rid, tokens)
+    op.hash_value = keys(tokens // PS)
+    op.storage_hit_count = tokens
+    op.host_indices = torch.arange(1000, 1000 + tokens, dtype=torch.int64)
+    op.completed_tokens = kept
+    ongoing(cache, rid, op, tokens)
+    return op
+
+
+def test_a_slow_load_is_stopped_when_the_gpu_is_free_and_kept_where_it_is_busy(gds_dir):
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(2.0))
+    try:
+        cache, _, pol = make_cache(b)
+        op = in_flight(cache, b, "s", 16384, kept=4096)
+        pol._decided["s"] = ("load", 16448, 0, 16384)
+        assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is True
+        assert pol.counts["stop"] == 1 and pol.last["kept"] == 4096
+        assert b._is_cancelled(op.host_indices)  # its reads left are skipped
+        # the same load behind a busy GPU runs on
+        cache2, _, pol2 = make_cache(b, queue_reqs=[req("big", 60000), req("s2", 16448)])
+        op2 = in_flight(cache2, b, "s2", 16384, kept=4096)
+        pol2._decided["s2"] = ("load", 16448, 0, 16384)
+        assert hooks.around_can_terminate(getattr(CACHE, STOP), cache2, op2) is False
+        assert pol2.counts["stop"] == 0 and not b._is_cancelled(op2.host_indices)
+    finally:
+        b.close()
+
+
+def test_a_finished_load_is_settled_as_each_release_does(gds_dir):
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(2.0))
+    try:
+        cache, _, _ = make_cache(b)
+        op = in_flight(cache, b, "f", 8192, kept=8192)
+        # 0.5.17 inserts it when the policy says so; 0.5.23 through its acknowledgements
+        assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is (not V23)
+        assert not b._is_cancelled(op.host_indices)
+    finally:
+        b.close()
+
+
+def test_a_load_whose_query_has_not_answered_waits_when_loading_is_faster(gds_dir):
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
+    try:
+        cache, _, _ = make_cache(b)
+        op = operation("q", 8192)
+        ongoing(cache, "q", op, 8192)
+        assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is False
+    finally:
+        b.close()
+
+
+def test_sglangs_stop_rule_runs_when_the_policy_is_not_selected(gds_dir):
+    b, _ = open_backend(gds_dir)
+    try:
+        cache, _, _ = make_cache(b, stop_policy="best_effort")
+        op = in_flight(cache, b, "b", 8192, kept=0)
+        calls = []
+        assert hooks.around_can_terminate(lambda c, o: calls.append(o) or "sglang", cache, op) == "sglang"
+        assert calls == [op]
+    finally:
+        b.close()
+
+
+def test_a_failing_decision_waits_and_logs_once(gds_dir, monkeypatch, caplog):
+    b, _ = open_backend(gds_dir)
+    try:
+        cache, _, pol = make_cache(b)
+        op = in_flight(cache, b, "e", 8192, kept=0)
+        monkeypatch.setattr(pol, "stop", lambda *a: 1 / 0)
+        with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang.policy"):
+            assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is False
+            assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is False
+        assert caplog.text.count("stop decision failed") == 1
+        monkeypatch.setattr(pol, "admit", lambda *a: 1 / 0)
+        calls: list = []
+        admit(cache, "e2", 8192, calls)
+        assert calls == ["e2"]  # admission falls back to loading, as SGLang would
+    finally:
+        b.close()
+
+
+# -- host pool, attach, settle -------------------------------------------------------------------------
+def test_prefetches_may_hold_more_of_the_host_pool_than_sglang_allows(gds_dir):
+    b, _ = open_backend(gds_dir)
+    try:
+        cache, ctl, _ = make_cache(b, host_tokens=100000)
+        real = HiCacheController.prefetch_rate_limited
+        ctl.prefetch_tokens_occupied = 60000  # over SGLang's half, under our three quarters
+        assert real(ctl) is True and hooks.around_rate_limited(real, ctl) is False
+        ctl.prefetch_tokens_occupied = 75000
+        assert hooks.around_rate_limited(real, ctl) is True
+        cache.prefetch_stop_policy = "timeout"  # SGLang's policy: SGLang's limit
+        ctl.prefetch_tokens_occupied = 60000
+        assert hooks.around_rate_limited(real, ctl) is True
+    finally:
+        b.close()
+
+
+def test_runtime_attach_takes_the_policy_sglang_would_reject(gds_dir):
+    b, _ = open_backend(gds_dir)
+    try:
+        cache, ctl, _ = make_cache(b, stop_policy="timeout")
+        if V23:
+            from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment
+            cache._storage_attachment = StorageAttachment(cache)
+            cache.token_to_kv_pool_allocator = object()
+            cache.is_write_back = False
+        real = CACHE.attach_storage_backend
+        ok, msg = real(cache, "gds", None, None, POLICY)  # SGLang alone: not one of its three
+        assert not ok and "Invalid hicache_storage_prefetch_policy" in msg
+        ok, _ = hooks.around_attach(real, cache, "gds", None, None, POLICY)
+        assert ok and cache.prefetch_stop_policy == POLICY and policy.policy_of(cache) is not None
+        ok, _ = hooks.around_attach(real, cache, "gds", hicache_storage_prefetch_policy="wait_complete")
+        assert ok and cache.prefetch_stop_policy == "wait_complete" and policy.policy_of(cache) is None
+    finally:
+        b.close()
+
+
+def test_our_name_turns_into_sglangs_default_where_the_policy_cannot_run(gds_dir):
+    b, _ = open_backend(gds_dir, policy="wait_complete")
+    try:
+        cache, ctl, _ = make_cache(b)  # the extra config's `policy` wins at settle
+        assert cache.prefetch_stop_policy == "wait_complete"
+        cache.prefetch_stop_policy = POLICY
+        ctl.storage_backend, ctl.storage_backend_type = object(), "nixl"
+        hooks._settle(cache)
+        assert cache.prefetch_stop_policy == policy.FALLBACK
+        other = types.SimpleNamespace(prefetch_stop_policy=POLICY, cache_controller=None)  # a cache we do not hook
+        hooks._settle(other)
+        assert other.prefetch_stop_policy == policy.FALLBACK
+    finally:
+        b.close()
+
+
+# -- measuring the engine ----------------------------------------------------------------------------
+def test_prefill_batches_are_timed_and_decode_batches_ignored(gds_dir):
+    b, _ = open_backend(gds_dir)
+    try:
+        _, _, pol = make_cache(b)
+        pol.prefill = policy.PrefillModel()
+        mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
+        decode = types.SimpleNamespace(is_extend=lambda: False)
+        batch = types.SimpleNamespace(forward_mode=mode, extend_lens=[4000, 96], prefix_lens=[0, 8000])
+        worker = object()
+
+        def forward(w, bt):
+            time.sleep(0.002)  # the GPU's time (wall clock on a machine without one)
+            return "ran", bt
+
+        for _ in range(3):
+            assert hooks.around_forward(forward, worker, batch) == ("ran", batch)
+        hooks.around_forward(lambda w, bt: None, worker, types.SimpleNamespace(forward_mode=decode))
+        pol.poll()
+        assert pol.prefill.batches == 3
+        assert pol.stats()["prefill_batches_observed"] == 3
+    finally:
+        b.close()
+
+
+def test_policy_metrics_reach_prometheus(gds_dir):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    b, _ = open_backend(gds_dir, policy_read_gbps=1.25)
+    try:
+        cache, _, pol = make_cache(b)
+        pol.counts["load"] += 2
+        hooks._last_publish[0] = 0.0
+        b.get_stats()
+        reg = prometheus_client.REGISTRY
+        assert reg.get_sample_value("hicache_gds:read_rate_bytes_per_second") == pytest.approx(1.25e9)
+        assert reg.get_sample_value("hicache_gds:prefetch_decisions", {"decision": "load"}) == 2
+        assert reg.get_sample_value("hicache_gds:breakeven_prefill_tokens_per_second") == pytest.approx(1.25e9 / BPT)
+    finally:
+        b.close()
+
+
+_REGISTER = textwrap.dedent("""
+    import argparse, sys
+    import sglang.srt.plugins as P
+    P.load_plugins()
+    from sglang.srt.server_args import ServerArgs
+    from hicache_gds_sglang import plugin, policy, policy_hooks
+    p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)
+    action = next(a for a in p._actions if a.dest == "hicache_storage_prefetch_policy")
+    assert plugin._policy_ready, "policy hooks not registered"
+    assert action.default == policy.POLICY and {"best_effort", "wait_complete", "timeout", policy.POLICY} <= set(
+        action.choices), action.choices
+    args = p.parse_args(["--model-path", "m", "--hicache-storage-prefetch-policy", "wait_complete"])
+    assert args.hicache_storage_prefetch_policy == "wait_complete"
+    cls = next(iter(policy_hooks._SUPPORTED))
+    stop = "_can_terminate_prefetch" if hasattr(cls, "_can_terminate_prefetch") else "can_terminate_prefetch"
+    for m in ("prefetch_from_storage", stop, "attach_storage_backend"):
+        assert hasattr(getattr(cls, m), "__wrapped__"), m
+    from sglang.srt.managers.cache_controller import HiCacheController
+    assert hasattr(HiCacheController.prefetch_rate_limited, "__wrapped__")
+    print("POLICY-OK", cls.__name__)
+""")
+
+
+def test_load_plugins_installs_the_policy_and_makes_it_the_default():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", _REGISTER], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "POLICY-OK " + CACHE.__name__ in out.stdout, out.stderr[-4000:]
+
+
+def test_without_decision_points_sglangs_policies_are_all_there_is(monkeypatch, caplog):
+    from sglang.srt.plugins.hook_registry import HookType
+
+    from hicache_gds_sglang import plugin
+    monkeypatch.setattr(plugin, "_policy_ready", False)
+    monkeypatch.setattr(plugin, "_POLICY_CACHES", {"sglang.srt.mem_cache.no_such_cache.Cache": ("__init__", "x")})
+    registered = []
+    reg = types.SimpleNamespace(register=lambda *a: registered.append(a))
+    with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):
+        plugin._register_policy(reg, HookType)
+    assert registered == [] and plugin._policy_ready is False and "SGLang's own prefetch policies run" in caplog.text

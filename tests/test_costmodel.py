@@ -1,0 +1,237 @@
+"""The compute-or-load cost model (`hicache_gds.costmodel`): fits, decisions, persistence, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_gds.costmodel import (STATE_FILE, CostModel, PrefillModel, ReadRate, breakeven_prefill_rate, load_state,
+                                   save_state)
+
+KIB = 1024
+# An H200-like 32B shape: ~6.2k tokens/s at 18k tokens, 256 KiB of KV per token, a 1.4 GB/s disk.
+A, B, C = 1 / 9000, 1.6e-9, 0.004
+
+
+def truth(n: int, p: int, chunk: int = 8192, a: float = A, b: float = B, c: float = C) -> float:
+    t, done = 0.0, 0
+    while done < n:
+        k = min(chunk, n - done)
+        t += a * k + b * k * (p + done + k / 2) + c
+        done += k
+    return t
+
+
+def fitted(rng: np.random.Generator, rows: int = 60, noise: float = 0.02, chunk: int = 8192, **kw) -> PrefillModel:
+    pm = PrefillModel(chunk=chunk)
+    for _ in range(rows):
+        n = int(rng.integers(256, chunk + 1))
+        p = int(rng.integers(0, 24000))
+        pm.observe([n], [p], truth(n, p, chunk=10 ** 9, **kw) * (1 + rng.normal(0, noise)))
+    return pm
+
+
+def test_fit_recovers_the_superlinear_cost_from_noisy_batches():
+    pm = fitted(np.random.default_rng(1))
+    (a, b, c), source = pm.coefficients()
+    assert source.startswith("measured (60 recent prefill batches)")
+    assert a == pytest.approx(A, rel=0.1) and b == pytest.approx(B, rel=0.15) and c >= 0
+    for n in (4000, 12000, 24000):  # chunked requests, longer than any batch seen
+        assert pm.predict(n, 0) == pytest.approx(truth(n, 0), rel=0.05)
+    # attention: the per-token cost grows with length
+    assert pm.tokens_per_s(24000) < pm.tokens_per_s(4000)
+
+
+def test_chunked_prediction_is_the_sum_of_its_chunks():
+    pm = PrefillModel(chunk=8192)
+    pm.seed_coefficients(A, B, C, "test")
+    assert pm.predict(20000, 3000) == pytest.approx(truth(20000, 3000), rel=1e-12)
+
+
+def test_fit_keeps_coefficients_non_negative_for_linear_data():
+    rng = np.random.default_rng(2)
+    pm = fitted(rng, b=0.0, c=0.0, noise=0.05)
+    (a, b, c), _ = pm.coefficients()
+    assert min(a, b, c) >= 0 and a == pytest.approx(A, rel=0.1)
+
+
+def test_batches_of_several_requests_count_once_for_the_fixed_cost():
+    rng = np.random.default_rng(3)
+    pm = PrefillModel(chunk=8192)
+    for _ in range(80):
+        k = int(rng.integers(1, 5))
+        news = rng.integers(100, 2000, size=k).tolist()
+        prefixes = rng.integers(0, 9000, size=k).tolist()
+        t = sum(A * n + B * n * (p + n / 2) for n, p in zip(news, prefixes)) + C
+        pm.observe(news, prefixes, t)
+    (a, b, c), _ = pm.coefficients()
+    assert (a, b, c) == pytest.approx((A, B, C), rel=1e-3)
+
+
+def test_seeds_answer_before_any_batch_and_say_so():
+    pm = PrefillModel()
+    assert pm.predict(1000) is None and pm.coefficients() == (None, "unknown")
+    pm.seed_rate(20000, "configured (test)")
+    assert pm.predict(10000) == pytest.approx(0.5) and pm.coefficients()[1] == "configured (test)"
+    pm.observe([1000], [0], 0.05)  # one batch: a single rate
+    assert pm.coefficients()[1].startswith("measured") and pm.predict(1000) == pytest.approx(0.05)
+
+
+def test_read_rate_seed_fades_as_measured_gets_pile_up():
+    r = ReadRate()
+    assert r.rate is None and r.source == "unknown"
+    r.seed(1e9, "persisted 3 s ago")
+    assert r.rate == pytest.approx(1e9) and r.source == "persisted 3 s ago"
+    r.observe(64 << 20, (64 << 20) / 2e9)  # half the seed's weight at 2 GB/s
+    assert 1e9 < r.rate < 2e9 and "blended with persisted" in r.source
+    for _ in range(8):
+        r.observe(256 << 20, (256 << 20) / 2e9)
+    assert r.rate == pytest.approx(2e9) and r.source.startswith("measured (9 recent gets")
+    r.observe(0, 1.0)  # nothing read: ignored
+    r.observe(4096, 0.0)
+    assert r.total_gets == 9
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf")])
+def test_bad_rates_are_refused(bad):
+    with pytest.raises(ValueError, match="read rate"):
+        ReadRate().seed(bad, "x")
+    with pytest.raises(ValueError, match="prefill rate"):
+        PrefillModel().seed_rate(bad, "x")
+    with pytest.raises(ValueError, match="bytes_per_token"):
+        CostModel(bad)
+    with pytest.raises(ValueError):
+        breakeven_prefill_rate(1e9, bad)
+
+
+def test_prefill_observations_of_mismatched_lengths_are_refused():
+    with pytest.raises(ValueError, match="new-token counts"):
+        PrefillModel().observe([1, 2], [0], 0.1)
+
+
+def model(read_gbps: float = 1.4, chunk: int = 8192) -> CostModel:
+    pm = PrefillModel(chunk=chunk)
+    pm.seed_coefficients(A, B, C, "test")
+    return CostModel(256 * KIB, read=ReadRate(read_gbps * 1e9, "test"), prefill=pm)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1024, 40000), frac=st.floats(0.05, 1.0), gbps=st.floats(0.2, 20.0))
+def test_a_request_alone_takes_the_faster_of_load_and_recompute(n, frac, gbps):
+    m = model(gbps)
+    h = int(n * frac)
+    d = m.decide(n, 0, h)
+    load = h * 256 * KIB / (gbps * 1e9) + m.predict_compute(n - h, h)
+    compute = m.predict_compute(n, 0)
+    assert d.t_load == pytest.approx(load) and d.t_compute == pytest.approx(compute)
+    assert d.action == ("load" if load < compute else "compute")
+    assert min(d.t_load, d.t_compute) == pytest.approx(min(load, compute))
+
+
+def test_loading_part_of_a_hit_is_never_better_than_all_or_none():
+    """Sequential load-then-compute is concave in the loaded fraction (module docstring)."""
+    m = model(1.4)
+    for n in (8000, 18000, 30000):
+        times = [m.predict_load(f * n * 256 * KIB) + m.predict_compute(n - int(f * n), int(f * n))
+                 for f in np.linspace(0, 1, 41)]
+        assert min(times) == pytest.approx(min(times[0], times[-1]))
+
+
+def simulate_burst(m: CostModel, lengths: list[int]) -> tuple[float, float, list[str]]:
+    """Admit a burst one request at a time as the policy does: each to the queue finishing it first."""
+    g = d = 0.0
+    actions = []
+    for n in lengths:
+        dec = m.decide(n, 0, n - n % 64, gpu_backlog=g, disk_backlog=d)
+        actions.append(dec.action)
+        if dec.load:
+            d = m.predict_load((n - n % 64) * m.bytes_per_token, d)
+        else:
+            g += m.predict_compute(n, 0)
+    return max(g, d), sum(m.predict_compute(n, 0) for n in lengths), actions
+
+
+def test_a_burst_splits_between_the_disk_and_the_gpu_near_the_physical_optimum():
+    m = model(1.4)
+    lengths = [12000 + 1700 * i for i in range(8)]  # 12k-24k tokens, as issue 20's burst
+    makespan, recompute, actions = simulate_burst(m, lengths)
+    assert "load" in actions and "compute" in actions
+    w = sum(lengths)
+    disk_tok_s = 1.4e9 / (256 * KIB)
+    gpu_tok_s = w / recompute
+    optimum = w / (disk_tok_s + gpu_tok_s)
+    assert makespan <= 1.2 * optimum and makespan <= 0.65 * recompute
+
+
+def test_in_flight_waits_while_the_gpu_is_busy_and_stops_when_idle_and_the_disk_is_slow():
+    m = model(0.5)  # a slow disk: this hit is not worth loading alone
+    n = 18000
+    assert m.decide(n, 0, n).action == "compute"
+    busy = m.decide(n, 0, n, kept=4096, fetched=6000, in_flight=True, gpu_backlog=20.0)
+    assert busy.action == "wait" and "busy" in busy.reason
+    idle = m.decide(n, 0, n, kept=4096, fetched=6000, in_flight=True)
+    assert idle.action == "stop" and idle.t_compute < idle.t_load
+    # what was kept is not recomputed
+    assert idle.t_compute == pytest.approx(m.predict_compute(n - 4096, 4096))
+
+
+def test_the_stop_rule_agrees_with_admission_and_has_hysteresis():
+    m = model(1.4)
+    n = 20000
+    # find the read rate where loading and computing this hit tie, then move 2 % either side
+    tie = n * 256 * KIB / (m.predict_compute(n, 0) - m.predict_compute(0, n))
+    for gbps, admitted in ((tie * 1.02 / 1e9, "load"), (tie * 0.98 / 1e9, "compute")):
+        mm = model(gbps)
+        assert mm.decide(n, 0, n).action == admitted
+        # nothing loaded yet, GPU idle: a load just below the tie is not stopped (margin 5 %)
+        assert mm.decide(n, 0, n, in_flight=True).action == "wait"
+    assert model(tie * 0.9 / 1e9).decide(n, 0, n, in_flight=True).action == "stop"
+
+
+def test_without_estimates_it_loads_as_the_engine_would():
+    m = CostModel(128 * KIB)
+    d = m.decide(10000, 0, 10000)
+    assert d.action == "load" and math.isnan(d.t_load) and "no read rate" in d.reason
+    assert m.decide(10000, 0, 10000, in_flight=True).action == "wait"
+
+
+def test_state_round_trips_and_only_measured_estimates_seed(tmp_path):
+    pm = fitted(np.random.default_rng(4))
+    m = CostModel(256 * KIB, read=ReadRate(), prefill=pm)
+    m.observe_load(1 << 30, 0.7)
+    path = str(tmp_path / STATE_FILE)
+    assert save_state(path, m.state())
+    assert os.listdir(tmp_path) == [STATE_FILE]  # tmp + rename, nothing left behind
+    st_ = load_state(path)
+    fresh = CostModel(256 * KIB)
+    seeded = fresh.seed_from_state(st_)
+    assert len(seeded) == 2 and fresh.read.rate == pytest.approx(m.read.rate)
+    assert fresh.read.source.startswith("persisted") and fresh.prefill.coefficients()[1].startswith("persisted")
+    assert fresh.predict_compute(18000) == pytest.approx(m.predict_compute(18000))
+    # a state written from seeds alone (nothing measured) seeds nothing
+    unmeasured = CostModel(256 * KIB, read=ReadRate(1e9, "configured"), prefill=PrefillModel(5000, "configured"))
+    assert CostModel(256 * KIB).seed_from_state(unmeasured.state()) == []
+
+
+def test_unreadable_state_is_ignored(tmp_path):
+    p = tmp_path / STATE_FILE
+    assert load_state(str(p)) is None
+    p.write_text("{not json")
+    assert load_state(str(p)) is None
+    p.write_text(json.dumps({"version": 1, "read_bytes_per_s": "fast", "read_source": "measured"}))
+    assert CostModel(1024).seed_from_state(load_state(str(p))) == []
+    assert not save_state(str(tmp_path / "no" / "such" / STATE_FILE), {"x": 1})
+
+
+def test_breakeven_and_estimates():
+    assert breakeven_prefill_rate(1.6e9, 256 * KIB) == pytest.approx(1.6e9 / 262144)
+    est = model(1.6).estimates()
+    assert est["read_gbps"] == pytest.approx(1.6) and est["breakeven_prefill_tokens_per_s"] == pytest.approx(
+        1.6e9 / 262144)
+    assert est["prefill_coefficients"] == {"a": A, "b": B, "c": C}

@@ -1,0 +1,149 @@
+"""The server benchmark's harness (benchmarks/e2e: suite, report, exit paths), dry-run against
+`fake_server.py`: what the GPU machine runs, minus SGLang and the GPU. The numbers mean nothing;
+the plumbing (runtime switches, flushes, resume, deadline, the servers stopped on every exit
+path, the report's tables and targets) is what is tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+E2E = os.path.join(REPO, "benchmarks", "e2e")
+sys.path.insert(0, E2E)
+
+import suite  # noqa: E402
+import suite_report  # noqa: E402
+
+SMALL = ["--mode", "suite", "--fake", "--model", os.path.join(E2E, "llama3-8b-shape"), "--lengths", "640:1280",
+         "--prefixes", "3", "--single", "2", "--burst", "3", "--rates", "20,40", "--reps", "single=2,burst=1,open=1",
+         "--stable-s", "0.5", "--resume"]
+
+
+def run(tmp_path, *extra: str, timeout: float = 240, wait: bool = True):
+    env = dict(os.environ, FAKE_START_S="0.3", FAKE_PREFILL_TOK_S="400000", FAKE_READ_TOK_S="300000",
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "plugins", "sglang"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.join(E2E, "bench_sglang_server.py"), *SMALL, "--dir", str(tmp_path / "store"),
+           "--out", str(tmp_path / "out"), *extra]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def fake_servers(tmp_path) -> list[int]:
+    """Fake servers of this test (their command line names its store directory)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                cmd = open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if "fake_server.py" in cmd and str(tmp_path) in open(f"/proc/{p}/environ", "rb").read().decode(
+                    errors="replace"):
+                out.append(int(p))
+    return out
+
+
+def test_the_plan_interleaves_configurations_and_repeats():
+    a = type("A", (), {"configs": suite.DEFAULT_CONFIGS, "reps": "single=3,burst=2,open=1",
+                       "workloads": "single,burst,open", "open_configs": "recompute,gds-compute_or_load",
+                       "rates": "0.1,0.2"})()
+    cells = suite.plan(a)
+    ids = [c["id"] for c in cells]
+    assert ids[:5] == [f"single/{c}/0" for c in suite.DEFAULT_CONFIGS.split(",")]
+    assert ids[5:9] == [f"burst/{c}/0" for c in suite.DEFAULT_CONFIGS.split(",") if c != "nixl"]  # nixl: single only
+    assert sum(c["workload"] == "single" and c["config"] == "nixl" for c in cells) == 3
+    assert ids[-4:] == ["open/recompute/0/0.1", "open/gds-compute_or_load/0/0.1", "open/recompute/0/0.2",
+                        "open/gds-compute_or_load/0/0.2"]
+    with pytest.raises(SystemExit, match="WORKLOAD=N"):
+        suite.parse_reps("single=three")
+
+
+def test_a_dry_run_measures_everything_then_resumes_with_nothing_to_do(tmp_path):
+    r = run(tmp_path, "--plot")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.load(open(tmp_path / "out" / "suite-llama3-8b-shape.json"))
+    assert len(doc["cells"]) == len(suite.plan(suite_args(doc))) == 10 + 4 + 6
+    assert doc["populated"]["gds"]["pages"] >= doc["populated"]["gds"]["expected_pages"]
+    single = doc["cells"]["single/gds-wait_complete/1"]
+    assert single["stats"]["split"]["storage"] > 0 and single["stats"]["errors"] == 0
+    burst = doc["cells"]["burst/recompute/0"]["stats"]
+    assert burst["n"] == 3 and burst["makespan_s"] > 0 and burst["split"]["storage"] == 0
+    md = open(tmp_path / "out" / "suite-llama3-8b-shape.md").read()
+    for head in ("## One at a time", "## Burst", "## Open loop", "## Targets (issue 20)", "greedy tokens = recompute"):
+        assert head in md
+    assert (tmp_path / "out" / "suite-llama3-8b-shape-ttft-p90.png").stat().st_size > 1000
+    assert not fake_servers(tmp_path)
+    again = run(tmp_path)
+    assert again.returncode == 0 and "0 measurements to go" in again.stdout and "starting" not in again.stdout
+
+
+def suite_args(doc):
+    a = doc["args"]
+    return type("A", (), {k: a[k] for k in ("configs", "reps", "workloads", "open_configs", "rates")})()
+
+
+def test_a_deadline_stops_early_and_the_next_call_reuses_the_l3(tmp_path):
+    r = run(tmp_path, "--deadline", "8")
+    assert r.returncode == 3, r.stdout[-3000:]
+    assert "--resume goes on" in r.stdout and not fake_servers(tmp_path)
+    r2 = run(tmp_path)
+    assert r2.returncode == 0, r2.stdout[-3000:]
+    assert "written by an earlier call, reused" in r2.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_the_server_goes_with_its_harness(tmp_path, sig):
+    p = run(tmp_path, wait=False)
+    deadline = time.monotonic() + 60
+    while not fake_servers(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert fake_servers(tmp_path), "the server did not start"
+    time.sleep(1.0)
+    p.send_signal(sig)
+    p.wait(30)
+    deadline = time.monotonic() + 15
+    while fake_servers(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not fake_servers(tmp_path)
+
+
+def test_the_report_computes_the_issues_targets():
+    def cell(w, cfg, rep, ttfts, storage=0, rate=None, outs=None):
+        rs = [{"tag": f"p{i}", "ttft_s": t, "prompt_tokens": 1000, "output_ids": (outs or [1, 2]), "error": None,
+               "t_start": 0.0, "t_end": t} for i, t in enumerate(ttfts)]
+        st = suite.cell_stats([suite.Result(**{**r, "latency_s": r["ttft_s"], "logprobs": [], "cached": {
+            "storage": storage, "cached_tokens": storage}}) for r in rs])
+        c = {"workload": w, "config": cfg, "rep": rep, "results": rs, "stats": st}
+        if rate is not None:
+            c["rate"] = rate
+        return c
+
+    cells = [cell("single", "recompute", 0, [1.0, 2.0]), cell("single", "gds-wait_complete", 0, [1.5, 2.5], 900),
+             cell("single", "gds-compute_or_load", 0, [1.0, 2.05]), cell("single", "nixl", 0, [1.6, 2.6], 900),
+             cell("burst", "recompute", 0, [5.0, 10.0]), cell("burst", "gds-wait_complete", 0, [6.0, 9.0], 900),
+             cell("burst", "gds-compute_or_load", 0, [3.0, 6.0], 500, outs=[9]),
+             cell("open", "recompute", 0, [1.0, 1.0], rate=0.1), cell("open", "recompute", 0, [3.0, 3.0], rate=0.3),
+             cell("open", "gds-compute_or_load", 0, [1.0, 1.0], rate=0.1),
+             cell("open", "gds-compute_or_load", 0, [1.5, 1.5], rate=0.3)]
+    doc = {"cells": {str(i): c for i, c in enumerate(cells)}, "model": {"kv_bytes_per_token": 256 << 10}}
+    rows = suite_report.summarize(doc)["targets"]
+
+    def t(prefix):
+        return next(row for row in rows if row["target"].startswith(prefix))
+
+    assert t("one at a time")["value"] == pytest.approx(1.525 / 1.5) and t("one at a time")["met"]
+    assert t("burst: makespan")["value"] == pytest.approx(6.0 / 10.0) and t("burst: makespan")["limit"] == 0.65
+    assert t("burst: mean TTFT")["value"] == pytest.approx(4.5 / 7.5) and t("burst: mean TTFT")["limit"] == 0.6
+    assert t("open loop at 0.3")["value"] == pytest.approx(0.5) and t("open loop at 0.3")["met"]
+    assert t("revisit from L3")["value"] == pytest.approx(2.0 / 2.1) and t("revisit from L3")["met"]
+    assert t("burst: vs the best")["value"] == pytest.approx(6.0 / 9.0)
+    assert t("greedy tokens = recompute (gds-compute_or_load)")["met"] is False
+    assert t("greedy tokens = recompute (gds-wait_complete)")["met"] is True
