@@ -33,7 +33,7 @@ import xxhash
 
 from .capacity import Sizing, gib, size_namespace
 from .config import Config
-from .engines.base import MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
+from .engines.base import Batch, MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
 from .engines.select import choose_engine
 from .errors import ConfigError, RegionError, TransferError, TransferTimeout
 from .index import INDEX_FILE, Index
@@ -546,7 +546,7 @@ class PageStore:
                       "and never finished hold over %d bytes", op.value, n, _MAX_HELD_STAGING)
             return status, sums
         buf = self._staging.acquire(n * self.slot_bytes) if stage else None
-        posted: list[tuple[int, int, Transfer | None]] = []
+        posted: list[tuple[Batch, Transfer | None]] = []
         try:
             if buf is not None:
                 # One aligned descriptor per page: the whole slot, staged in host memory.
@@ -566,47 +566,61 @@ class PageStore:
             fil = np.stack([np.repeat(fids, per_page), file_off], axis=1)
             pipeline = max(_PIPELINE_MIN_BYTES, n * self.slot_bytes // _PIPELINE_PARTS)
             plan = list(split_batches(per_page, np.full(n, self.slot_bytes), caps,
-                                      self.config.max_request_bytes or pipeline))
+                                      self.config.max_request_bytes or pipeline, row_bytes=mem_l))
             deadline = time.monotonic() + self.config.io_timeout
-            for a, b in plan:
+            for bt in plan:
                 try:
                     t = self.engine.submit(op, MemKind.DRAM if buf is not None else pages.kind,
-                                           mem[rows[a]:rows[b]], fil[rows[a]:rows[b]])
+                                           mem[bt.row_start:bt.row_stop], fil[bt.row_start:bt.row_stop])
                 except (TransferError, OSError, ValueError) as exc:
-                    log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, b - a, exc)
+                    log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, bt.stop - bt.start, exc)
                     t = None
-                posted.append((a, b, t))
+                posted.append((bt, t))
             if op is Op.WRITE:  # overlaps the IO in flight
                 sums[:] = self._page_sums(pages, buf, range(n))
-            for a, b, t in posted:
+            # A page is done once every request holding its rows is (a page may span several: more
+            # rows than one request takes); its status is the worst of theirs: a timeout (the IO may
+            # still land) over a failure over success. Reads are scattered and verified only then.
+            left = np.zeros(n, dtype=np.int32)
+            worst = np.zeros(n, dtype=np.int8)  # 0 ok, 1 failed, 2 timed out
+            for bt, _ in posted:
+                left[bt.start:bt.stop] += 1
+            for bt, t in posted:
+                a, b = bt.start, bt.stop
+                got = np.zeros(b - a, dtype=np.int8)
                 if t is None:
+                    got[:] = 1
+                else:
+                    try:
+                        t.wait(max(0.0, deadline - time.monotonic()))
+                    except TransferTimeout as exc:
+                        log.error("hicache-gds: %s", exc)
+                        got[:] = 2
+                    except TransferError as exc:
+                        log.warning("hicache-gds: %s", exc)
+                        got[:] = 1
+                        ok_rows = getattr(t, "ok_mask", lambda: None)()
+                        if ok_rows is not None:  # the engine knows which descriptors landed
+                            for j in range(a, b):
+                                r0, r1 = max(int(rows[j]), bt.row_start), min(int(rows[j + 1]), bt.row_stop)
+                                if ok_rows[r0 - bt.row_start:r1 - bt.row_start].all():
+                                    got[j - a] = 0
+                    finally:
+                        t.release()
+                np.maximum(worst[a:b], got, out=worst[a:b])
+                left[a:b] -= 1
+                done = np.flatnonzero(left[a:b] == 0) + a
+                if not len(done):
                     continue
-                try:
-                    t.wait(max(0.0, deadline - time.monotonic()))
-                except TransferTimeout as exc:
-                    log.error("hicache-gds: %s", exc)
-                    status[a:b] = _TIMEOUT
-                    continue
-                except TransferError as exc:
-                    log.warning("hicache-gds: %s", exc)
-                    ok_rows = getattr(t, "ok_mask", lambda: None)()
-                    if ok_rows is not None:  # the engine knows which descriptors landed
-                        r0 = rows[a]
-                        for j in range(a, b):
-                            if ok_rows[rows[j] - r0:rows[j + 1] - r0].all():
-                                status[j] = _OK
-                                if op is Op.READ:
-                                    self._finish_read(pages, buf, expect, status, j, j + 1)
-                    continue
-                finally:
-                    t.release()
-                status[a:b] = _OK
+                status[done] = np.where(worst[done] == 2, _TIMEOUT, np.where(worst[done] == 1, _FAIL, _OK))
                 if op is Op.READ:
-                    self._finish_read(pages, buf, expect, status, a, b)
+                    ok = done[worst[done] == 0]
+                    for run in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1) if len(ok) else ():
+                        self._finish_read(pages, buf, expect, status, int(run[0]), int(run[-1]) + 1)
             return status, sums
         finally:
             if buf is not None:
-                late = [t for _, _, t in posted if t is not None and not _finished(t)]
+                late = [t for _, t in posted if t is not None and not _finished(t)]
                 if late:  # timed out: the IO may still land in it, so it is lent again only after
                     self._staging.hold(buf, late)
                 else:
