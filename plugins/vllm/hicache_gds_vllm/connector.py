@@ -25,7 +25,12 @@ rest. This subclass changes nothing else:
   (`compat.stable_block_hashes`), so that restarted and other engines find the chunks;
 * it measures the engine's prefill rate for the load-or-recompute decision: the wall time
   between one step's scheduling and the next, for steps of at least `PREFILL_SAMPLE_TOKENS`
-  tokens (`manager.observe_step`).
+  tokens (`manager.observe_step`);
+* a finished request is offloaded only as far as its KV was computed and its blocks allocated
+  (`_cap_finished`). vLLM 0.26 offloads a finished request up to all of its tokens, so one
+  aborted before its blocks were allocated -- a client that gave up while it waited, after a
+  failed load, say -- stops the engine (`assert len(offload_keys) == len(offload_block_ids)` in
+  its scheduler, seen on the GPU machine); 0.33 stops an aborted one at its computed tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +71,39 @@ class HiCacheGDSConnector(OffloadingConnector):
         if self.connector_worker is not None and isinstance(self.connector_worker.spec, HiCacheGDSOffloadingSpec):
             self.connector_worker.spec.recover_failed_loads = True
         self._last_step: tuple[float, int] | None = None
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        # docstring inherited
+        out = super().request_finished(request, block_ids)
+        self._cap_finished(request)
+        return out
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        # docstring inherited
+        out = super().request_finished_all_groups(request, block_ids)
+        self._cap_finished(request)
+        return out
+
+    def _cap_finished(self, request: Any) -> None:
+        """Offload a finished request no further than its computed tokens and its allocated blocks
+        (`max_offload_tokens`, which vLLM's offloading scheduler honours), where less than all of its
+        tokens got blocks or it was aborted. See the module docstring."""
+        sched = self.connector_scheduler
+        state = getattr(sched, "_req_status", {}).get(request.request_id) if sched is not None else None
+        if state is None:
+            return
+        try:
+            bpc = sched.config.blocks_per_chunk
+            groups = list(zip(sched.config.kv_group_configs, state.group_states))
+            allocated = min(len(gs.block_ids) // bpc * gc.tokens_per_chunk for gc, gs in groups)
+        except (AttributeError, TypeError, ZeroDivisionError, ValueError):
+            return  # another layout of vLLM's state: its own bookkeeping decides
+        aborted = getattr(request.status, "name", "") == "FINISHED_ABORTED"
+        if not aborted and allocated >= request.num_tokens:
+            return
+        cap = min(int(request.num_computed_tokens), allocated)
+        if state.max_offload_tokens is None or cap < state.max_offload_tokens:
+            state.max_offload_tokens = cap
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU blocks whose load failed since the last call (vLLM recomputes them)."""

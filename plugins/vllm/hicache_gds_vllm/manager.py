@@ -27,10 +27,15 @@ the chunks this engine stores, and consults the workers' shared indexes for the 
   nothing (a chunk it evicts may be another engine's hit). `reset_cache` clears the shared
   namespaces -- for every engine sharing them.
 
-* a load that fails on some rank (EIO, a checksum mismatch, a timeout) is logged by that rank's
-  worker (failure log, before it reports the job) and dropped from its store; `complete_load`
-  forgets those chunks, so they are MISSes until stored again. The request itself is recomputed
-  by vLLM (`connector.py`).
+* a load that fails on some rank is recomputed by vLLM (`connector.py`) and must not be tried
+  again and again (vLLM reschedules the request and asks `lookup` again). Where pages failed (EIO,
+  a checksum mismatch, a timeout, a page gone) that rank's worker logs them (failure log, before
+  it reports the job) and drops them from its store; `complete_load` forgets them, so they are
+  MISSes until stored again. Where the load failed as a whole -- the engine refused it, which
+  says nothing about the pages and would happen again -- the worker logs a fault instead, and
+  every present chunk is a MISS while that rank is *held*: `failed_load_backoff_s` (30 s),
+  doubling with each fault in a row, after which loads are tried again; the first load of that
+  rank that succeeds ends the hold. So a failed load costs its request one retry at most.
 
 Load or recompute: `lookup` answers HIT for a present chunk only where loading the run of chunks
 found so far beats recomputing them, given the IO this engine has queued (`costmodel.py`). vLLM
@@ -59,12 +64,13 @@ from typing import Collection, Iterable
 from vllm.v1.kv_offload.base import (LookupResult, OffloadingEvent, OffloadingManager, OffloadKey, PrepareStoreOutput,
                                      ReqContext, RequestOffloadingContext, ScheduleEndContext, get_offload_group_idx)
 
+from hicache_gds import ConfigError
 from hicache_gds.index import INDEX_FILE, Index
 from hicache_gds.owners import Membership
 
 from . import compat
 from .costmodel import CostModel, breakeven_chunks, cost_model_from
-from .sidecar import FailureLog, read_store_keys
+from .sidecar import FAULT, LOAD_OK, FailureLog, read_store_keys
 from .shared import HiCacheLoadSpec, HiCacheStoreSpec, SpecView, store_key
 
 __all__ = ["HiCacheGDSManager", "ChunkState"]
@@ -92,6 +98,26 @@ class _Scan:
     step: int
     run: int = 0
     seen: int | None = None
+
+
+@dataclass
+class _Hold:
+    """A rank whose loads failed as a whole: how many in a row, and until when none is tried."""
+    faults: int = 0
+    until: float = 0.0
+
+
+_MAX_BACKOFF_S = 600.0
+
+
+def _positive(v: object, name: str) -> float:
+    try:
+        x = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        x = float("nan")
+    if not x > 0:
+        raise ConfigError(f"{name}: expected a positive number of seconds, got {v!r}")
+    return x
 
 
 @dataclass
@@ -232,6 +258,11 @@ class HiCacheGDSManager(OffloadingManager):
         self.cost_misses = 0  # requests answered MISS because recomputing was faster
         self.cost_deferrals = 0  # first scans deferred to judge the run found
         self.failed_loads = 0  # chunks whose load failed on some rank
+        # Ranks whose loads failed as a whole (FAULT in their failure log), until a load succeeds.
+        self.backoff_s = _positive(spec.config.extra_config.get("failed_load_backoff_s", 30.0),
+                                   "failed_load_backoff_s")
+        self._holds: dict[int, _Hold] = {}
+        self.held_misses = 0  # present chunks answered MISS because a rank is held
         if warm_start:
             self._warm = threading.Thread(target=self._warm_start, name="hicache-gds-vllm-warm", daemon=True)
             self._warm.start()
@@ -246,6 +277,9 @@ class HiCacheGDSManager(OffloadingManager):
         # docstring inherited
         found = self._find(key)
         if found is LookupResult.HIT or found is LookupResult.HIT_PENDING:
+            if self._holding():
+                self.held_misses += 1
+                return LookupResult.MISS  # a rank's loads fail as a whole: recompute meanwhile
             return self._judge(found, key, req_context)
         return found
 
@@ -545,8 +579,28 @@ class HiCacheGDSManager(OffloadingManager):
         self._last_done = now
 
     def _poll_failures(self) -> None:
-        for fl in self._logs:
-            self._failed.update(fl.poll())
+        for rank, fl in enumerate(self._logs):
+            for line in fl.poll():
+                if not line.startswith("!"):
+                    self._failed.add(line)
+                elif line.startswith(FAULT):
+                    h = self._holds.setdefault(rank, _Hold())
+                    h.faults += 1
+                    wait = min(self.backoff_s * 2 ** (h.faults - 1), max(self.backoff_s, _MAX_BACKOFF_S))
+                    h.until = time.monotonic() + wait
+                    log.warning("hicache-gds-vllm: rank %d's load failed as a whole (%s; %d in a row): its chunks "
+                                "are recomputed for %.0f s, then a load is tried again", rank,
+                                line[len(FAULT):].strip(), h.faults, wait)
+                elif line == LOAD_OK and self._holds.pop(rank, None) is not None:
+                    log.info("hicache-gds-vllm: rank %d loads again", rank)
+
+    def _holding(self) -> bool:
+        """Is some rank held (its last load failed as a whole, and its backoff has not run out)?"""
+        if not self._holds:
+            return False
+        self._poll_failures()
+        now = time.monotonic()
+        return any(h.until > now for h in self._holds.values())
 
     def _event(self, keys: list[OffloadKey], removed: bool) -> None:
         if self._events is not None:
@@ -560,7 +614,8 @@ class HiCacheGDSManager(OffloadingManager):
                 "pinned": sum(e.pins > 0 for e in self._entries.values()), "evictions": self.evictions,
                 "failed_chunks": self.failed_chunks, "vanished": self.vanished, "adopted": self.adopted,
                 "failed_loads": self.failed_loads, "cost_misses": self.cost_misses,
-                "cost_deferrals": self.cost_deferrals, "inflight_bytes": self._inflight_bytes}
+                "cost_deferrals": self.cost_deferrals, "inflight_bytes": self._inflight_bytes,
+                "held_ranks": len(self._holds), "held_misses": self.held_misses}
 
     # -- warm start ----------------------------------------------------------------------------
     def _warm_start(self) -> None:
