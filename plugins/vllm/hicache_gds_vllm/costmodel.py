@@ -65,9 +65,9 @@ class RunJudge:
     vLLM scans a request's chunks in prefix order and stops at the first MISS, so a run must be
     found before it can be judged. On a first scan: HIT at once where the first chunk already pays
     with both queues empty (the compute a run saves per token grows with the run, its load per
-    token does not: a longer run pays too); MISS where not even every remaining token in the store would pay; else RETRY for every
-    present chunk (vLLM keeps scanning, and asks again next step), and the next scan answers from
-    the run found: HIT for all of it, or MISS at its first chunk."""
+    token does not: a longer run pays too); MISS where not even every remaining token in the store
+    would pay; else RETRY for every present chunk (vLLM keeps scanning, and asks again next step),
+    and the next scan answers from the run found: HIT for all of it, or MISS at its first chunk."""
 
     step: int
     seen: int | None = None  # chunks the previous step's scan found; None: a first scan

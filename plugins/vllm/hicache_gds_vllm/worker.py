@@ -149,6 +149,13 @@ class HiCacheGDSWorker(OffloadingWorker):
         log.info("hicache-gds-vllm rank %d: %d group store(s), %d chunks each, pages of %s bytes, KV handed %s; %s",
                  self.rank, len(self.stores), spec.capacity_chunks, [g.page_bytes for g in self.geos],
                  ",".join(self.handed), self.stores[0].engine_reason)
+        if self.handed == ["per-layer"] and compat.KV_HANDOFF.startswith("cross-layer"):
+            # vLLM 0.26 allocates one cross-layer tensor only in its V1 model runner; the V2 runner,
+            # its default for dense models, registers per-layer views (a TODO in vLLM).
+            log.warning("hicache-gds-vllm rank %d: vLLM handed per-layer KV views: a chunk is %d regions (layers x "
+                        "blocks) where one cross-layer region per block would do. On vLLM 0.26 set "
+                        "VLLM_USE_V2_MODEL_RUNNER=0: its V1 model runner hands a single-group model on FlashAttention "
+                        "one cross-layer tensor", self.rank, self.geos[0].segments)
 
     # -- OffloadingWorker ----------------------------------------------------------------------
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
