@@ -64,7 +64,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from bench_sglang_server import Server, _ratio, _table, drop_caches, free_port, machine, pct, tokens  # noqa: E402
+from bench_sglang_server import _ratio, _table  # noqa: E402
+from e2elib import Server, drop_caches, free_port, machine, pct, tokens  # noqa: E402
 
 MODEL_DIR = os.path.join(HERE, "llama3-8b-shape")
 CONFIGS = ("recompute", "cpu", "gds", "bounce", "gds-cost", "gds-plain")
