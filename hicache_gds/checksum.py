@@ -21,8 +21,8 @@ the sum mixed with the block number makes every block count and its position mat
 repeated blocks, a slot's stale tail), and the length closes it (a page and its zero-extended
 copy differ). It detects corruption and mix-ups, not an adversary.
 
-Cost: numpy widens the words to uint64 and multiplies, about 5 GB/s per core here (xxh3 was
-about 60); `PageStore` hashes on a thread pool, pipelined with the IO, so the disk stays the
+Cost: numpy (einsum, widening the words to uint64 as it goes) sums about 6 GB/s per core here
+(xxh3 did about 40-60); `PageStore` hashes on a thread pool, pipelined with the IO, so the disk stays the
 bound. On the GPU a Triton kernel sums every block of a request's pages in one launch (the
 pure-torch version is the fallback and the CPU reference); `benchmarks/bench_checksum.py`
 measures both against the IO.
@@ -30,14 +30,15 @@ measures both against the IO.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .memory import view
 
-__all__ = ["NAME", "BLOCK", "WEIGHTS", "checksum", "host_checksum", "torch_checksums", "device_checksums",
+__all__ = ["NAME", "BLOCK", "WEIGHTS", "checksum", "host_checksum", "host_checksums", "torch_checksums", "device_checksums",
            "to_sqlite", "triton_available", "warm_up"]
 
 NAME = "hgc1"
@@ -48,7 +49,7 @@ SEED = 0x6869636163686531  # "hicache1"
 _GOLDEN = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 _C1, _C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
-_CHUNK = 32  # blocks per numpy step: 128 KiB of words, 256 KiB widened, in cache
+_CHUNK = 128  # blocks per numpy step: 512 KiB of words
 
 
 def _splitmix64(seed: int, n: int) -> list[int]:
@@ -93,12 +94,11 @@ def _block_sums(u8: np.ndarray) -> np.ndarray:
     out = np.empty(-(-n // BLOCK), dtype=np.uint64)
     if nfull:
         words = u8[:nfull * BLOCK].view("<u4").reshape(nfull, _WORDS)
-        tmp = np.empty((min(_CHUNK, nfull), _WORDS), dtype=np.uint64)
+        # einsum widens the words as it goes (no uint64 copy of the page) and releases the GIL;
+        # uint64 sums wrap: mod 2**64. In steps that stay in cache.
         for a in range(0, nfull, _CHUNK):
-            b = min(a + _CHUNK, nfull)
-            t = tmp[:b - a]
-            np.multiply(words[a:b], WEIGHTS, out=t, dtype=np.uint64)  # widen and multiply in one pass
-            np.add.reduce(t, axis=1, out=out[a:b])  # uint64 sums wrap: mod 2**64
+            z = min(a + _CHUNK, nfull)
+            np.einsum("ij,j->i", words[a:z], WEIGHTS, out=out[a:z], dtype=np.uint64, casting="safe")
     if n % BLOCK:
         tail = np.zeros(BLOCK, dtype=np.uint8)
         tail[:n % BLOCK] = u8[nfull * BLOCK:]
@@ -106,15 +106,30 @@ def _block_sums(u8: np.ndarray) -> np.ndarray:
     return out
 
 
-def _fold(sums: np.ndarray) -> int:
-    """h: the sum over blocks of fmix64(s_b ^ b * golden), mod 2**64 (numpy arrays wrap silently)."""
-    x = sums ^ (np.arange(len(sums), dtype=np.uint64) * np.uint64(_GOLDEN))
+def _np_fmix64(x: np.ndarray) -> np.ndarray:
+    """fmix64 of a uint64 array, in place (numpy arrays wrap silently)."""
     x ^= x >> np.uint64(33)
     x *= np.uint64(_C1)
     x ^= x >> np.uint64(33)
     x *= np.uint64(_C2)
     x ^= x >> np.uint64(33)
+    return x
+
+
+def _fold(sums: np.ndarray) -> int:
+    """h: the sum over blocks of fmix64(s_b ^ b * golden), mod 2**64."""
+    x = _np_fmix64(sums ^ (np.arange(len(sums), dtype=np.uint64) * np.uint64(_GOLDEN)))
     return int(np.add.reduce(x, dtype=np.uint64)) if len(x) else 0
+
+
+def _finish_all(sums: np.ndarray, nbytes: int) -> list[int]:
+    """Checksums of pages from their (P, NB) block sums: the fold and the final mix of every page
+    in a few array operations (per page they cost more than the block sums of a small page)."""
+    x = _np_fmix64(sums ^ (np.arange(sums.shape[1], dtype=np.uint64) * np.uint64(_GOLDEN)))
+    h = np.add.reduce(x, axis=1, dtype=np.uint64) ^ np.uint64(nbytes)
+    c = _np_fmix64(h).view(np.int64)
+    c[c == 0] = 1
+    return c.tolist()
 
 
 def checksum(data: Any, nbytes: int | None = None) -> int:
@@ -138,8 +153,24 @@ def _pad_blocks(sums: np.ndarray, nbytes: int) -> np.ndarray:
 def host_checksum(segments: Sequence[tuple[int, int]], nbytes: int | None = None) -> int:
     """The checksum of a page in host memory given as (address, length) segments, in order."""
     segs = [(int(a), int(n)) for a, n in segments]
-    total = sum(n for _, n in segs)
-    n = total if nbytes is None else nbytes
+    n = sum(ln for _, ln in segs) if nbytes is None else nbytes
+    return _finish(_fold(_host_block_sums(segs, n)), n)
+
+
+def host_checksums(pages: Sequence[Sequence[tuple[int, int]]], nbytes: int) -> list[int]:
+    """Checksums of several host pages of `nbytes` each (their segments, in order): the block sums
+    page by page, the rest for all of them at once."""
+    if not pages:
+        return []
+    sums = np.stack([_host_block_sums([(int(a), int(ln)) for a, ln in segs], nbytes) for segs in pages])
+    return _finish_all(sums, nbytes)
+
+
+def _host_block_sums(segs: list[tuple[int, int]], n: int) -> np.ndarray:
+    """s_b of every block of a page of `n` bytes whose first bytes are `segs` (the rest zeros)."""
+    total = sum(ln for _, ln in segs)
+    if n < total:
+        raise ValueError(f"nbytes {n} is shorter than the {total} bytes of the segments")
     if len(segs) == 1:
         sums = _block_sums(np.frombuffer(view(*segs[0]), dtype=np.uint8))
     elif all(ln % BLOCK == 0 for _, ln in segs[:-1]):  # blocks never straddle segments: sum in place
@@ -151,7 +182,7 @@ def host_checksum(segments: Sequence[tuple[int, int]], nbytes: int | None = None
             buf[pos:pos + ln] = np.frombuffer(view(a, ln), dtype=np.uint8)
             pos += ln
         sums = _block_sums(buf)
-    return _finish(_fold(_pad_blocks(sums, n)), n)
+    return _pad_blocks(sums, n)
 
 
 # -- torch (any device): the reference on tensors, and the GPU fallback ----------------------------------
@@ -312,7 +343,8 @@ def device_checksums(addrs: np.ndarray, lens: np.ndarray, nbytes: int, *, device
     dev = torch.device(device) if device is not None else device_of(int(addrs[0, 0]))
     if impl == "auto":
         impl = "triton" if triton_available() else "torch"
-    ctx = torch.cuda.stream(stream if stream is not None else _own_stream(dev)) if dev.type == "cuda" else _null()
+    ctx = (torch.cuda.stream(stream if stream is not None else _own_stream(dev)) if dev.type == "cuda"
+           else contextlib.nullcontext())
     with ctx:
         if impl == "triton":
             from ._checksum_triton import block_sums
@@ -337,14 +369,6 @@ def device_checksums(addrs: np.ndarray, lens: np.ndarray, nbytes: int, *, device
         return out.cpu().numpy()  # waits for the stream's work (a copy to pageable memory is synchronous)
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 _tls = threading.local()
 
 
@@ -367,17 +391,17 @@ def wait_for_current_stream(device: Any) -> None:
     torch.cuda.current_stream(device).synchronize()
 
 
+_warm: set[str] = set()
+
+
 def warm_up(device: Any) -> None:
-    """Compile the Triton kernel for `device` now (both variants), not in the first request."""
+    """Compile the Triton kernel for `device` now (both variants), not in the first request; once
+    per device and process."""
     import torch
-    if not triton_available():
+    if str(device) in _warm or not triton_available():
         return
     buf = torch.zeros(2 * BLOCK, dtype=torch.uint8, device=device)
     a = np.array([[buf.data_ptr()]], dtype=np.uint64)
     for n in (BLOCK, BLOCK - 1):
         device_checksums(a, np.array([[n]], dtype=np.uint64), BLOCK, device=buf.device, impl="triton")
-    del buf
-
-
-def segments(pages_addrs: np.ndarray, pages_lens: np.ndarray, j: int) -> Iterable[tuple[int, int]]:
-    return zip(pages_addrs[j].tolist(), pages_lens[j].tolist())
+    _warm.add(str(device))
