@@ -196,3 +196,17 @@ def test_tenants_are_isolated(gds_dir, target):
 def test_no_keys_or_page_bytes_in_logs(gds_dir, target):
     from hicache_gds.testing.hostile import log_leaks
     judge(log_leaks(gds_dir, target))
+
+
+# -- 7. integrity under faults -------------------------------------------------------------------------------
+
+def test_integrity_families_as_the_full_run_reports_them(gds_dir):
+    """Every CPU family of section 7, small (the focused reproductions: tests/test_integrity.py)."""
+    from hicache_gds.testing.integrity import integrity_cases
+    cases = integrity_cases(gds_dir, quick=True)
+    bad = [(c.name, c.problems) for c in cases if not c.ok]
+    assert not bad, bad
+    names = {c.name.split(" (")[0].split(":")[0] for c in cases}
+    assert {"failed puts", "GDS_PATH reordered", "namespace directory removed", "close during IO",
+            "write in flight at close", "an idle process after others read"} <= names, names
+    assert all(c.wrong_bytes == 0 and c.exceptions == 0 for c in cases)

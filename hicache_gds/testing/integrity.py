@@ -149,9 +149,9 @@ def _inject(fault: str, store: Any) -> Iterator[None]:
     elif fault == "exception while checksumming":
         try:  # the one checksum definition (this version), or the store's own xxh3 (earlier ones)
             from .. import checksum as ck
-            real_ck = ck.host_checksum
-            ck.host_checksum = boom  # type: ignore[assignment]
-            undo.append(lambda: setattr(ck, "host_checksum", real_ck))
+            for name in ("host_checksum", "host_checksums"):
+                undo.append(lambda name=name, real=getattr(ck, name): setattr(ck, name, real))
+                setattr(ck, name, boom)
         except ImportError:
             pass
         if hasattr(store_mod, "_csum"):
@@ -686,8 +686,8 @@ def integrity_cases(root: str, *, quick: bool = False, engines: tuple[str, ...] 
     out += directory_order_cases(root)
     out += [close_during_io_case(root, e) for e in engines]
     out.append(late_write_case(root))
-    out.append(membership_race_case(root, opens=20 if quick else 100))
-    out.append(membership_processes_case(root, seconds=3 if quick else 30))
+    out.append(membership_race_case(root, opens=10 if quick else 100))
+    out.append(membership_processes_case(root, seconds=2 if quick else 30))
     out.append(idle_map_case(root))
     out += gpu_corruption_cases(root)
     return out
