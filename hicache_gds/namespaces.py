@@ -208,7 +208,7 @@ class VerifyReport:
     bad: list[dict[str, Any]] = field(default_factory=list)
     """Pages whose bytes do not match their checksum: {key, slot, reason}."""
     unverifiable: int = 0
-    """Pages written from GPU memory without a host checksum."""
+    """Pages without a checksum (format 1 left pages written from GPU memory so)."""
     changed: int = 0
     """Pages the writer replaced, evicted or deleted while they were checked (not judged)."""
     dropped: int = 0

@@ -22,11 +22,11 @@ The read-only contract:
 * **Every call looks its keys up in the writer's index** (no copy in memory): pages the writer
   publishes are hits from the next call on, pages it evicts or deletes are misses.
 * **Every page is verified.** A reader writes no lease (that would write the index), so a writer
-  may evict a page and reuse its slot while it is being read. Each page read is checked against the xxh3
-  checksum of its index row, whatever `verify` says; a reused, torn or vanished page fails it and
-  reads as a miss (counted in `checksum_mismatches`), never as wrong bytes. Its destination may
-  then hold any bytes. Pages written without a host checksum (from VRAM) are misses, and reads go
-  to host memory only (`RegionError` for VRAM pages).
+  may evict a page and reuse its slot while it is being read. Each page read is checked against the
+  checksum of its index row (`hicache_gds.checksum`, the same for pages written from host or GPU
+  memory), whatever `verify` says; a reused, torn or vanished page fails it and reads as a miss
+  (counted in `checksum_mismatches`), never as wrong bytes. Its destination may then hold any
+  bytes. Reads go to host memory only (`RegionError` for VRAM pages).
 * **A namespace no writer has opened yet is empty**, not an error: every key is a miss and the
   reader creates nothing; pages appear once a writer publishes them. A `GDS_PATH` entry that is
   missing or not a directory is a `ConfigError`, as for the store, and so is a symbolic link
@@ -184,7 +184,7 @@ class PageReader(PageStore):
         t0 = time.perf_counter_ns()
         entries = self.index.lookup(keys)
         hits = [i for i, e in enumerate(entries) if e is not None]
-        # csum 0: written from VRAM without a host checksum, so it cannot be verified.
+        # csum 0 (never written by format 2; format 1 left it on pages from VRAM): cannot be verified.
         todo = [i for i in hits if entries[i].csum and entries[i].nbytes == self.page_bytes]
         status = np.full(len(todo), _FAIL, dtype=np.int8)
         if todo and self._open_files():
