@@ -31,12 +31,15 @@ measures both against the IO.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Any, Sequence
 
 import numpy as np
 
 from .memory import view
+
+log = logging.getLogger("hicache_gds.checksum")
 
 __all__ = ["NAME", "BLOCK", "WEIGHTS", "checksum", "host_checksum", "host_checksums", "torch_checksums", "device_checksums",
            "to_sqlite", "triton_available", "warm_up"]
@@ -272,9 +275,12 @@ def _wrap(addr: int, nbytes: int, device: Any) -> Any:
 
 
 def device_of(addr: int) -> Any:
-    """The CUDA device that holds `addr` (torch asks the driver)."""
+    """The CUDA device that holds `addr` (torch asks the driver; the current device if it cannot)."""
     import torch
-    return torch.as_tensor(_Cai(addr, 1)).device
+    try:
+        return torch.as_tensor(_Cai(addr, 1)).device
+    except Exception:  # noqa: BLE001 -- e.g. memory the driver does not describe
+        return torch.device("cuda", torch.cuda.current_device())
 
 
 _triton_state: dict[str, Any] = {}
@@ -341,19 +347,21 @@ def device_checksums(addrs: np.ndarray, lens: np.ndarray, nbytes: int, *, device
     if int(lens.sum(axis=1).max()) > nbytes:
         raise ValueError(f"pages of {int(lens.sum(axis=1).max())} bytes exceed nbytes {nbytes}")
     dev = torch.device(device) if device is not None else device_of(int(addrs[0, 0]))
-    if impl == "auto":
+    auto = impl == "auto"
+    if auto:
         impl = "triton" if triton_available() else "torch"
     ctx = (torch.cuda.stream(stream if stream is not None else _own_stream(dev)) if dev.type == "cuda"
            else contextlib.nullcontext())
     with ctx:
         if impl == "triton":
-            from ._checksum_triton import block_sums
-            lo, hi, sa, ss, sl = _segment_tables(addrs, lens, nbytes)
-            t = [torch.from_numpy(x).to(dev, non_blocking=False) for x in (lo, hi, sa, ss, sl)]
-            nb = -(-nbytes // BLOCK)
-            sums = block_sums(*t, p, addrs.shape[1], nb, _weights(dev), _aligned4(addrs, lens))
-            out = _t_finish(sums.view(p, nb), nbytes)
-        elif impl == "torch":
+            try:
+                out = _triton_checksums(addrs, lens, nbytes, dev)
+            except Exception as exc:  # noqa: BLE001 -- a kernel that cannot build or run here: torch does it
+                if not auto:
+                    raise
+                _disable_triton(exc)
+                impl = "torch"
+        if impl == "torch":
             rows = torch.empty((p, int(lens.sum(axis=1).max())), dtype=torch.uint8, device=dev)
             for i in range(p):
                 pos = 0
@@ -364,9 +372,29 @@ def device_checksums(addrs: np.ndarray, lens: np.ndarray, nbytes: int, *, device
                 if pos < rows.shape[1]:
                     rows[i, pos:] = 0
             out = torch_checksums(rows, nbytes)
-        else:
+        elif impl != "triton":
             raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
         return out.cpu().numpy()  # waits for the stream's work (a copy to pageable memory is synchronous)
+
+
+def _triton_checksums(addrs: np.ndarray, lens: np.ndarray, nbytes: int, dev: Any) -> Any:
+    import torch
+    from ._checksum_triton import block_sums
+    p = addrs.shape[0]
+    lo, hi, sa, ss, sl = _segment_tables(addrs, lens, nbytes)
+    t = [torch.from_numpy(x).to(dev) for x in (lo, hi, sa, ss, sl)]
+    nb = -(-nbytes // BLOCK)
+    sums = block_sums(*t, p, addrs.shape[1], nb, _weights(dev), _aligned4(addrs, lens))
+    return _t_finish(sums.view(p, nb), nbytes)
+
+
+def _disable_triton(exc: BaseException) -> None:
+    with _triton_lock:
+        if _triton_state.get("ok") is not False:
+            log.warning("hicache-gds: the Triton checksum kernel cannot run here (%s: %s); checksumming device "
+                        "pages with torch", type(exc).__name__, exc)
+        _triton_state["ok"] = False
+        _triton_state["why"] = f"{type(exc).__name__}: {exc}"
 
 
 _tls = threading.local()
@@ -400,8 +428,13 @@ def warm_up(device: Any) -> None:
     import torch
     if str(device) in _warm or not triton_available():
         return
-    buf = torch.zeros(2 * BLOCK, dtype=torch.uint8, device=device)
+    buf = torch.randint(0, 256, (2 * BLOCK,), dtype=torch.uint8, device=device)
     a = np.array([[buf.data_ptr()]], dtype=np.uint64)
-    for n in (BLOCK, BLOCK - 1):
-        device_checksums(a, np.array([[n]], dtype=np.uint64), BLOCK, device=buf.device, impl="triton")
+    try:
+        for n in (BLOCK, BLOCK - 1):  # both variants, checked against the host's value once
+            got = device_checksums(a, np.array([[n]], dtype=np.uint64), BLOCK, device=buf.device, impl="triton")
+            if int(got[0]) != checksum(buf[:n].cpu().numpy(), BLOCK):
+                raise RuntimeError("the kernel's checksum differs from the host's")
+    except Exception as exc:  # noqa: BLE001 -- never fail a store's setup for it: torch computes the same
+        _disable_triton(exc)
     _warm.add(str(device))

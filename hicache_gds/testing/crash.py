@@ -115,7 +115,7 @@ def run_rounds(gds_path: str, rounds: int, *, page: int = 64 << 10, capacity: in
     once the worker acknowledged its first batch, so every round has pages that must survive."""
     rng = random.Random(seed)
     totals = {"kills": 0, "acked_pages": 0, "acked_lost": 0, "torn_served": 0, "max_recovery_s": 0.0,
-              "rounds": rounds, "mode": mode, "engine": engine, "rounds_with_acks": 0}
+              "rounds": rounds, "mode": mode, "engine": engine, "rounds_with_acks": 0, "present_checked": 0}
     evict = mode in ("evict", "clear")
     for r in range(rounds):
         cmd = [sys.executable, "-m", "hicache_gds.testing.crash", "--worker", "--gds-path", gds_path, "--page", str(page),
@@ -133,12 +133,13 @@ def run_rounds(gds_path: str, rounds: int, *, page: int = 64 << 10, capacity: in
         out = first + out
         totals["kills"] += 1
         lines = out.splitlines()
+        totals["rounds_with_acks"] += any(k and k not in ("CLEARED", "READY") for k in lines)
         if "CLEARED" in lines:  # only keys acked after the last clear must survive
             lines = lines[len(lines) - 1 - lines[::-1].index("CLEARED") + 1:]
         acked = {k for k in lines if k and k not in ("CLEARED", "READY")}
         res = _check(gds_path, page, capacity, engine, acked, evict)
         totals["acked_pages"] += res["acked"]
-        totals["rounds_with_acks"] += res["acked"] > 0
+        totals["present_checked"] += res["present"]
         totals["acked_lost"] += res["acked_lost"]
         totals["torn_served"] += res["torn_served"]
         totals["max_recovery_s"] = max(totals["max_recovery_s"], res["recovery_s"])
