@@ -46,18 +46,18 @@ from typing import Any
 
 import numpy as np
 
+from . import checksum, ondisk
 from .config import Config
 from .engines.base import MemKind, Op, TransferEngine
 from .engines.select import choose_engine
 from .errors import ConfigError, ReadOnlyError, RegionError
+from .gate import CallGate, gated
 from .index import INDEX_FILE
 from .index_reader import IndexReader
 from .layout import Pages, namespace_location
 from .slabs import SlabSet, prepare_root
 from .stats import StoreStats
 from .store import _BADSUM, _FAIL, _MAX_SINGLE_RETRIES, _OK, _TIMEOUT, PageStore, _Staging, _checked_config
-from .gate import CallGate, gated
-from . import checksum, ondisk
 
 __all__ = ["PageReader"]
 

@@ -473,6 +473,7 @@ class PageStore:
         status = np.zeros(0, dtype=np.int8)
         ok_items: list[tuple[str, int, int, int]] = []
         published: list[bool] = []
+        handed: set[int] = set()  # slots publish settled: published, or freed as a duplicate's
         if prep is not None and todo:
             io_over = False
             try:
@@ -496,12 +497,13 @@ class PageStore:
                             if status[j] == _OK]
                 try:
                     published = self.index.publish(ok_items)
+                    handed = {it[1] for it in ok_items}
                 except OSError as exc:
                     log.warning("hicache-gds: %d written pages not published: %s", len(ok_items), exc)
                     published = [False] * len(ok_items)
                     status[status == _OK] = _FAIL
             finally:
-                self._settle(slots, status, {it[1] for it, pub in zip(ok_items, published) if pub}, prep, io_over)
+                self._settle(slots, status, handed, prep, io_over)
         elif prep is not None:
             self._finish(prep)
         # Not published by this call (a duplicate, no slot, or a failed write) but present now: a
@@ -523,21 +525,23 @@ class PageStore:
         self._stats.batch(True, time.perf_counter_ns() - t0)
         return result
 
-    def _settle(self, slots: list[int], status: np.ndarray, published: set[int], prep: _Prepared,
+    def _settle(self, slots: list[int], status: np.ndarray, handed: set[int], prep: _Prepared,
                 io_over: bool) -> None:
-        """Give back what a put reserved and did not publish: slots whose IO is over go back to the
-        free list; slots whose write may still land (timed out, or the put was cut short while
-        its IO ran) stay reserved -- lost, reaped once that IO is seen to finish (`_reap_lost`)."""
+        """Give back what a put reserved and publish did not settle (`handed`: published, or freed
+        by publish as a duplicate's, and maybe reserved again since by another call of this
+        process): slots whose IO is over go back to the free list; slots whose write may still
+        land (timed out, or the put was cut short while its IO ran) stay reserved -- lost, reaped
+        once that IO is seen to finish (`_reap_lost`)."""
         late = self._finish(prep)
         if not slots:
             return
+        timed_out = {s for j, s in enumerate(slots) if j < len(status) and status[j] == _TIMEOUT}
         if not io_over and prep.posted:  # cut short while writing: which writes are over is not known
-            lost = [s for s in slots if s not in published]
+            lost = [s for s in slots if s not in handed]
             back: list[int] = []
         else:
-            lost = [s for j, s in enumerate(slots) if j < len(status) and status[j] == _TIMEOUT]
-            back = [s for j, s in enumerate(slots) if s not in published and not (j < len(status) and
-                                                                                  status[j] == _TIMEOUT)]
+            lost = [s for s in slots if s in timed_out]
+            back = [s for s in slots if s not in handed and s not in timed_out]
         self.index.release(back)
         if lost:
             self.index.lose(lost)

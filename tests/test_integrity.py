@@ -51,6 +51,30 @@ def test_a_put_whose_staging_cannot_be_registered_takes_no_slot(gds_dir):
         assert st["evictions"] == 0 and st["reserved_slots_all"] == 0 and all(s.exists(ks))
 
 
+def test_a_duplicate_freed_by_publish_is_not_released_again(gds_dir):
+    """publish frees the slot of a key another put stored meanwhile; another call of this process may
+    reserve it at once, so the put must not release it again (that call would lose its reservation,
+    and two writers would share the slot)."""
+    with I._store(gds_dir, "dup", 2) as a, I._store(gds_dir, "dup", 2) as b:
+        buf = HostBuffer(2 * PAGE)
+        for s in (a, b):
+            s.register_memory(buf.addr, buf.nbytes)
+        taken = []
+        real = a.index.publish
+
+        def racing(items):
+            assert b.put(["k"], Pages.contiguous(buf.addr, PAGE, [1])) == [True]  # the same key, first
+            out = real(items)  # a duplicate now: its slot goes back to the free list...
+            taken.extend(a.index.reserve(1))  # ...and another call of this process takes it at once
+            return out
+        a.index.publish = racing
+        assert a.put(["k"], Pages.contiguous(buf.addr, PAGE, [0])) == [True]  # stored by the other
+        del a.index.publish
+        held = dict(a.index._rdb.execute("SELECT slot, owner FROM held").fetchall())
+        assert len(taken) == 1 and held.get(taken[0]) == a.index.owner, (taken, held)
+        a.index.release(taken)
+
+
 # -- 2. directory order ----------------------------------------------------------------------------------------
 
 def test_a_reordered_gds_path_maps_pages_as_written_and_a_missing_directory_is_refused(gds_dir):
