@@ -14,6 +14,7 @@ index closes.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from .errors import StoreClosedError
 
 __all__ = ["CallGate", "gated"]
 
+log = logging.getLogger("hicache_gds.store")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -52,8 +54,11 @@ class CallGate:
                     self._teardown = None
                 if last:
                     self._cv.notify_all()
-            if teardown is not None:
-                teardown()
+            if teardown is not None:  # close() deferred it to the last call: never this call's error
+                try:
+                    teardown()
+                except Exception:  # noqa: BLE001
+                    log.exception("hicache-gds: closing %s after its last call failed", self.what)
 
     def close(self, bound: float, teardown: Callable[[], None]) -> int:
         """Refuse new calls, wait up to `bound` s for those in flight, and run `teardown` now, or

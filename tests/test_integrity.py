@@ -332,3 +332,27 @@ def test_the_sglang_test_target_finds_its_pools_without_a_variable(monkeypatch):
     from hicache_gds_sglang import testing
     monkeypatch.delenv("HICACHE_GDS_TESTS_DIR", raising=False)
     assert testing._pools().__name__ == "sglang_pools"
+
+
+def test_a_call_outliving_close_s_bound_closes_the_store_as_it_returns():
+    import threading
+    import time
+
+    from hicache_gds.gate import CallGate
+    g, torn = CallGate("test store"), []
+    entered = threading.Event()
+
+    def call():
+        with g.call():
+            entered.set()
+            time.sleep(0.4)
+
+    t = threading.Thread(target=call)
+    t.start()
+    entered.wait(5)
+    assert g.close(0.05, lambda: torn.append(1)) == 1 and torn == []  # still in flight: deferred
+    with pytest.raises(StoreClosedError):
+        with g.call():
+            pass
+    t.join(5)
+    assert torn == [1] and g.close(1, lambda: torn.append(2)) == 0 and torn == [1]  # once
