@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
          "note": ("Without nvidia-fs cuFile runs in compat mode (POSIX underneath): say so, not GDS." if cuda else
                   "No CUDA GPU: GPU columns are empty; IO from host memory.")}
     t_all = time.monotonic()
+    engine = args.engine
     try:
         for page in sizes:
             batch = max(1, args.batch_mib * MiB // page)
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
             r["host"] = host_rates(page, min(batch, max(1, (16 * MiB) // page)), reps)
             if cuda:
                 r["gpu"] = gpu_kernel(page, batch, reps)
-            r["io"] = io_times(root, page, batch, reps, cuda, args.engine)
+            r["io"] = io_times(root, page, batch, reps, cuda, engine)
+            engine = r["io"]["engine"]  # `auto` chose once (its GPU probe runs once, not per size)
             R["sizes"].append(r)
     finally:
         R["wall_s"] = time.monotonic() - t_all
