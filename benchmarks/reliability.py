@@ -1,5 +1,7 @@
 """Reliability run: kill -9 torture, corruption, resource faults, concurrency, hostile input, fuzz,
-privacy -- through the PageStore and through SGLang's HiCacheGDS -- and RELIABILITY.md with the figures.
+privacy, integrity under faults (failures between reserve and publish, close during IO, reordered
+and missing directories, membership races, an idle process, GPU-page corruption on a GPU) --
+through the PageStore and through SGLang's HiCacheGDS -- and RELIABILITY.md with the figures.
 
 Full run (20-40 minutes on the 2-core CI machine; needs root for the tmpfs cases):
 
@@ -7,7 +9,10 @@ Full run (20-40 minutes on the 2-core CI machine; needs root for the tmpfs cases
 
 Quick look (a few minutes):  .venv-sgl/bin/python benchmarks/reliability.py --quick
 The CI subset is tests/test_reliability.py. Without SGLang importable (plain .venv) the SGLang
-parts are skipped and the report says so.
+parts are skipped and the report says so. It needs the `test` extra (hypothesis, for the fuzz
+cases) and NIXL (its POSIX engine): checked before anything runs.
+
+The GPU-page family alone, on the GPU machine:  python -m hicache_gds.testing.integrity --gpu-only
 """
 
 from __future__ import annotations
@@ -51,10 +56,25 @@ REGRESSIONS: dict[str, tuple[str, list[str]]] = {
 FULL = {"kills": {"put": 100, "evict": 50, "clear": 50}, "conc": [("store", False, 180), ("store", True, 90),
                                                                    ("sglang", False, 180), ("sglang", True, 90)],
         "two_proc": [("store", 120), ("sglang", 60)], "fuzz": 400, "injector_s": 20, "recovery_pages": 1_000_000,
-        "mp_kills": {"put": 110, "evict": 100}}
+        "mp_kills": {"put": 110, "evict": 100}, "integrity_quick": False}
 QUICK = {"kills": {"put": 8, "evict": 4, "clear": 4}, "conc": [("store", False, 15), ("sglang", False, 15)],
          "two_proc": [("store", 10)], "fuzz": 60, "injector_s": 3, "recovery_pages": 50_000,
-         "mp_kills": {"put": 8, "evict": 8}}
+         "mp_kills": {"put": 8, "evict": 8}, "integrity_quick": True}
+
+
+def check_needs() -> str:
+    """'' when everything the run uses is importable; else what is missing and how to get it."""
+    import importlib.util
+    missing = []
+    if importlib.util.find_spec("hypothesis") is None:
+        missing.append("hypothesis (the fuzz cases): pip install 'hicache-gds[test]' (the `test` extra)")
+    try:
+        from hicache_gds._nixl import nixl_api
+        nixl_api()
+    except Exception as exc:  # noqa: BLE001 -- any reason NIXL cannot load
+        missing.append(f"NIXL (the nixl-posix engine most cases use): {exc}; pip install 'hicache-gds[cu13]' "
+                       f"(or [cu12])")
+    return "; ".join(missing)
 
 
 def log(msg: str) -> None:
@@ -84,6 +104,9 @@ def main() -> None:
     ap.add_argument("--json", help="also write the raw figures here")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = ap.parse_args()
+    needs = check_needs()
+    if needs:
+        sys.exit(f"benchmarks/reliability.py cannot run here: {needs}")
     plan = QUICK if args.quick else FULL
     root = args.gds_path or tempfile.mkdtemp(prefix="hicache-gds-reliability-", dir="/var/tmp")
     os.makedirs(root, exist_ok=True)
@@ -93,7 +116,7 @@ def main() -> None:
         log(f"SGLang parts skipped: {sgl_why}")
     R: dict[str, Any] = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
                          "targets": targets, "sglang_skipped": sgl_why, "torture": [], "cases": [],
-                         "concurrency": [], "two_processes": [], "torture_mp": []}
+                         "concurrency": [], "two_processes": [], "torture_mp": [], "integrity": []}
     t_all = time.monotonic()
     try:
         # 1. kill -9 torture
@@ -138,6 +161,10 @@ def main() -> None:
             cases.append(hostile.log_leaks(fresh(root, f"logs-{target}"), target))
             cases.append(stress.same_namespace_shared(fresh(root, f"lock-{target}"), target))
         R["cases"] = [c.as_dict() for c in cases]
+        from hicache_gds.testing import integrity
+        log("integrity under faults: failed puts, directory order, close during IO, membership, idle map, GPU pages")
+        R["integrity"] = [c.as_dict() for c in integrity.integrity_cases(fresh(root, "integrity"),
+                                                                         quick=plan["integrity_quick"])]
         for target, evict, seconds in plan["conc"]:
             if target not in targets:
                 continue
@@ -164,6 +191,54 @@ def main() -> None:
 
 
 # -- report -------------------------------------------------------------------------------------------------
+
+def _integrity_figures(ig: list[dict]) -> list[str]:
+    """Rows of the figures table for the integrity families (section 7)."""
+    def named(prefix: str) -> list[dict]:
+        return [c for c in ig if c["name"].startswith(prefix)]
+
+    def ok(cs: list[dict]) -> str:
+        return f"{sum(c['ok'] for c in cs)}/{len(cs)} cases ok"
+    out = []
+    fp = named("failed puts")
+    if fp:
+        out.append(f"| failures between reserve and publish ({', '.join(c['name'].split(': ', 1)[1] for c in fp)}): "
+                   f"failing pages False / acknowledged pages byte-exact afterwards / **lost or wrong** | "
+                   f"{sum(c['caught'] for c in fp)}/{sum(c['injected'] for c in fp)} / "
+                   f"{sum(c['served_ok'] for c in fp)}/{sum(c['served_total'] for c in fp)} / "
+                   f"**{sum(c['served_total'] - c['served_ok'] for c in fp)}** ({ok(fp)}: the namespace takes new "
+                   f"pages from this and another process) | all / all / 0 |")
+    cl, late = named("close during IO"), named("write in flight at close")
+    if cl:
+        out.append(f"| close during IO ({', '.join(c['name'][17:-1] for c in cl)}): calls refused with "
+                   f"StoreClosedError / **raw exceptions** / acknowledged pages byte-exact after reopen; a write in "
+                   f"flight at close keeps its slots | {sum(c['caught'] for c in cl)} / "
+                   f"**{sum(c['exceptions'] for c in cl)}** / {sum(c['served_ok'] for c in cl)}/"
+                   f"{sum(c['served_total'] for c in cl)}; {'yes' if late and all(c['ok'] for c in late) else 'NO'} "
+                   f"| - / 0 / all; yes |")
+    ro, gone = named("GDS_PATH reordered"), named("namespace directory")
+    if ro or gone:
+        out.append(f"| reordered GDS_PATH (verify off and on): pages byte-exact / **wrong bytes**; a namespace "
+                   f"directory removed or replaced: refused naming it | {sum(c['served_ok'] for c in ro)}/"
+                   f"{sum(c['served_total'] for c in ro)} / **{sum(c['wrong_bytes'] for c in ro)}**; "
+                   f"{sum(c['caught'] for c in gone)}/{len(gone)} | all / 0; all |")
+    mb = [c for c in ig if "membership" in c["name"] or "opening and closing" in c["name"]]
+    if mb:
+        out.append(f"| membership races: stores opened while others judged them / **live ones judged dead** | "
+                   f"{sum(c['injected'] for c in mb)} / **{sum(c['injected'] - c['caught'] for c in mb)}** | - / 0 |")
+    idle = named("an idle process")
+    if idle:
+        out.append(f"| an idle process after {idle[0]['injected']:,} reads by another: whole-map reloads at its next "
+                   f"lookup | {'0' if idle[0]['ok'] else 'some (see section 7)'} | 0 |")
+    gpu = named("device pages damaged")
+    if gpu:
+        g = gpu[0]
+        out.append("| GPU pages damaged on disk, read into VRAM: misses / **wrong bytes** | "
+                   + (f"{g['caught']}/{g['injected']} / **{g['wrong_bytes']}** |" if g["injected"]
+                      else f"{g['outcome'] or 'not run'} (GPU machine: `python -m hicache_gds.testing.integrity "
+                           f"--gpu-only`) |") + " all / 0 |")
+    return out
+
 
 def _md(s: Any) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
@@ -195,7 +270,8 @@ def render(R: dict, command: str) -> str:
     conc_min = (sum(c["seconds"] for c in conc) + sum(2 * max(r.get("seconds", 0) for r in t["ranks"]) for t in two)) / 60
     rec = R.get("recovery", {})
     mp = R.get("torture_mp", [])
-    failed = [c for c in cases if not c["ok"]] + [t for t in tor if not t["ok"]] + \
+    ig = R.get("integrity", [])
+    failed = [c for c in cases + ig if not c["ok"]] + [t for t in tor if not t["ok"]] + \
         [t for t in mp if not t["ok"]] + \
         [c for c in conc if not c["ok"]] + [t for t in two if not t["ok"]]
     named0 = {c["name"]: c for c in cases}
@@ -264,6 +340,8 @@ def render(R: dict, command: str) -> str:
              f"{sum(c['injected'] for c in prv if 'modes' in c['name'])} / "
              f"{'ok' if all(c['ok'] for c in prv if 'tenant' in c['name']) else 'FAIL'} / "
              f"{sum(1 for c in prv if 'logs' in c['name'] and not c['ok'])} | all / ok / 0 |")
+    if ig:
+        L.extend(_integrity_figures(ig))
     fixed = sorted(b for b, (_, ns) in REGRESSIONS.items() if b not in bugs_seen and ns and all(n in named0 for n in ns)
                    and all(named0[n]["ok"] for n in ns))
     L.append(f"| bugs found (below): still reproducing / fixed in this tree / unexpected failures | "
@@ -379,6 +457,18 @@ def render(R: dict, command: str) -> str:
           "outside. The parent directory of GDS_PATH is snapshotted before and after (modes, sizes, mtimes, "
           "contents): nothing outside GDS_PATH may change.")
     table("6. Privacy", prv)
+    if ig:
+        table("7. Integrity under faults", ig, "Paths the kill -9, corruption and resource cases do not reach "
+              "(`hicache_gds/testing/integrity.py`, one monkeypatched fault each where named). Failures between "
+              "reserve and publish: 64 slots, 32 acknowledged pages, 8 failing puts of 8 pages, then 16 pages from "
+              "this process and 8 from another must go in and the acknowledged pages read byte-exact. Close during "
+              "IO: threads in get/put on requests slowed by 400 ms while another thread closes (bounce, NIXL POSIX); "
+              "a write that never finishes keeps its slots out of reach after close. Directory order: pages put "
+              "under a,b read under b,a (new bytes put there) and back, verification off and on; a namespace "
+              "directory removed or replaced. Membership: stores created while others judge who is alive (the "
+              "lock taken 20 ms late in one case; processes opening and closing in a loop in the other). Idle map: "
+              "an idle process's next lookup after 4,500 reads by another. GPU pages: device pages damaged on "
+              "disk, read into device memory (GPU machine only).")
     L.append("## Bugs found by these runs (fixed in commit a95dda0; its message has what each was and its fix)\n")
     named = {c["name"]: c for c in cases}
     for bid, (title, names) in REGRESSIONS.items():
@@ -409,7 +499,8 @@ def render(R: dict, command: str) -> str:
              "plain .venv the SGLang cases skip). The cases that found the bugs above must pass there.")
     L.append("- Pieces: `python -m hicache_gds.testing.torture --gds-path DIR --target sglang --mode evict --rounds "
              "50`, `... --recovery-pages 1000000`, `python -m hicache_gds.testing.corruption|faults|stress|hostile "
-             "--gds-path DIR`.\n")
+             "--gds-path DIR`, `python -m hicache_gds.testing.integrity [--quick | --gpu-only]` (section 7; "
+             "`--gpu-only` on the GPU machine).\n")
     if failed:
         L.append("## Unexpected failures\n")
         for c in failed:

@@ -8,7 +8,7 @@ writing anything.
 from .config import Config
 from .engines.base import MemKind, Op
 from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSError, ReadOnlyError, RegionError,
-                     StoreFullError, StoreLockedError, TransferError, TransferTimeout)
+                     StoreClosedError, StoreFullError, StoreLockedError, TransferError, TransferTimeout)
 from .index_reader import read_keys
 from .layout import Pages, namespace_id, namespace_location, page_bytes_for
 from .reader import PageReader
@@ -20,5 +20,5 @@ __all__ = [
     "Config", "MemKind", "Op", "Pages", "PageStore", "PageReader", "namespace_id", "namespace_location",
     "page_bytes_for", "read_keys",
     "HiCacheGDSError", "ConfigError", "EngineUnavailable", "GDSUnavailable", "ReadOnlyError", "RegionError",
-    "StoreFullError", "StoreLockedError", "TransferError", "TransferTimeout", "__version__",
+    "StoreClosedError", "StoreFullError", "StoreLockedError", "TransferError", "TransferTimeout", "__version__",
 ]

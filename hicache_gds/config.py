@@ -148,7 +148,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
     "evict": (ENV_PREFIX + "EVICT", _bool, True,
               "evict least recently used pages when full (off: a put into a full store fails)"),
     "preallocate": (ENV_PREFIX + "PREALLOCATE", _bool, True, "fallocate slab files at open, so a full disk fails early"),
-    "verify": (ENV_PREFIX + "VERIFY", _bool, True, "check each page's xxh3 checksum on read; a mismatch is a miss"),
+    "verify": (ENV_PREFIX + "VERIFY", _bool, True, "check each page read (host or GPU) against its checksum; a mismatch is a miss"),
     "direct_io": (ENV_PREFIX + "DIRECT_IO", _bool, True, "open slab files with O_DIRECT"),
     "sync": (ENV_PREFIX + "SYNC", _bool, False, "fdatasync before a page is published (power-loss durability)"),
     "io_timeout": (ENV_PREFIX + "IO_TIMEOUT", _positive_float, 60.0, "seconds one batch may take before it fails"),

@@ -18,6 +18,7 @@ __all__ = [
     "TransferTimeout",
     "StoreFullError",
     "StoreLockedError",
+    "StoreClosedError",
     "ReadOnlyError",
     "RegionError",
     "DirectoryUnavailable",
@@ -60,6 +61,11 @@ class StoreFullError(HiCacheGDSError, OSError):
 
 class StoreLockedError(HiCacheGDSError, OSError):
     """Another process has been opening (creating, sizing, recovering) the namespace for too long."""
+
+
+class StoreClosedError(HiCacheGDSError, ValueError):
+    """A call on a store that is closed, or closing (`close` waits for the calls in flight, then
+    refuses new ones). A `ValueError`, as for a call on a closed file."""
 
 
 class ReadOnlyError(HiCacheGDSError, io.UnsupportedOperation):

@@ -10,8 +10,9 @@ The database is the one truth for everything processes must agree on, and each c
 * ``leases``: slots a process is reading (owner token per slot). Eviction never picks a leased
   slot, and a leased slot dropped by delete/clear/a bad checksum is ``doomed`` -- reused only once
   no lease names it -- so a slot is never rewritten while another process reads it;
-* ``clock``: the change counter, the LRU clock (one LRU per namespace: every process's reads
-  touch it), the never-used boundary ``top`` and ``trimmed`` (see lookups below).
+* ``clock``: the change counter (bumped when the set of pages changes), the LRU clock (one LRU
+  per namespace: every process's reads touch it, without a change number, so reads never age
+  other processes' maps), the never-used boundary ``top`` and ``trimmed`` (see lookups below).
 
 Crash safety lives here and in the store's write order, nowhere else:
 
@@ -56,6 +57,8 @@ from itertools import repeat
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
+
+from . import ondisk
 
 if TYPE_CHECKING:
     from .owners import Membership
@@ -182,14 +185,23 @@ def _slot_list(db: sqlite3.Connection, sql: str, *args: object) -> list[int]:
 
 
 def _bump(db: sqlite3.Connection, atimes: int = 0) -> tuple[int, int]:
-    """A new change number, and the first of `atimes` new LRU clock values (inside a write
-    transaction)."""
+    """A new change number (the set of pages changes), and the first of `atimes` new LRU clock
+    values (inside a write transaction)."""
     db.execute("UPDATE clock SET seq = seq + 1, atime = atime + ?", (atimes,))
     seq, atime = db.execute("SELECT seq, atime FROM clock").fetchone()
     if seq % 256 == 0 and seq > _GONE_KEEP:
         db.execute("DELETE FROM gone WHERE seq <= ?", (seq - _GONE_KEEP,))
         db.execute("UPDATE clock SET trimmed = max(trimmed, ?)", (seq - _GONE_KEEP,))
     return seq, atime - atimes
+
+
+def _tick(db: sqlite3.Connection, atimes: int) -> int:
+    """The first of `atimes` new LRU clock values, without a change number: reads touch pages, they
+    do not change which pages exist, so they never age other processes' maps (inside a write
+    transaction)."""
+    db.execute("UPDATE clock SET atime = atime + ?", (atimes,))
+    (atime,) = db.execute("SELECT atime FROM clock").fetchone()
+    return atime - atimes
 
 
 def _unpublish(db: sqlite3.Connection, keys: Iterable[str]) -> None:
@@ -266,6 +278,7 @@ class Index:
         self._last_reclaim = 0.0
         self.evictions = 0
         self.reclaimed = 0
+        self.map_reloads = 0  # times a lookup read the whole map again (it fell behind the removals kept)
         self.recovery_s = 0.0
         self.loaded_s: float | None = None
         self._t0 = time.perf_counter()
@@ -313,9 +326,14 @@ class Index:
             if not stored and self._existing:
                 log.warning("index %s was lost (empty, deleted, or its WAL removed before a checkpoint) while the "
                             "namespace's slab file remains; starting the namespace empty", self.db_path)
-            if changed:
+            if changed == [ondisk.FORMAT_KEY]:  # an earlier version's namespace: its pages are never served
+                log.info("index %s holds pages of on-disk format %s (an earlier hicache-gds); this version writes "
+                         "format %s (one checksum for host and GPU pages, directory order recorded): starting the "
+                         "namespace empty", self.db_path, ondisk.legacy_format(stored), self._meta[ondisk.FORMAT_KEY])
+            elif changed:
                 log.warning("index %s was written with other settings (%s); starting the namespace empty",
                             self.db_path, ", ".join(changed))
+            if changed:
                 for t in _TABLES:
                     db.execute(f"DROP TABLE IF EXISTS {t}")
         elif changed:
@@ -548,6 +566,7 @@ class Index:
             if trimmed > self._seq:  # removals we missed were trimmed, or a clear: read it all again
                 db.execute("COMMIT")
                 self._map, self._seq = self._build(*self._read(db))
+                self.map_reloads += 1
             elif seq != self._seq:
                 m = self._map
                 for (k,) in db.execute("SELECT key FROM gone WHERE seq > ?", (self._seq,)):
@@ -687,7 +706,7 @@ class Index:
             found = select_entries(db, keys)
             if found:
                 hit = list(dict.fromkeys(k for k in keys if k in found))
-                _, t = _bump(db, len(hit))
+                t = _tick(db, len(hit))
                 db.executemany("UPDATE pages SET atime = ? WHERE key = ?", zip(range(t, t + len(hit)), hit))
                 new = {found[k].slot for k in hit if found[k].slot not in self._pins}
                 db.executemany("INSERT OR IGNORE INTO leases VALUES (?, ?)", ((s, self.owner) for s in new))
@@ -749,7 +768,8 @@ class Index:
             return self._write(txn)  # type: ignore[return-value]
 
     def release(self, slots: Iterable[int]) -> None:
-        """Return reserved slots whose write failed (its IO completed or never started)."""
+        """Return reserved slots whose write failed or was not published (its IO completed or never
+        started; lost ones too, once their IO is seen to have finished)."""
         slots = list(slots)
         if not slots:
             return
@@ -763,12 +783,14 @@ class Index:
         with self._wlock:
             try:
                 self._write(txn)
+                self._lost.difference_update(slots)
             except (OSError, ValueError) as exc:  # they stay held: freed when this process closes or dies
                 log.warning("hicache-gds: %d reserved slot(s) not returned yet: %s", len(slots), exc)
 
     def lose(self, slots: Iterable[int]) -> None:
         """Retire reserved slots whose write timed out: the IO may still land, so they stay held
-        by this process (never reused while it lives; freed when it closes or dies)."""
+        by this process until its owner releases them (`release`, once the IO finished), or it
+        dies. `close(keep=...)` keeps them held past close."""
         slots = list(slots)
         if not slots:
             return
@@ -870,11 +892,18 @@ class Index:
         return freed
 
     @staticmethod
-    def _return_owner(db: sqlite3.Connection, owner: str) -> int:
-        """Free `owner`'s reservations and drop its leases (in a write transaction; doomed slots are
-        the caller's `_free_doomed`); returns the slots freed."""
-        freed = db.execute("INSERT INTO free SELECT slot FROM held WHERE owner = ?", (owner,)).rowcount
-        db.execute("DELETE FROM held WHERE owner = ?", (owner,))
+    def _return_owner(db: sqlite3.Connection, owner: str, keep: Sequence[int] = ()) -> int:
+        """Free `owner`'s reservations but `keep` and drop its leases (in a write transaction;
+        doomed slots are the caller's `_free_doomed`); returns the slots freed."""
+        if keep:
+            kept = set(keep)
+            back = [s for s in _slot_list(db, "SELECT slot FROM held WHERE owner = ?", owner) if s not in kept]
+            db.executemany("DELETE FROM held WHERE slot = ?", ((s,) for s in back))
+            db.executemany("INSERT INTO free VALUES (?)", ((s,) for s in back))
+            freed = len(back)
+        else:
+            freed = db.execute("INSERT INTO free SELECT slot FROM held WHERE owner = ?", (owner,)).rowcount
+            db.execute("DELETE FROM held WHERE owner = ?", (owner,))
         db.execute("DELETE FROM leases WHERE owner = ?", (owner,))
         return freed
 
@@ -900,10 +929,13 @@ class Index:
         return {"pages": pages, "free_slots": free + max(0, self.nslots - top), "slots": self.nslots,
                 "pinned_slots": pinned, "lost_slots": lost, "evictions": self.evictions,
                 "reserved_slots_all": held, "leased_slots_all": leased, "doomed_slots": doomed,
-                "reclaimed_slots": self.reclaimed}
+                "reclaimed_slots": self.reclaimed, "map_reloads": self.map_reloads}
 
-    def close(self) -> None:
-        """Return what this process holds (reservations, leases) and close. Idempotent."""
+    def close(self, keep: Sequence[int] = ()) -> None:
+        """Return what this process holds (reservations but `keep`, leases) and close. Idempotent.
+
+        `keep`: reserved slots a write may still land in; they stay held under this store's
+        token, which its owner keeps alive until that is over (`PageStore.close`)."""
         self._closing = True
         loader_db = self._loader_db
         if loader_db is not None:
@@ -919,7 +951,7 @@ class Index:
             db = self._wdb
             try:
                 def txn(db: sqlite3.Connection) -> None:
-                    self._return_owner(db, self.owner)
+                    self._return_owner(db, self.owner, keep)
                     self._free_doomed(db)
                 self._write(txn)
                 alone = self.member is None or not self.member.others()

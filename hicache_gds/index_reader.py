@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from .errors import ConfigError
 from .index import INDEX_FILE, SCHEMA, Entry, select_entries
+from .ondisk import FORMAT_KEY
 
 __all__ = ["IndexReader", "read_keys"]
 
@@ -105,6 +106,8 @@ class IndexReader:
             db.close()
             raise
         self._db, self._db_state, self.generation = db, state, self.generation + 1
+        if stored and FORMAT_KEY not in stored:  # written before formats were recorded: format 1
+            stored[FORMAT_KEY] = "1"
         other = sorted(k for k, v in self._want.items() if k in stored and stored[k] != v)
         self._db_usable = not other
         if other:
@@ -166,6 +169,10 @@ class IndexReader:
     def keys(self) -> list[str]:
         """Every key, least recently used first (every read's touch is committed with its lease)."""
         return self._read(lambda db: [k for (k,) in db.execute("SELECT key FROM pages ORDER BY atime")], [])
+
+    def settings(self) -> dict[str, str]:
+        """The settings the writer recorded (slot size, format ...); {} while there is no database."""
+        return self._read(lambda db: {str(k): str(v) for k, v in db.execute("SELECT name, value FROM meta")}, {})
 
     def __len__(self) -> int:
         return self._read(lambda db: int(db.execute("SELECT count(*) FROM pages").fetchone()[0]), 0)

@@ -8,7 +8,8 @@ recorded use (`owners.read_use`) and its index's last write.
 
 * `find(roots)`: every namespace under the `GDS_PATH` directories `roots`; `scan(roots)` the same
   without reading the indexes (no page counts), for sizing and eviction;
-* `verify(ns)`: read every page's slot and compare its xxh3 checksum with the index; a page that
+* `verify(ns)`: read every page's slot and compare its checksum with the index (the on-disk
+  format's placement, directory order and checksum: `ondisk`); a page that
   fails twice with its index row unchanged around both reads is bad, and its exact row
   (key, slot, checksum) is deleted -- safe while a writer works: a page the writer replaced or
   evicted meanwhile is never reported, and a live writer that still lists a dropped page finds it
@@ -29,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from . import ondisk
 from .errors import ConfigError
 from .index import INDEX_FILE, remove_pages
 from .index_reader import IndexReader
@@ -262,7 +264,7 @@ class VerifyReport:
     bad: list[dict[str, Any]] = field(default_factory=list)
     """Pages whose bytes do not match their checksum: {key, slot, reason}."""
     unverifiable: int = 0
-    """Pages written from GPU memory without a host checksum."""
+    """Pages without a checksum (format 1 left pages written from GPU memory so)."""
     changed: int = 0
     """Pages the writer replaced, evicted or deleted while they were checked (not judged)."""
     dropped: int = 0
@@ -278,6 +280,7 @@ class _SlotReader:
 
     def __init__(self, dirs: list[str], slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
+        self.ndirs = len(dirs)
         self.buf = mmap.mmap(-1, slot_bytes)
         self.fds: list[int | None] = []
         for d in dirs:
@@ -294,11 +297,11 @@ class _SlotReader:
 
     def read(self, slot: int) -> memoryview | str:
         """The slot's bytes, or why they cannot be read."""
-        nd = len(self.fds)
-        fd = self.fds[slot % nd]
+        fi, off = ondisk.place([slot], self.ndirs, self.slot_bytes)
+        fd = self.fds[int(fi[0])]
         if fd is None:
             return "its slab file is missing"
-        off = (slot // nd) * self.slot_bytes
+        off = int(off[0])
         try:
             n = os.preadv(fd, [self.buf], off)
         except OSError as exc:
@@ -314,21 +317,14 @@ class _SlotReader:
         self.buf.close()
 
 
-def _csum(data: memoryview) -> int:
-    """The store's page checksum (xxh3-64 as a signed SQLite integer, never 0)."""
-    import xxhash
-    d = xxhash.xxh3_64_intdigest(data)
-    return (d - (1 << 64) if d >= 1 << 63 else d) or 1
-
-
-def _check(reader: _SlotReader, entry: Any) -> str:
+def _check(reader: _SlotReader, entry: Any, csum: Callable[[Any, int], int]) -> str:
     """'' when the slot holds the page its index row describes, else why not."""
     got = reader.read(entry.slot)
     if isinstance(got, str):
         return got
     if entry.nbytes > reader.slot_bytes:
         return f"its row says {entry.nbytes} bytes, more than a slot"
-    return "" if _csum(got[:entry.nbytes]) == entry.csum else "checksum mismatch"
+    return "" if csum(got[:entry.nbytes], entry.nbytes) == entry.csum else "checksum mismatch"
 
 
 def verify(ns: Namespace, *, drop: bool = True, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
@@ -339,8 +335,16 @@ def verify(ns: Namespace, *, drop: bool = True, progress: Callable[[int, int], N
         # A wrong directory list would place slots wrongly, and good pages would look bad.
         raise ConfigError(f"namespace {ns.name} cannot be verified: "
                           f"{'; '.join(ns.problems) or 'its slot size or directory count is not recorded'}")
-    index = IndexReader(os.path.join(ns.dirs[0], INDEX_FILE))
-    reader = _SlotReader(ns.dirs, ns.slot_bytes)
+    # The recorded directory order places slots; a format-1 namespace records none (its
+    # namespace.json's order is what `find` gave).
+    dirs = ondisk.stripe_order(ns.dirs) or ns.dirs
+    index = IndexReader(os.path.join(dirs[0], INDEX_FILE))
+    try:
+        csum = ondisk.page_checksum(ondisk.legacy_format(index.settings()))
+    except BaseException:
+        index.close()
+        raise
+    reader = _SlotReader(dirs, ns.slot_bytes)
     doomed = []
     try:
         keys = index.keys()
@@ -354,7 +358,7 @@ def verify(ns: Namespace, *, drop: bool = True, progress: Callable[[int, int], N
                 if not e.csum:
                     rep.unverifiable += 1
                     continue
-                if not _check(reader, e):
+                if not _check(reader, e, csum):
                     rep.ok += 1
                     continue
                 # Bad only if it fails again with the same row before and after the second read: a
@@ -363,7 +367,7 @@ def verify(ns: Namespace, *, drop: bool = True, progress: Callable[[int, int], N
                 if index.lookup([key])[0] != e:
                     rep.changed += 1
                     continue
-                why = _check(reader, e)
+                why = _check(reader, e, csum)
                 if index.lookup([key])[0] != e:
                     rep.changed += 1
                     continue
@@ -378,7 +382,7 @@ def verify(ns: Namespace, *, drop: bool = True, progress: Callable[[int, int], N
         reader.close()
         index.close()
     if drop and doomed:
-        rep.dropped = _drop_rows(os.path.join(ns.dirs[0], INDEX_FILE), doomed)
+        rep.dropped = _drop_rows(os.path.join(dirs[0], INDEX_FILE), doomed)
     rep.seconds = time.monotonic() - t0
     return rep
 

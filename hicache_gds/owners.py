@@ -1,7 +1,8 @@
 """Which processes have a namespace open, told by the kernel: one locked file per open store.
 
 Every `PageStore` that opens a namespace creates ``procs/<token>`` in the namespace's first
-directory (0600, holding its pid) and keeps an exclusive `flock` on it until it closes. The index
+directory (0600, holding its pid), locked with an exclusive `flock` before it appears under that
+name (created under a temporary name, then renamed), and keeps the lock until it closes. The index
 tags what the store holds in the shared database -- slots it reserved for writing, slots it is
 reading -- with that token. The kernel drops the lock when the process dies, however it dies
 (kill -9 included), so another process tells a live owner from a dead one by trying the lock:
@@ -72,6 +73,30 @@ def _procs_dir(namespace_dir: str, create: bool) -> str:
     return path
 
 
+_TMP_PREFIX = ".new-"
+_STALE_TMP_S = 60.0  # a temporary entry unlocked for this long was left by a process that died creating it
+
+
+def _sweep_stale(procs: str) -> None:
+    """Remove temporary entries whose creator died between creating and renaming them (unlocked, old)."""
+    try:
+        names = [n for n in os.listdir(procs) if n.startswith(_TMP_PREFIX)]
+    except OSError:
+        return
+    for n in names:
+        path = os.path.join(procs, n)
+        try:
+            if time.time() - os.lstat(path).st_mtime < _STALE_TMP_S:
+                continue
+        except FileNotFoundError:
+            continue
+        if _try_lock(path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
 def _token_ok(token: str) -> bool:
     return 0 < len(token) <= 64 and all(c in "0123456789abcdef" for c in token)
 
@@ -93,22 +118,33 @@ def _try_lock(path: str) -> bool | None:
 
 
 class Membership:
-    """This store's entry in ``procs/``: a token, and the lock that says it is alive."""
+    """This store's entry in ``procs/``: a token, and the lock that says it is alive.
+
+    The file appears under its token's name only once it is locked: it is created and locked
+    under a temporary name (``.new-<token>``, which nothing judges), then renamed into place. A
+    concurrent `others` or reclaim never finds it unlocked, so a live store is never judged dead."""
 
     def __init__(self, namespace_dir: str) -> None:
         self.dir = _procs_dir(namespace_dir, create=True)
         self.token = secrets.token_hex(8)
         self.path = os.path.join(self.dir, self.token)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        tmp = os.path.join(self.dir, _TMP_PREFIX + self.token)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
+            os.rename(tmp, self.path)  # the lock belongs to the open file, and goes with it
         except BaseException:
             os.close(fd)
-            os.unlink(self.path)
+            for p in (tmp, self.path):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
             raise
         self._fd = fd
         self.namespace_dir = namespace_dir
+        _sweep_stale(self.dir)
 
     def alive(self, token: str) -> bool:
         """Does the store that holds `token` still have the namespace open? (Our own token: yes.)

@@ -22,11 +22,11 @@ The read-only contract:
 * **Every call looks its keys up in the writer's index** (no copy in memory): pages the writer
   publishes are hits from the next call on, pages it evicts or deletes are misses.
 * **Every page is verified.** A reader writes no lease (that would write the index), so a writer
-  may evict a page and reuse its slot while it is being read. Each page read is checked against the xxh3
-  checksum of its index row, whatever `verify` says; a reused, torn or vanished page fails it and
-  reads as a miss (counted in `checksum_mismatches`), never as wrong bytes. Its destination may
-  then hold any bytes. Pages written without a host checksum (from VRAM) are misses, and reads go
-  to host memory only (`RegionError` for VRAM pages).
+  may evict a page and reuse its slot while it is being read. Each page read is checked against the
+  checksum of its index row (`hicache_gds.checksum`, the same for pages written from host or GPU
+  memory), whatever `verify` says; a reused, torn or vanished page fails it and reads as a miss
+  (counted in `checksum_mismatches`), never as wrong bytes. Its destination may then hold any
+  bytes. Reads go to host memory only (`RegionError` for VRAM pages).
 * **A namespace no writer has opened yet is empty**, not an error: every key is a miss and the
   reader creates nothing; pages appear once a writer publishes them. A `GDS_PATH` entry that is
   missing or not a directory is a `ConfigError`, as for the store, and so is a symbolic link
@@ -46,10 +46,12 @@ from typing import Any
 
 import numpy as np
 
+from . import checksum, ondisk
 from .config import Config
 from .engines.base import MemKind, Op, TransferEngine
 from .engines.select import choose_engine
 from .errors import ConfigError, ReadOnlyError, RegionError
+from .gate import CallGate, gated
 from .index import INDEX_FILE
 from .index_reader import IndexReader
 from .layout import Pages, namespace_location
@@ -81,8 +83,18 @@ class PageReader(PageStore):
         self.config = cfg
         self.page_bytes = page_bytes
         self.identity, self.namespace, self.dirs, self.slot_bytes = loc
+        # The writer's recorded directory order, where the namespace exists (`ondisk`); a namespace
+        # not created yet, or being created right now, keeps GDS_PATH's order until its files appear.
+        self._ordered = False
+        try:
+            self._order_dirs()
+        except ConfigError:  # a link or a missing directory: refused by the first call, as the rest is
+            pass
         self._member = None
-        self._closed = False
+        self._gate = CallGate(f"page reader of {self.namespace}")
+        self._lost_io: list = []
+        self._lost_lock = threading.Lock()
+        self._device_sums = checksum.device_checksums
         self._sync_fds: list[int] = []
         self._fids: list[int] = []
         self._slab_ids: list[tuple[int, int, int]] = []  # (st_dev, st_ino, st_size) of the files `_fids` are open on
@@ -96,6 +108,8 @@ class PageReader(PageStore):
         else:
             self.engine_reason = f"{engine.name}: given by the caller"
         self.engine = engine
+        self._index_meta = loc.index_meta
+        self._old_indexes: list[IndexReader] = []
         self.slabs = SlabSet(self.dirs, self.slot_bytes, 0, create=False)
         self.index = IndexReader(os.path.join(self.dirs[0], INDEX_FILE), loc.index_meta)
         self._staging = _Staging(engine)
@@ -123,9 +137,45 @@ class PageReader(PageStore):
     # -- reads -----------------------------------------------------------------------------------
     # exists / prefix: inherited, answered by `IndexReader` from the writer's database.
 
+    def _order_dirs(self) -> bool:
+        """Put `dirs` in the writer's recorded order once it is complete (at construction, and
+        before each call until then); True when it is. The index and the slab files follow."""
+        if self._ordered:
+            return True
+        order = ondisk.stripe_order(self.dirs, partial="none")
+        if order is None:
+            return False
+        if order != self.dirs:
+            log.info("hicache-gds reader of %s: GDS_PATH lists the namespace's directories as %s; using their "
+                     "recorded order %s", self.namespace, ",".join(self.dirs), ",".join(order))
+            if getattr(self, "index", None) is not None:  # found after construction: follow it
+                with self._files_lock:
+                    self._retired.extend(self._fids)
+                    self._fids, self._slab_ids = [], []
+                    self._old_indexes.append(self.index)
+                    self.dirs = order
+                    self.slabs = SlabSet(self.dirs, self.slot_bytes, 0, create=False)
+                    self.index = IndexReader(os.path.join(self.dirs[0], INDEX_FILE), self._index_meta)
+        self.dirs = order
+        self._ordered = True
+        return True
+
+    @gated
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        # docstring inherited
+        self._order_dirs()
+        return self.index.contains(self._check_keys(keys))
+
+    @gated
+    def prefix(self, keys: Sequence[str]) -> int:
+        # docstring inherited
+        self._order_dirs()
+        return self.index.prefix_len(self._check_keys(keys))
+
+    @gated
     def get(self, keys: Sequence[str], pages: Pages) -> list[bool]:
         """Read pages into host memory; False per page missing, failed, or not matching its checksum."""
-        self._check_open()
+        self._order_dirs()
         keys = self._check_keys(keys)
         if isinstance(pages, Pages) and pages.kind is not MemKind.DRAM:
             raise RegionError("a PageReader verifies every page on the host, so it reads into host (DRAM) "
@@ -134,7 +184,7 @@ class PageReader(PageStore):
         t0 = time.perf_counter_ns()
         entries = self.index.lookup(keys)
         hits = [i for i, e in enumerate(entries) if e is not None]
-        # csum 0: written from VRAM without a host checksum, so it cannot be verified.
+        # csum 0 (never written by format 2; format 1 left it on pages from VRAM): cannot be verified.
         todo = [i for i in hits if entries[i].csum and entries[i].nbytes == self.page_bytes]
         status = np.full(len(todo), _FAIL, dtype=np.int8)
         if todo and self._open_files():
@@ -222,13 +272,18 @@ class PageReader(PageStore):
         return out
 
     def close(self) -> None:
-        """Release files, buffers and the index connection. Idempotent."""
-        if self._closed:
-            return
+        """Release files, buffers and the index connection, once the calls in flight returned
+        (as `PageStore.close`). Idempotent."""
+        super().close()
+
+    def _teardown(self) -> None:
         try:
             with self._files_lock:
                 retired, self._retired = self._retired, []
+                old, self._old_indexes = self._old_indexes, []
             for fid in retired:
                 self.engine.close_file(fid)
+            for ix in old:
+                ix.close()
         finally:
-            super().close()
+            super()._teardown()

@@ -1,7 +1,8 @@
 """Slab files: preallocated per namespace, one per `GDS_PATH` directory, fixed-size 4 KiB-aligned slots.
 
-Slot s lives in directory s % ndirs at offset (s // ndirs) * slot_bytes, so consecutive slots
-stripe across drives. Directories are created 0700 and files 0600; symlinks are refused at every
+Slots are placed by `ondisk.place` (slot s in directory s % ndirs at offset (s // ndirs) *
+slot_bytes, so consecutive slots stripe across drives), the directories in the namespace's
+recorded order (`ondisk.stripe_order`). Directories are created 0700 and files 0600; symlinks are refused at every
 level the store creates, so nothing is ever written outside `GDS_PATH`.
 """
 
@@ -14,6 +15,7 @@ import stat
 import numpy as np
 
 from .errors import ConfigError, StoreFullError
+from .ondisk import place
 
 __all__ = ["META_FILE", "SlabSet", "prepare_root", "private_dir"]
 
@@ -102,6 +104,4 @@ class SlabSet:
 
     def place(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(file index, byte offset) arrays for an array of slots."""
-        slots = np.asarray(slots, dtype=np.uint64)
-        nd = np.uint64(len(self.dirs))
-        return (slots % nd).astype(np.int64), (slots // nd) * np.uint64(self.slot_bytes)
+        return place(slots, len(self.dirs), self.slot_bytes)

@@ -6,10 +6,14 @@
     store.get(keys, pages) -> [True, False, ...]          # False: miss, failed IO or bad checksum
     store.exists(keys) / store.prefix(keys) / delete / clear / stats / close
 
-Write order (the crash-safety contract, with `Index`): reserve free slots (evictions committed
-first) -> write page bytes -> [fdatasync] -> publish rows. A page is never visible before its
-bytes are on disk, and `put` returns True only for published pages. Reads lease their slots
-(`Index.lookup_pin`) until the bytes are in memory.
+Write order (the crash-safety contract, with `Index`): stage the pages (where they must be) ->
+reserve free slots (evictions committed first) -> write page bytes and checksum them -> [fdatasync]
+-> publish rows. A page is never visible before its bytes are on disk, and `put` returns True
+only for published pages. Whatever fails between reserving and publishing, the put settles its
+slots itself: back to the free list once their IO is over, kept reserved (lost) while a write may
+still land. Reads lease their slots (`Index.lookup_pin`) until the bytes are in memory, and check
+every page against its checksum (`hicache_gds.checksum`: one definition for host and device
+pages) unless ``verify`` is off. `close` waits for the calls in flight (`gate.CallGate`).
 
 Thread-safe (SGLang calls exists, get and put from three threads at once) and process-safe: any
 number of processes open one namespace, each its own `PageStore`; they share its pages, slots,
@@ -26,16 +30,18 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import xxhash
 
+from . import checksum, ondisk
 from .capacity import Sizing, gib, size_namespace
 from .config import Config
 from .engines.base import Batch, MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
 from .engines.select import choose_engine
-from .errors import ConfigError, RegionError, TransferError, TransferTimeout
+from .errors import ConfigError, RegionError, StoreClosedError, TransferError, TransferTimeout
+from .gate import CallGate, gated
 from .index import INDEX_FILE, Index
 from .layout import Pages, namespace_location
 from .memory import HostBuffer, align_up, view
@@ -57,26 +63,30 @@ _MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at 
 # Staging lent to requests that timed out stays out of use until they finish; past this many bytes
 # held, staged IO fails at once instead of allocating more (a drive that stopped answering).
 _MAX_HELD_STAGING = 2 << 30
-_ORPHANED: list[HostBuffer] = []  # held at close by requests that never finished: never unmapped
+_ORPHANED: list[Any] = []  # staging and memberships held at close by requests that never finished: kept
 
 
 _hash_pool: ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()
 
 
+def _hash_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
 def _hasher() -> ThreadPoolExecutor | None:
-    """Threads that checksum a request's pages in parallel (xxhash releases the GIL), or None on one core.
+    """Threads that checksum a request's pages in parallel (numpy releases the GIL), or None on one core.
 
     Requests of a batch are all posted at once and the disk serves them interleaved, so most of
     them complete near the end of the batch: hashing them one by one on the caller's thread was
     exposed, not overlapped (about 9% of get throughput on the H100 VM with verification on)."""
     global _hash_pool
-    workers = min(8, os.cpu_count() or 1)
+    workers = _hash_threads()
     if workers < 2:
         return None
     with _hash_pool_lock:
         if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(workers, thread_name_prefix="hicache-gds-xxh3")
+            _hash_pool = ThreadPoolExecutor(workers, thread_name_prefix="hicache-gds-checksum")
         return _hash_pool
 
 
@@ -89,13 +99,20 @@ def _forget_hasher_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_hasher_in_child)
 
 
-def _csum(segments: Iterable[tuple[int, int]]) -> int:
-    h = xxhash.xxh3_64()
-    for addr, n in segments:
-        h.update(view(addr, n))
-    d = h.intdigest()
-    # SQLite integers are signed 64-bit; 0 means "not recorded" (VRAM pages).
-    return (d - (1 << 64) if d >= 1 << 63 else d) or 1
+def _recorded_dirs(dirs: Sequence[str]) -> list[str] | None:
+    """The directory order a format-1 namespace's namespace.json names (where it has one)."""
+    for d in dirs:
+        try:
+            fd = os.open(os.path.join(d, META_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            with os.fdopen(fd) as f:
+                got = json.load(f).get("dirs")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return got if isinstance(got, list) and all(isinstance(x, str) for x in got) else None
+    return None
 
 
 def _checked_config(page_bytes: int, config: Config | Mapping[str, Any] | None) -> Config:
@@ -118,11 +135,28 @@ def _refuse_link(exc: OSError) -> ConfigError | None:
 
 
 def _finished(t: Transfer) -> bool:
-    """The request can no longer move bytes: it completed or failed (a timed-out one is polled again)."""
+    """The request can no longer move bytes: it completed or failed (a timed-out one is polled again).
+    An engine that cannot tell (its poll raised something else) is taken at its worst: still running."""
     try:
         return t.done()
     except TransferError:
         return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@dataclass
+class _Prepared:
+    """A request's memory side (`PageStore._prepare`): descriptors as (P, S) arrays, the staging
+    lent to it, and what was posted (the `Batch`, transfer or None) once it runs."""
+
+    op: Op
+    pages: Pages
+    buf: HostBuffer | None
+    mem_a: np.ndarray
+    mem_l: np.ndarray
+    transfers: list[tuple[Batch, Transfer | None]] = field(default_factory=list)
+    posted: bool = False
 
 
 class _Staging:
@@ -224,11 +258,20 @@ class PageStore:
         roots = [prepare_root(p) for p in cfg.gds_path]
         loc = namespace_location(page_bytes, identity, cfg)
         self.identity, self.namespace, self.slot_bytes = loc.identity, loc.namespace, loc.slot_bytes
-        self.dirs = [private_dir(r, self.namespace) for r in roots]
         self._member: Membership | None = None
-        self._closed = False
+        self._gate = CallGate(f"page store {self.namespace}")
+        self._lost_io: list[tuple[list[int], list[Transfer]]] = []  # slots whose write may still land, and its IO
+        self._lost_lock = threading.Lock()
         own_engine = engine is None
         try:
+            # Which directory is which is recorded with the namespace (`ondisk`): a reordered
+            # GDS_PATH maps slots as they were written; a missing directory is refused before
+            # anything is created.
+            ondisk.stripe_order([os.path.join(r, self.namespace) for r in roots], partial="none")
+            given = [private_dir(r, self.namespace) for r in roots]
+            self.dirs, note = ondisk.ensure_stripe(given, setup_lock, prefer=_recorded_dirs(given))
+            if note:
+                log.info("hicache-gds store %s: %s", self.namespace, note)
             # Opens of one namespace take turns (`setup_lock`): the first opener of a namespace no
             # other process has open sizes and recovers it; later ones join it as it is.
             with setup_lock(self.dirs):
@@ -254,6 +297,7 @@ class PageStore:
             self._fids = [engine.open_file(p) for p in self.slabs.paths]
             self._sync_fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in self.slabs.paths] if cfg.sync else []
         except BaseException as exc:
+            self._gate.closed = True
             if own_engine and engine is not None:
                 engine.close()
             if getattr(self, "index", None) is not None:
@@ -266,6 +310,7 @@ class PageStore:
             raise
         self._staging = _Staging(engine)
         self._stats = StoreStats()
+        self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
         log.info("hicache-gds store %s: capacity %s (%d slots of %d bytes) in %s, %s; engine %s",
                  self.namespace, gib(self.sizing.capacity), nslots, self.slot_bytes, ",".join(self.dirs),
                  self.sizing.how, self.engine_reason)
@@ -276,7 +321,8 @@ class PageStore:
         tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"identity": self.identity, "slot_bytes": self.slot_bytes, "dirs": self.dirs}, f, indent=1)
+            json.dump({"identity": self.identity, "slot_bytes": self.slot_bytes, "dirs": self.dirs,
+                       ondisk.FORMAT_KEY: ondisk.FORMAT, "checksum": checksum.NAME}, f, indent=1)
         os.replace(tmp, path)
 
     def _nslots(self, cfg: Config) -> Sizing:
@@ -354,33 +400,39 @@ class PageStore:
             self.engine.check_regions(pages.kind, mem)
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError("the page store is closed")
+        if self._gate.closed:
+            raise StoreClosedError(f"page store {self.namespace} is closed")
+
+    @property
+    def _closed(self) -> bool:
+        return self._gate.closed
 
     # -- queries ---------------------------------------------------------------------------------
+    @gated
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Per key: is the page present."""
-        self._check_open()
         return self.index.contains(self._check_keys(keys))
 
+    @gated
     def prefix(self, keys: Sequence[str]) -> int:
         """Length of the longest run of present keys from the start."""
-        self._check_open()
         return self.index.prefix_len(self._check_keys(keys))
 
+    @gated
     def register_memory(self, addr: int, nbytes: int, kind: MemKind = MemKind.DRAM) -> None:
         """Register a buffer that pages will point into (once, before put/get)."""
-        self._check_open()
         self.engine.register_memory(addr, nbytes, MemKind(kind))
+        if MemKind(kind) is MemKind.VRAM and self._device_sums is checksum.device_checksums:
+            checksum.warm_up(checksum.device_of(addr))  # the checksum kernel compiles now, not in a request
 
     @property
     def file_ids(self) -> list[int]:
         """Engine file ids of the slab files, in `slabs.paths` order (for reads of page ranges)."""
         return list(self._fids)
 
+    @gated
     def deregister_memory(self, addr: int) -> None:
         """Forget a buffer registered with `register_memory` (before freeing it)."""
-        self._check_open()
         self.engine.deregister_memory(addr)
 
     def register_tensor(self, tensor: Any) -> None:
@@ -388,9 +440,15 @@ class PageStore:
                              MemKind.VRAM if tensor.is_cuda else MemKind.DRAM)
 
     # -- put / get -------------------------------------------------------------------------------
+    @gated
     def put(self, keys: Sequence[str], pages: Pages) -> list[bool]:
-        """Write pages; True per page once it is durable and visible. Present keys are not rewritten."""
-        self._check_open()
+        """Write pages; True per page once it is durable and visible. Present keys are not rewritten.
+
+        Device pages are read as they are when `put` is called (the caller has finished the work
+        that wrote them, as the engine's DMA follows no CUDA stream; `put` also waits for this
+        thread's current stream). A page is False when anything between reserving its slot and
+        publishing it fails (IO, fdatasync, checksum, index): its slot goes back to the free list
+        once its IO is over, and stays reserved while that IO may still land."""
         keys = self._check_keys(keys)
         self._check_pages(keys, pages)
         t0 = time.perf_counter_ns()
@@ -404,26 +462,50 @@ class PageStore:
             elif k not in first:
                 first[k] = i
                 todo.append(i)
+        # Staging (registered with the engine, filled) before any slot is taken: a put that fails
+        # there evicts nothing.
         try:
-            slots = self.index.reserve(len(todo), evict=self.config.evict)
-        except OSError as exc:
-            log.warning("hicache-gds: no slots for %d pages: %s", len(todo), exc)
-            slots = []
-        todo_w = todo[:len(slots)]
-        status, sums = self._io(Op.WRITE, pages.select(todo_w), np.asarray(slots, dtype=np.int64), None)
-        if self.config.sync and (status == _OK).any():
-            for fd in self._sync_fds:
-                os.fdatasync(fd)
-        ok_items = [(keys[i], slots[j], self.page_bytes, int(sums[j])) for j, i in enumerate(todo_w)
-                    if status[j] == _OK]
-        try:
-            published = self.index.publish(ok_items)
-        except OSError as exc:
-            log.warning("hicache-gds: %d written pages not published: %s", len(ok_items), exc)
-            published = [False] * len(ok_items)
-            for j in range(len(todo_w)):
-                if status[j] == _OK:
-                    status[j] = _FAIL
+            prep = self._prepare(Op.WRITE, pages.select(todo))
+        except (TransferError, OSError) as exc:
+            log.warning("hicache-gds: %d pages not written: %s", len(todo), exc)
+            prep = None
+        slots: list[int] = []
+        status = np.zeros(0, dtype=np.int8)
+        ok_items: list[tuple[str, int, int, int]] = []
+        published: list[bool] = []
+        handed: set[int] = set()  # slots publish settled: published, or freed as a duplicate's
+        if prep is not None and todo:
+            io_over = False
+            try:
+                self._reap_lost()
+                try:
+                    slots = self.index.reserve(len(todo), evict=self.config.evict)
+                except OSError as exc:
+                    log.warning("hicache-gds: no slots for %d pages: %s", len(todo), exc)
+                status, sums = self._run(prep, np.asarray(slots, dtype=np.int64), None)
+                io_over = True
+                ok = status == _OK
+                if self.config.sync and ok.any():
+                    try:
+                        for fd in self._sync_fds:
+                            os.fdatasync(fd)
+                    except OSError as exc:  # written, but not known to be durable: not published
+                        log.error("hicache-gds: fdatasync of the slab files failed (%s); %d pages not published",
+                                  exc, int(ok.sum()))
+                        status[ok] = _FAIL
+                ok_items = [(keys[todo[j]], slots[j], self.page_bytes, int(sums[j])) for j in range(len(slots))
+                            if status[j] == _OK]
+                try:
+                    published = self.index.publish(ok_items)
+                    handed = {it[1] for it in ok_items}
+                except OSError as exc:
+                    log.warning("hicache-gds: %d written pages not published: %s", len(ok_items), exc)
+                    published = [False] * len(ok_items)
+                    status[status == _OK] = _FAIL
+            finally:
+                self._settle(slots, status, handed, prep, io_over)
+        elif prep is not None:
+            self._finish(prep)
         # Not published by this call (a duplicate, no slot, or a failed write) but present now: a
         # concurrent put of the same key -- in this process or another -- stored it. True, as for
         # a present key; an index write failure leaves it False.
@@ -433,8 +515,6 @@ class PageStore:
             result[first[key]] = pub or now.get(key, False)
         for i in todo[len(slots):]:
             result[i] = now[keys[i]]
-        self.index.release(slots[j] for j in range(len(todo_w)) if status[j] in (_FAIL, _BADSUM))
-        self.index.lose(slots[j] for j in range(len(todo_w)) if status[j] == _TIMEOUT)
         for i, k in enumerate(keys):
             if i != first.get(k, i):
                 result[i] = result[first[k]]
@@ -445,9 +525,48 @@ class PageStore:
         self._stats.batch(True, time.perf_counter_ns() - t0)
         return result
 
+    def _settle(self, slots: list[int], status: np.ndarray, handed: set[int], prep: _Prepared,
+                io_over: bool) -> None:
+        """Give back what a put reserved and publish did not settle (`handed`: published, or freed
+        by publish as a duplicate's, and maybe reserved again since by another call of this
+        process): slots whose IO is over go back to the free list; slots whose write may still
+        land (timed out, or the put was cut short while its IO ran) stay reserved -- lost, reaped
+        once that IO is seen to finish (`_reap_lost`)."""
+        late = self._finish(prep)
+        if not slots:
+            return
+        timed_out = {s for j, s in enumerate(slots) if j < len(status) and status[j] == _TIMEOUT}
+        if not io_over and prep.posted:  # cut short while writing: which writes are over is not known
+            lost = [s for s in slots if s not in handed]
+            back: list[int] = []
+        else:
+            lost = [s for s in slots if s in timed_out]
+            back = [s for s in slots if s not in handed and s not in timed_out]
+        self.index.release(back)
+        if lost:
+            self.index.lose(lost)
+            with self._lost_lock:
+                self._lost_io.append((lost, late))
+
+    def _reap_lost(self) -> None:
+        """Release lost slots whose late writes have finished since."""
+        with self._lost_lock:
+            if not self._lost_io:
+                return
+            over = [e for e in self._lost_io if all(_finished(t) for t in e[1])]
+            self._lost_io = [e for e in self._lost_io if e not in over]
+        if over:
+            slots = [s for e in over for s in e[0]]
+            log.info("hicache-gds: %d slot(s) of timed-out writes are free again (their IO finished)", len(slots))
+            self.index.release(slots)
+
+    @gated
     def get(self, keys: Sequence[str], pages: Pages) -> list[bool]:
-        """Read pages into memory; False per page that is missing, failed, or failed its checksum."""
-        self._check_open()
+        """Read pages into memory; False per page that is missing, failed, or failed its checksum.
+
+        Device pages are verified on the GPU (one checksum definition for host and device pages,
+        `hicache_gds.checksum`), once their bytes are in device memory; a page that fails is a
+        miss and is dropped, and its destination holds bytes that must not be used."""
         keys = self._check_keys(keys)
         self._check_pages(keys, pages)
         t0 = time.perf_counter_ns()
@@ -461,15 +580,14 @@ class PageStore:
             leased = False
             log.warning("hicache-gds: %s; reading %d pages unleased, each checked against its checksum", exc,
                         len(keys))
-            found = self.index.peek(keys) if pages.kind is MemKind.DRAM else {}
+            found = self.index.peek(keys)
             entries = [e if e is not None and e.csum else None for e in (found.get(k) for k in keys)]
         hits = [i for i, e in enumerate(entries) if e is not None]
         result = [False] * len(keys)
         try:
             slots = np.array([entries[i].slot for i in hits], dtype=np.int64)
             expect = np.array([entries[i].csum for i in hits], dtype=np.int64)
-            # Device pages are not hashed on the host, so reads into VRAM are not verified.
-            verify = (self.config.verify or not leased) and pages.kind is MemKind.DRAM
+            verify = self.config.verify or not leased
             status, _ = self._io(Op.READ, pages.select(hits), slots, expect if verify else None)
             gone = self._recover_failed_reads(pages.select(hits), slots, expect if verify else None, status)
         finally:
@@ -526,16 +644,23 @@ class PageStore:
 
     def _io(self, op: Op, pages: Pages, slots: np.ndarray, expect: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Move pages to/from slots. Returns (status per page, checksum per page for writes)."""
+        prep = self._prepare(op, pages)
+        if prep is None:
+            return np.full(len(pages), _FAIL, dtype=np.int8), np.zeros(len(pages), dtype=np.int64)
+        try:
+            return self._run(prep, slots, expect)
+        finally:
+            self._finish(prep)
+
+    def _prepare(self, op: Op, pages: Pages) -> _Prepared | None:
+        """The memory side of a request, before any slot is chosen: staging lent (and, for a write,
+        filled) where pages must be staged, device writes waited for. Raises (an engine that cannot
+        register staging, a misaligned device page) before any IO; None when staging is held by
+        timed-out requests beyond `_MAX_HELD_STAGING` (every page fails)."""
         n = len(pages)
-        status = np.full(n, _FAIL, dtype=np.int8)
-        sums = np.zeros(n, dtype=np.int64)
-        if n == 0:
-            return status, sums
         caps = self.engine.capabilities
-        fidx, base = self.slabs.place(slots)
-        fids = np.asarray(self._fids, dtype=np.uint64)[fidx]
         lens = pages.lens
-        stage = pages.kind is MemKind.DRAM and (
+        stage = n > 0 and pages.kind is MemKind.DRAM and (
             (caps.alignment > 1 and bool(((pages.addrs % np.uint64(caps.alignment)) | (lens % np.uint64(caps.alignment))).any()))
             or float(lens.mean()) < _MIN_DIRECT_SEGMENT and lens.shape[1] > 1)
         if not stage and pages.kind is MemKind.VRAM and caps.alignment > 1 and bool(
@@ -544,97 +669,142 @@ class PageStore:
         if stage and self._staging.held_bytes() > _MAX_HELD_STAGING:
             log.error("hicache-gds: %s of %d pages failed at once: staging buffers of requests that timed out "
                       "and never finished hold over %d bytes", op.value, n, _MAX_HELD_STAGING)
-            return status, sums
+            return None
+        if n and pages.kind is MemKind.VRAM and op is Op.WRITE and self._device_sums is checksum.device_checksums:
+            checksum.wait_for_current_stream(checksum.device_of(int(pages.addrs[0, 0])))
         buf = self._staging.acquire(n * self.slot_bytes) if stage else None
-        posted: list[tuple[Batch, Transfer | None]] = []
+        if buf is None:
+            return _Prepared(op, pages, None, pages.addrs, lens)
         try:
-            if buf is not None:
-                # One aligned descriptor per page: the whole slot, staged in host memory.
-                src_addrs = np.uint64(buf.addr) + np.arange(n, dtype=np.uint64) * np.uint64(self.slot_bytes)
-                if op is Op.WRITE:
-                    self._gather(pages, src_addrs)
-                mem_a = src_addrs.reshape(n, 1)
-                mem_l = np.full((n, 1), self.slot_bytes, dtype=np.uint64)
-                self._stats.add(staged_pages=n)
+            # One aligned descriptor per page: the whole slot, staged in host memory.
+            src_addrs = np.uint64(buf.addr) + np.arange(n, dtype=np.uint64) * np.uint64(self.slot_bytes)
+            if op is Op.WRITE:
+                self._gather(pages, src_addrs)
+        except BaseException:
+            self._staging.release(buf)
+            raise
+        self._stats.add(staged_pages=n)
+        return _Prepared(op, pages, buf, src_addrs.reshape(n, 1), np.full((n, 1), self.slot_bytes, dtype=np.uint64))
+
+    def _finish(self, prep: _Prepared) -> list[Transfer]:
+        """Return the request's staging (held instead while IO that timed out may still land in it);
+        returns that IO."""
+        late = [t for _, t in prep.transfers if t is not None and not _finished(t)]
+        buf, prep.buf = prep.buf, None
+        if buf is not None:
+            if late:
+                self._staging.hold(buf, late)
             else:
-                mem_a, mem_l = pages.addrs, lens
-            seg_off = np.cumsum(mem_l, axis=1) - mem_l
-            file_off = base.reshape(n, 1) + seg_off
-            mem_a, mem_l, file_off, per_page = self._cut(mem_a, mem_l, file_off, caps.max_desc_bytes)
-            rows = np.concatenate([[0], np.cumsum(per_page)])
-            mem = np.stack([mem_a, mem_l], axis=1)
-            fil = np.stack([np.repeat(fids, per_page), file_off], axis=1)
-            pipeline = max(_PIPELINE_MIN_BYTES, n * self.slot_bytes // _PIPELINE_PARTS)
-            plan = list(split_batches(per_page, np.full(n, self.slot_bytes), caps,
-                                      self.config.max_request_bytes or pipeline, row_bytes=mem_l))
-            deadline = time.monotonic() + self.config.io_timeout
-            for bt in plan:
-                try:
-                    t = self.engine.submit(op, MemKind.DRAM if buf is not None else pages.kind,
-                                           mem[bt.row_start:bt.row_stop], fil[bt.row_start:bt.row_stop])
-                except (TransferError, OSError, ValueError) as exc:
-                    log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, bt.stop - bt.start, exc)
-                    t = None
-                posted.append((bt, t))
-            if op is Op.WRITE:  # overlaps the IO in flight
-                sums[:] = self._page_sums(pages, buf, range(n))
-            # A page is done once every request holding its rows is (a page may span several: more
-            # rows than one request takes); its status is the worst of theirs: a timeout (the IO may
-            # still land) over a failure over success. Reads are scattered and verified only then.
-            left = np.zeros(n, dtype=np.int32)
-            worst = np.zeros(n, dtype=np.int8)  # 0 ok, 1 failed, 2 timed out
-            for bt, _ in posted:
-                left[bt.start:bt.stop] += 1
-            for bt, t in posted:
-                a, b = bt.start, bt.stop
-                got = np.zeros(b - a, dtype=np.int8)
-                if t is None:
-                    got[:] = 1
-                else:
-                    try:
-                        t.wait(max(0.0, deadline - time.monotonic()))
-                    except TransferTimeout as exc:
-                        log.error("hicache-gds: %s", exc)
-                        got[:] = 2
-                    except TransferError as exc:
-                        log.warning("hicache-gds: %s", exc)
-                        got[:] = 1
-                        ok_rows = getattr(t, "ok_mask", lambda: None)()
-                        if ok_rows is not None:  # the engine knows which descriptors landed
-                            for j in range(a, b):
-                                r0, r1 = max(int(rows[j]), bt.row_start), min(int(rows[j + 1]), bt.row_stop)
-                                if ok_rows[r0 - bt.row_start:r1 - bt.row_start].all():
-                                    got[j - a] = 0
-                    finally:
-                        t.release()
-                np.maximum(worst[a:b], got, out=worst[a:b])
-                left[a:b] -= 1
-                done = np.flatnonzero(left[a:b] == 0) + a
-                if not len(done):
-                    continue
-                status[done] = np.where(worst[done] == 2, _TIMEOUT, np.where(worst[done] == 1, _FAIL, _OK))
-                if op is Op.READ:
-                    ok = done[worst[done] == 0]
-                    for run in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1) if len(ok) else ():
-                        self._finish_read(pages, buf, expect, status, int(run[0]), int(run[-1]) + 1)
+                self._staging.release(buf)
+        return late
+
+    def _run(self, prep: _Prepared, slots: np.ndarray, expect: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Post the first len(slots) pages of `prep` to/from `slots`, wait for them (never past
+        ``io_timeout``), checksum them; (status, checksums of written pages). Once anything is posted
+        nothing raises: a failure is a page's status (`_TIMEOUT` where the IO may still land)."""
+        op, pages = prep.op, prep.pages
+        n = len(slots)
+        status = np.full(n, _FAIL, dtype=np.int8)
+        sums = np.zeros(n, dtype=np.int64)
+        if n == 0:
             return status, sums
-        finally:
-            if buf is not None:
-                late = [t for _, t in posted if t is not None and not _finished(t)]
-                if late:  # timed out: the IO may still land in it, so it is lent again only after
-                    self._staging.hold(buf, late)
-                else:
-                    self._staging.release(buf)
+        if n < len(pages):
+            pages = pages.select(np.arange(n))
+        caps = self.engine.capabilities
+        fidx, base = self.slabs.place(slots)
+        fids = np.asarray(self._fids, dtype=np.uint64)[fidx]
+        buf = prep.buf
+        mem_a, mem_l = prep.mem_a[:n], prep.mem_l[:n]
+        seg_off = np.cumsum(mem_l, axis=1) - mem_l
+        file_off = base.reshape(n, 1) + seg_off
+        mem_a, mem_l, file_off, per_page = self._cut(mem_a, mem_l, file_off, caps.max_desc_bytes)
+        rows = np.concatenate([[0], np.cumsum(per_page)])
+        mem = np.stack([mem_a, mem_l], axis=1)
+        fil = np.stack([np.repeat(fids, per_page), file_off], axis=1)
+        pipeline = max(_PIPELINE_MIN_BYTES, n * self.slot_bytes // _PIPELINE_PARTS)
+        plan = list(split_batches(per_page, np.full(n, self.slot_bytes), caps,
+                                  self.config.max_request_bytes or pipeline, row_bytes=mem_l))
+        deadline = time.monotonic() + self.config.io_timeout
+        kind = MemKind.DRAM if buf is not None else pages.kind
+        for bt in plan:
+            try:
+                t = self.engine.submit(op, kind, mem[bt.row_start:bt.row_stop], fil[bt.row_start:bt.row_stop])
+            except (TransferError, OSError, ValueError) as exc:
+                log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, bt.stop - bt.start, exc)
+                t = None
+            prep.transfers.append((bt, t))
+            prep.posted = prep.posted or t is not None
+        hashed = True
+        if op is Op.WRITE:  # overlaps the IO in flight
+            try:
+                sums[:] = self._page_sums(pages, buf, range(n))
+            except Exception as exc:  # noqa: BLE001 -- no checksum, no page: the writes still finish below
+                log.error("hicache-gds: checksums of %d written pages failed (%s: %s); not published", n,
+                          type(exc).__name__, exc)
+                hashed = False
+        # A page is done once every request holding its rows is (a page may span several: more rows
+        # than one request takes); its status is the worst of theirs: a timeout (the IO may still
+        # land) over a failure over success. Reads are scattered and verified (`_finish_read`: the
+        # one checksum for host and device pages) only then, after the page's last request.
+        left = np.zeros(n, dtype=np.int32)
+        worst = np.zeros(n, dtype=np.int8)  # 0 ok, 1 failed, 2 timed out
+        for bt, _ in prep.transfers:
+            left[bt.start:bt.stop] += 1
+        for bt, t in prep.transfers:
+            a, b = bt.start, bt.stop
+            got = np.zeros(b - a, dtype=np.int8)
+            if t is None:
+                got[:] = 1
+            else:
+                try:
+                    t.wait(max(0.0, deadline - time.monotonic()))
+                except TransferTimeout as exc:
+                    log.error("hicache-gds: %s", exc)
+                    got[:] = 2
+                except TransferError as exc:
+                    log.warning("hicache-gds: %s", exc)
+                    got[:] = 1
+                    ok_rows = getattr(t, "ok_mask", lambda: None)()
+                    if ok_rows is not None:  # the engine knows which descriptors landed
+                        for j in range(a, b):
+                            r0, r1 = max(int(rows[j]), bt.row_start), min(int(rows[j + 1]), bt.row_stop)
+                            if ok_rows[r0 - bt.row_start:r1 - bt.row_start].all():
+                                got[j - a] = 0
+                except Exception as exc:  # noqa: BLE001 -- the engine's state is unknown: the IO may still land
+                    log.error("hicache-gds: waiting for %s of %d pages failed: %s: %s", op.value, b - a,
+                              type(exc).__name__, exc)
+                    got[:] = 2
+                finally:
+                    t.release()
+            np.maximum(worst[a:b], got, out=worst[a:b])
+            left[a:b] -= 1
+            done = np.flatnonzero(left[a:b] == 0) + a
+            if not len(done):
+                continue
+            status[done] = np.where(worst[done] == 2, _TIMEOUT, np.where(worst[done] == 1, _FAIL, _OK))
+            if op is Op.READ:
+                ok = done[worst[done] == 0]
+                for run in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1) if len(ok) else ():
+                    self._finish_read(pages, buf, expect, status, int(run[0]), int(run[-1]) + 1)
+        if not hashed:
+            status[status == _OK] = _FAIL
+        return status, sums
 
     def _finish_read(self, pages: Pages, buf: HostBuffer | None, expect: np.ndarray | None,
                      status: np.ndarray, a: int, b: int) -> None:
-        if buf is not None:
-            self._scatter(pages, buf, a, b)
-        if expect is not None:
-            todo = [j for j in range(a, b) if expect[j]]
-            for j, got in zip(todo, self._page_sums(pages, None, todo)):
-                if got != expect[j]:
-                    status[j] = _BADSUM
+        """Scatter staged pages a..b and check their checksums (`_BADSUM` per mismatch); a failure
+        of either fails the pages, without judging them."""
+        try:
+            if buf is not None:
+                self._scatter(pages, buf, a, b)
+            if expect is not None:
+                todo = [j for j in range(a, b) if expect[j]]
+                for j, got in zip(todo, self._page_sums(pages, None, todo)):
+                    if got != expect[j]:
+                        status[j] = _BADSUM
+        except Exception as exc:  # noqa: BLE001 -- such pages are failed reads, not bad pages
+            log.error("hicache-gds: finishing a read of %d pages failed: %s: %s", b - a, type(exc).__name__, exc)
+            status[a:b][status[a:b] == _OK] = _FAIL
 
     @staticmethod
     def _cut(mem_a: np.ndarray, mem_l: np.ndarray, file_off: np.ndarray, limit: int):
@@ -659,32 +829,52 @@ class PageStore:
                 view(addr, n)[:] = src[pos:pos + n]
                 pos += n
 
-    def _page_sums(self, pages: Pages, buf: HostBuffer | None, idx: Sequence[int]) -> list[int]:
-        """`_page_sum` of each page in `idx`, on the hashing threads when there are several."""
-        pool = _hasher() if len(idx) > 1 and (buf is not None or pages.kind is not MemKind.VRAM) else None
-        if pool is None:
-            return [self._page_sum(pages, buf, j) for j in idx]
-        return list(pool.map(lambda j: self._page_sum(pages, buf, j), idx))
-
-    def _page_sum(self, pages: Pages, buf: HostBuffer | None, j: int) -> int:
-        if buf is not None:
-            return _csum([(buf.addr + j * self.slot_bytes, self.page_bytes)])
+    def page_checksums(self, pages: Pages) -> np.ndarray:
+        """The checksum each page would be stored with (int64 per page; `hicache_gds.checksum`): for
+        GPU-direct paths that move a store's pages themselves and check them where they land (pages
+        shorter than `page_bytes` count as zero-padded). Device pages are summed on their GPU, after
+        the work queued on this thread's stream of it."""
+        if len(pages) and int(pages.page_nbytes.max()) > self.page_bytes:
+            raise RegionError(f"pages of {int(pages.page_nbytes.max())} bytes exceed this store's {self.page_bytes}")
         if pages.kind is MemKind.VRAM:
-            return 0  # not hashed on the host; reads of such pages are not verified
-        return _csum(zip(pages.addrs[j].tolist(), pages.lens[j].tolist()))
+            return np.asarray(self._device_sums(pages.addrs, pages.lens, self.page_bytes), dtype=np.int64)
+        return np.array([checksum.host_checksum(zip(pages.addrs[j].tolist(), pages.lens[j].tolist()),
+                                                self.page_bytes) for j in range(len(pages))], dtype=np.int64)
+
+    def _page_sums(self, pages: Pages, buf: HostBuffer | None, idx: Sequence[int]) -> list[int]:
+        """The checksum (`hicache_gds.checksum`) of each page in `idx`: device pages on their GPU, all
+        in one launch; host pages on the hashing threads when there are several."""
+        idx = list(idx)
+        if not idx:
+            return []
+        if buf is None and pages.kind is MemKind.VRAM:
+            sel = pages.select(idx)
+            return self._device_sums(sel.addrs, sel.lens, self.page_bytes).tolist()
+        if buf is not None:
+            segs = [[(buf.addr + j * self.slot_bytes, self.page_bytes)] for j in idx]
+        else:
+            segs = [list(zip(pages.addrs[j].tolist(), pages.lens[j].tolist())) for j in idx]
+        pool = _hasher() if len(idx) > 1 else None
+        if pool is None:
+            return checksum.host_checksums(segs, self.page_bytes)
+        # A few pages per task: the per-page fold is done for a whole group at once.
+        step = -(-len(segs) // (4 * _hash_threads()))
+        parts = pool.map(lambda a: checksum.host_checksums(segs[a:a + step], self.page_bytes),
+                         range(0, len(segs), step))
+        return [c for part in parts for c in part]
 
     # -- maintenance -----------------------------------------------------------------------------
+    @gated
     def delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove pages; True per key that was present."""
-        self._check_open()
         keys = self._check_keys(keys)
         present = self.index.contains(keys)
         self.index.drop(k for k, p in zip(keys, present) if p)
         return present
 
+    @gated
     def clear(self) -> int:
         """Remove every page of this namespace; returns how many there were."""
-        self._check_open()
         return self.index.clear()
 
     def stats(self) -> dict[str, Any]:
@@ -702,11 +892,29 @@ class PageStore:
         return out
 
     def close(self) -> None:
-        """Flush the index and release files, buffers and the namespace lock. Idempotent."""
-        if self._closed:
+        """Refuse new calls (`StoreClosedError`), wait for the calls in flight (at most
+        ``io_timeout``), then release files, buffers, the index and the namespace's lock. Idempotent.
+
+        Calls still in flight after that keep what they use; the last of them closes the store as
+        it returns. Slots whose writes timed out and are still in flight stay reserved, and this
+        process keeps its place in the namespace (so no other process reclaims them) until it exits."""
+        gate = getattr(self, "_gate", None)
+        if gate is None:
             return
-        self._closed = True
+        busy = gate.close(self.config.io_timeout, self._teardown)
+        if busy:
+            log.error("hicache-gds: closing %s: %d call(s) still in flight after %.1f s (io_timeout); the store "
+                      "closes when the last of them returns", self.namespace, busy, self.config.io_timeout)
+
+    def _teardown(self) -> None:
+        keep: list[int] = []
         try:
+            try:
+                self._reap_lost()
+            except Exception as exc:  # noqa: BLE001 -- closing matters more
+                log.warning("hicache-gds: %s", exc)
+            with self._lost_lock:
+                keep = [s for slots, _ in self._lost_io for s in slots]
             self._staging.close()
             for fid in self._fids:
                 self.engine.close_file(fid)
@@ -714,9 +922,17 @@ class PageStore:
                 os.close(fd)
             self.engine.close()
         finally:
-            self.index.close()
+            if keep:
+                self.index.close(keep=keep)
+            else:
+                self.index.close()
             if self._member is not None:
-                self._member.close()
+                if keep:  # the kernel drops the lock at exit, once the IO is over: reclaim is safe then
+                    log.warning("hicache-gds: %d slot(s) of %s written by requests that never finished stay "
+                                "reserved until this process exits", len(keep), self.namespace)
+                    _ORPHANED.append(self._member)
+                else:
+                    self._member.close()
 
     def __enter__(self) -> "PageStore":
         return self

@@ -51,15 +51,25 @@ def test_gds_on_a_machine_without_gpu_is_unavailable_not_a_hang():
             create_engine(name, EngineOptions())
 
 
-def test_shipped_cufile_json_raises_the_compat_bounce_pool(monkeypatch):
+def test_shipped_cufile_json_raises_the_compat_bounce_pool(monkeypatch, tmp_path):
+    import json
     import os
+
+    from hicache_gds.engines import cufile_env
     from hicache_gds.engines.cufile_env import cufile_bounce_pool
     monkeypatch.delenv("CUFILE_ENV_PATH_JSON", raising=False)
+    # This machine's own /etc/cufile.json must not decide the test: point the system path elsewhere.
+    monkeypatch.setattr(cufile_env, "SYSTEM_CUFILE_JSON", str(tmp_path / "no-such-cufile.json"))
     here = os.path.join(os.path.dirname(__file__), "..", "configs", "cufile.json")
     pool = dict((s >> 10, c) for s, c in cufile_bounce_pool(here))
     assert pool == {4: 256, 1024: 256, 16384: 64}
-    assert dict((s >> 10, c) for s, c in cufile_bounce_pool("")) in ({4: 128, 1024: 64, 16384: 64},) or \
-        os.path.exists("/etc/cufile.json")
+    assert dict((s >> 10, c) for s, c in cufile_bounce_pool("")) == {4: 128, 1024: 64, 16384: 64}  # libcufile's
+    system = tmp_path / "cufile.json"
+    system.write_text(json.dumps({"properties": {"posix_pool_slab_count": [32, 16, 8]}}) + "  // a comment\n")
+    monkeypatch.setattr(cufile_env, "SYSTEM_CUFILE_JSON", str(system))
+    assert dict((s >> 10, c) for s, c in cufile_bounce_pool("")) == {4: 32, 1024: 16, 16384: 8}
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", here)  # the environment wins over the system file
+    assert dict((s >> 10, c) for s, c in cufile_bounce_pool("")) == {4: 256, 1024: 256, 16384: 64}
 
 
 def test_bounce_budget_counts_descriptors_per_slab_class():

@@ -225,8 +225,8 @@ def test_triton_gather_and_scatter_match_the_reference(kind, dtype, page, dim, s
 
 
 def test_pages_written_by_the_linker_are_read_by_the_hicache_backend(gds_dir, gds_engine):
-    """Device pages (no checksum: VRAM is not hashed on the host) read back through HiCacheGDS's
-    binding of a layer_first host pool, and the reverse (host pages, checksummed, into VRAM)."""
+    """Device pages (checksummed on the GPU) read back through HiCacheGDS's binding of a layer_first
+    host pool, verified on the host, and the reverse (host pages into VRAM, verified on the GPU)."""
     from test_linker_cpu import _host_binding
 
     import sglang_pools
@@ -250,6 +250,7 @@ def test_pages_written_by_the_linker_are_read_by_the_hicache_backend(gds_dir, gd
     host2, binding = _host_binding("mha", "layer_first", gds_dir, 16, 4, torch.bfloat16)
     try:
         assert binding.get(keys[3:], sglang_pools.host_indices_for_pages(host2, [11, 12, 13])) == [True] * 3
+        assert binding.store.stats()["checksum_mismatches"] == 0
         assert all(sglang_pools.page_flat_bytes(host2, h) == lh.page_bytes(pool, d).numpy().tobytes()
                    for h, d in zip([11, 12, 13], [8, 9, 10]))
     finally:

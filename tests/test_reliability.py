@@ -188,3 +188,37 @@ def test_tenants_are_isolated(gds_dir, target):
 def test_no_keys_or_page_bytes_in_logs(gds_dir, target):
     from hicache_gds.testing.hostile import log_leaks
     judge(log_leaks(gds_dir, target))
+
+
+# -- 7. integrity under faults -------------------------------------------------------------------------------
+
+def test_integrity_families_as_the_full_run_reports_them(gds_dir):
+    """Every CPU family of section 7, small (the focused reproductions: tests/test_integrity.py)."""
+    from hicache_gds.testing.integrity import integrity_cases
+    cases = integrity_cases(gds_dir, quick=True)
+    bad = [(c.name, c.problems) for c in cases if not c.ok]
+    assert not bad, bad
+    names = {c.name.split(" (")[0].split(":")[0] for c in cases}
+    assert {"failed puts", "GDS_PATH reordered", "namespace directory removed", "close during IO",
+            "write in flight at close", "an idle process after others read"} <= names, names
+    assert all(c.wrong_bytes == 0 and c.exceptions == 0 for c in cases)
+
+
+def test_the_full_run_checks_its_needs_before_any_work(monkeypatch):
+    """Without hypothesis the run stops at once naming the `test` extra (it failed after minutes)."""
+    import importlib.util
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import reliability
+    finally:
+        sys.path.remove(os.path.join(REPO, "benchmarks"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hypothesis" else real(name, *a))
+    need = reliability.check_needs()
+    assert "hypothesis" in need and "hicache-gds[test]" in need
+    p = subprocess.run([sys.executable, "-c", "import importlib.util, runpy, sys; real = importlib.util.find_spec; "
+                        "importlib.util.find_spec = lambda n, *a: None if n == 'hypothesis' else real(n, *a); "
+                        "sys.argv = ['reliability.py', '--quick']; runpy.run_path('benchmarks/reliability.py', "
+                        "run_name='__main__')"], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=REPO))
+    assert p.returncode == 1 and "the `test` extra" in p.stderr and "torture" not in p.stderr, p.stderr[-2000:]

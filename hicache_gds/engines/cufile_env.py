@@ -74,14 +74,20 @@ def _strip_json_comments(text: str) -> str:
     return re.sub(r'("(?:\\.|[^"\\])*")|//[^\n]*', lambda m: m.group(1) or "", text)
 
 
+SYSTEM_CUFILE_JSON = "/etc/cufile.json"
+"""Where libcufile reads its settings when `CUFILE_ENV_PATH_JSON` names none."""
+LIBCUFILE_POOL = ((4, 128), (1024, 64), (16384, 64))
+"""libcufile's own compat-mode bounce pool: (slab KiB, buffers), when no cufile.json says otherwise."""
+
+
 def cufile_bounce_pool(cufile_json: str = "") -> list[tuple[int, int]]:
     """(slab bytes, buffer count) of cuFile's compat-mode POSIX bounce pool, smallest slab first.
 
-    Read from `CUFILE_ENV_PATH_JSON`, then `cufile_json`, then /etc/cufile.json; libcufile's
-    defaults when none says otherwise.
+    Read from `CUFILE_ENV_PATH_JSON`, then `cufile_json`, then `SYSTEM_CUFILE_JSON`; libcufile's
+    defaults (`LIBCUFILE_POOL`) when none says otherwise.
     """
-    sizes_kb, counts = [4, 1024, 16384], [128, 64, 64]
-    for path in (os.environ.get("CUFILE_ENV_PATH_JSON", ""), cufile_json, "/etc/cufile.json"):
+    sizes_kb, counts = [s for s, _ in LIBCUFILE_POOL], [c for _, c in LIBCUFILE_POOL]
+    for path in (os.environ.get("CUFILE_ENV_PATH_JSON", ""), cufile_json, SYSTEM_CUFILE_JSON):
         if path and os.path.isfile(path):
             try:
                 with open(path) as f:

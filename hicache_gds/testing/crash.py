@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -98,13 +99,23 @@ def _check(gds_path: str, page: int, capacity: int, engine: str, acked: set[str]
         store.close()
 
 
+def _first_ack(p: subprocess.Popen, timeout: float) -> str:
+    """The worker's first acknowledged key (its first line after READY), waited for at most `timeout` s."""
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    if not ready:
+        p.kill()
+        raise RuntimeError(f"crash worker acknowledged nothing in {timeout:.0f} s")
+    return p.stdout.readline()
+
+
 def run_rounds(gds_path: str, rounds: int, *, page: int = 64 << 10, capacity: int = 512 << 20,
                engine: str = "nixl-posix", batch: int = 16, mode: str = "put", seed: int = 0,
-               max_delay: float = 1.5) -> dict:
-    """Run `rounds` kill -9 rounds; returns the totals."""
+               max_delay: float = 1.5, after_first_ack: bool = False) -> dict:
+    """Run `rounds` kill -9 rounds; returns the totals. `after_first_ack`: the kill's delay starts
+    once the worker acknowledged its first batch, so every round has pages that must survive."""
     rng = random.Random(seed)
     totals = {"kills": 0, "acked_pages": 0, "acked_lost": 0, "torn_served": 0, "max_recovery_s": 0.0,
-              "rounds": rounds, "mode": mode, "engine": engine}
+              "rounds": rounds, "mode": mode, "engine": engine, "rounds_with_acks": 0, "present_checked": 0}
     evict = mode in ("evict", "clear")
     for r in range(rounds):
         cmd = [sys.executable, "-m", "hicache_gds.testing.crash", "--worker", "--gds-path", gds_path, "--page", str(page),
@@ -115,16 +126,20 @@ def run_rounds(gds_path: str, rounds: int, *, page: int = 64 << 10, capacity: in
         if ready.strip() != "READY":
             p.kill()
             raise RuntimeError(f"crash worker did not start: {ready!r}")
+        first = _first_ack(p, 60.0) if after_first_ack else ""
         time.sleep(rng.uniform(0.05, max_delay))
         os.kill(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
+        out = first + out
         totals["kills"] += 1
         lines = out.splitlines()
+        totals["rounds_with_acks"] += any(k and k not in ("CLEARED", "READY") for k in lines)
         if "CLEARED" in lines:  # only keys acked after the last clear must survive
             lines = lines[len(lines) - 1 - lines[::-1].index("CLEARED") + 1:]
         acked = {k for k in lines if k and k not in ("CLEARED", "READY")}
         res = _check(gds_path, page, capacity, engine, acked, evict)
         totals["acked_pages"] += res["acked"]
+        totals["present_checked"] += res["present"]
         totals["acked_lost"] += res["acked_lost"]
         totals["torn_served"] += res["torn_served"]
         totals["max_recovery_s"] = max(totals["max_recovery_s"], res["recovery_s"])

@@ -34,7 +34,13 @@ segments in buffer order (MHA ``K_l0..K_lL-1, V_l0..V_lL-1``), the byte order Hi
 ``layer_major`` (host ``layer_first`` / ``page_first_direct`` pools), so the two share pages of one
 model and rank. Two exceptions get namespaces of their own: pages whose size is not a multiple of
 4 KiB are stored padded (cuFile cannot move the unaligned tail), and MLA ranks other than TP 0
-keep their own copy (the core's one-writer lock, and VRAM pages carry no checksum for a reader).
+keep their own copy.
+
+Integrity. Pages carry the core's one checksum (`hicache_gds.checksum`), computed on the GPU when
+they are offloaded (by `PageStore.put`) and checked on the GPU where they landed once a load's
+last step is in (`_verify_loaded`), before its last layers are reported: a page that fails is
+dropped and the load fails, which SGLang turns into aborting its requests. Pages HiCacheGDS
+stored from host memory verify the same way, and the reverse.
 """
 
 from __future__ import annotations
@@ -197,7 +203,7 @@ class GDSLinker(UnifiedCacheLinker):
         self._streams = {n: torch.cuda.Stream(self.dev.device) if self.kind is MemKind.VRAM else None
                          for n in ("load", "offload")}
         self._stats = {"load_batches": 0, "load_pages": 0, "load_failures": 0, "offloads": 0, "offload_pages": 0,
-                       "offload_failures": 0, "load_bytes": 0, "offload_bytes": 0}
+                       "offload_failures": 0, "load_bytes": 0, "offload_bytes": 0, "checksum_mismatches": 0}
         self._lat = {"load": deque(maxlen=4096), "offload": deque(maxlen=4096)}
         self._lock = threading.Lock()
         self.copy_impl = "torch"
@@ -395,9 +401,10 @@ class GDSLinker(UnifiedCacheLinker):
                 if len(ring) == self.depth:
                     self._finish_read(index, *ring.popleft(), starts, n)
                 ring.append((step, k % self.depth, self._post_read(step, k % self.depth, starts, fids, base)))
+            verify = (lambda: self._verify_loaded(keys, entries, starts)) if self.store.config.verify else None
             while ring:
                 done = ring.popleft()
-                self._finish_read(index, *done, starts, n, None if ring else landed)
+                self._finish_read(index, *done, starts, n, *((None, None) if ring else (landed, verify)))
         except BaseException as exc:
             timed_out = isinstance(exc, TransferTimeout)
             self._wait([t for _, _, ts in ring for t in ts], time.monotonic() + self.store.config.io_timeout,
@@ -411,6 +418,29 @@ class GDSLinker(UnifiedCacheLinker):
             self.layer_done_counter.fail(index, exc)
         finally:
             self.store.index.unpin(pinned)
+
+    def _verify_loaded(self, keys: list[str], entries: list, starts: torch.Tensor) -> None:
+        """Check every page of a load where it landed against its checksum (on the GPU for device
+        pools; `PageStore.page_checksums`), before the batch's last layers are reported. A page that
+        fails is dropped from the store and the load fails, so SGLang aborts its requests before
+        their output is used (the forward may have read the layers that landed first: a failure is
+        reported, never hidden)."""
+        segs = tuple(range(len(self.dev.table.row_bytes)))
+        addrs = self.dev.seg_addrs(starts, segs)
+        lens = np.broadcast_to(np.array(self.dev.table.seg_bytes, dtype=np.uint64), addrs.shape).copy()
+        got = self.store.page_checksums(Pages(addrs, lens, self.kind))
+        expect = np.array([e.csum for e in entries], dtype=np.int64)
+        bad = np.flatnonzero((got != expect) & (expect != 0))
+        if not bad.size:
+            return
+        with self._lock:
+            self._stats["checksum_mismatches"] += int(bad.size)
+        try:
+            self.store.index.drop([keys[i] for i in bad], [entries[i].slot for i in bad])
+        except OSError as exc:
+            log.warning("hicache-gds linker: %s", exc)
+        raise LookupError(f"{bad.size} of {len(keys)} loaded pages failed their checksum where they landed "
+                          f"(dropped from the store)")
 
     def _post_read(self, step: tuple[int, int, int], slot: int, starts: torch.Tensor, fids: np.ndarray,
                    base: np.ndarray) -> list:
@@ -434,7 +464,7 @@ class GDSLinker(UnifiedCacheLinker):
         return self._post(Op.READ, mem, fil)
 
     def _finish_read(self, index: int, step: tuple[int, int, int], slot: int, transfers: list,
-                     starts: torch.Tensor, n: int, landed: Any = None) -> None:
+                     starts: torch.Tensor, n: int, landed: Any = None, verify: Any = None) -> None:
         g, a, b = step
         grp = self.plan.groups[g]
         self._wait(transfers, time.monotonic() + self.store.config.io_timeout)
@@ -442,6 +472,8 @@ class GDSLinker(UnifiedCacheLinker):
             stage = self._stages[f"load{slot}"][: (b - a) * grp.stage_bytes].view(b - a, grp.stage_bytes)
             self._copy(scatter_pages, "load", starts[a:b], stage, grp.stage_offsets, grp.segments)
         if b == n:  # the group's last chunk: its layers are in device memory
+            if verify is not None:  # the batch's last step: every page has landed; its last layers wait
+                verify()
             if landed is not None:
                 landed()
             for layer in grp.layers:

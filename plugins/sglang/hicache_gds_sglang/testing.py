@@ -5,8 +5,9 @@ Registered as the ``sglang`` target (entry-point group ``hicache_gds.testing.tar
 core's runs reach it by name without importing this plugin (`hicache_gds.testing.targets` says
 what a target provides). Needs SGLang 0.5.17–0.5.23 (the `scripts/install-sglang-test-deps.sh`
 environment) and the CPU mimics of SGLang's host pools in the repository's
-``tests/sglang_pools.py`` (SGLang's real pools load CUDA kernels at import;
-``HICACHE_GDS_TESTS_DIR`` names that directory when this plugin is not run from the repository).
+``tests/sglang_pools.py`` (SGLang's real pools load CUDA kernels at import; found on ``sys.path``
+first, so put that directory on ``PYTHONPATH`` when this plugin is not run from the repository --
+an environment variable of ours would be a ``HICACHE_GDS_*`` name, which strict config refuses).
 
     sc = storage_config(gds_path, capacity="64M")
     pool = make_pool("mha", "page_first", pages=64)
@@ -35,9 +36,6 @@ POOL_SHAPES = [("mha", "page_first", 4, 2, 64, 16), ("mha", "layer_first", 4, 2,
 
 
 def _tests_dir() -> str:
-    env = os.environ.get("HICACHE_GDS_TESTS_DIR")
-    if env:
-        return env
     here = os.path.dirname(os.path.abspath(__file__))  # <repo>/plugins/sglang/hicache_gds_sglang
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(here))), "tests")
 
@@ -63,6 +61,11 @@ def available() -> bool:
 
 
 def _pools() -> Any:
+    try:  # on sys.path already (PYTHONPATH names the repository's tests directory)
+        import sglang_pools
+        return sglang_pools
+    except ImportError:
+        pass
     d = _tests_dir()
     if d not in sys.path:
         sys.path.insert(0, d)
