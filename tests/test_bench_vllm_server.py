@@ -166,8 +166,9 @@ def test_a_configuration_whose_requests_all_fail_prints_dashes(tmp_path, monkeyp
 
 def test_the_default_gpu_plan_dry_run(tmp_path):
     """run_vllm_e2e.sh without arguments -- the one device call of the plan: the 8B shape's recompute
-    and gds, the 32B shape's recompute, gds-cost and gds, then the 8B shape's gds-cost -- against the
-    fake server: every configuration measured, results per shape mirrored to $OUT."""
+    and gds, the 32B shape's recompute, gds-cost and gds, then the 8B shape's cpu (vLLM's own CPU
+    offloading, the baseline for revisits only NVMe can serve) and gds-cost -- against the fake
+    server: every configuration measured, results per shape mirrored to $OUT."""
     out = tmp_path / "OUT"
     out.mkdir()
     env = {**os.environ, "E2E_DRY_RUN": "1", "RAW_SIZE": str(32 << 20), "DEADLINE_S": "300",
@@ -177,7 +178,7 @@ def test_the_default_gpu_plan_dry_run(tmp_path):
     p = subprocess.run(["bash", os.path.join(E2E, "run_vllm_e2e.sh")], env=env, capture_output=True, text=True,
                        timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    for shape, cfgs, kv in (("8b", ["recompute", "gds", "gds-cost"], 128 << 10),
+    for shape, cfgs, kv in (("8b", ["recompute", "gds", "cpu", "gds-cost"], 128 << 10),
                             ("32b", ["recompute", "gds-cost", "gds"], 256 << 10)):
         doc = json.load(open(out / shape / "results.json"))
         assert [r["config"] for r in doc["records"]] == cfgs and doc["kv_per_token"] == kv
