@@ -344,9 +344,10 @@ class GDSLinker(UnifiedCacheLinker):
         mem, fil = np.stack([a, ln], axis=1), np.stack([np.repeat(fil[:, 0], pieces), off], axis=1)
         out = []
         try:
-            for a, b in split_batches(np.ones(len(mem)), mem[:, 1], caps,
-                                      self.store.config.max_request_bytes or 64 << 20):
-                out.append(self.store.engine.submit(op, self.kind, mem[a:b], fil[a:b]))
+            for bt in split_batches(np.ones(len(mem)), mem[:, 1], caps,
+                                    self.store.config.max_request_bytes or 64 << 20):
+                out.append(self.store.engine.submit(op, self.kind, mem[bt.row_start:bt.row_stop],
+                                                    fil[bt.row_start:bt.row_stop]))
         except BaseException:
             self._wait(out, time.monotonic() + self.store.config.io_timeout, quiet=True)
             raise
