@@ -10,6 +10,7 @@ hooks exactly as SGLang's HookRegistry wrapper does: ``hook(original, self, *arg
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import subprocess
@@ -352,6 +353,52 @@ def test_a_slow_load_is_stopped_when_the_gpu_is_free_and_kept_where_it_is_busy(g
         pol2._decided["s2"] = ("load", 16448, 0, 16384)
         assert hooks.around_can_terminate(getattr(CACHE, STOP), cache2, op2) is False
         assert pol2.counts["stop"] == 0 and not b._is_cancelled(op2.host_indices)
+    finally:
+        b.close()
+
+
+def test_an_admitted_load_on_time_is_not_redecided_until_a_batch_lands_or_it_runs_late(gds_dir, monkeypatch,
+                                                                                        caplog):
+    # Admitted as a load (loading is faster); then the estimates drift so that stopping looks
+    # better. On time and with no new batch kept, the admission stands; when a batch lands (its
+    # pages are kept by a stop) or the load runs late against its forecast, it is re-decided.
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.7))
+    try:
+        cache, ctl, pol = make_cache(b)
+        pol.current_req = req("t", 16448)
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
+            admit(cache, "t", 16384, [])
+        assert pol.last["action"] == "load" and "t load (16448 new" in caplog.text and "GB/s" in caplog.text
+        pol.current_req = None
+        forecast = pol._loads["t"][1]
+        assert 0 < forecast < math.inf
+        op = in_flight(cache, b, "t", 16384, kept=0)
+        b.read_rate.seed(gbps_for(2.0) * 1e9, "drifted")  # now loading looks twice as slow as computing
+        b.read_rate._obs.clear()
+        stop = getattr(CACHE, STOP)
+        clock = [time.monotonic()]
+        monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
+        clock[0] += 0.05
+        assert hooks.around_can_terminate(stop, cache, op) is False  # on time, nothing new kept
+        assert pol.counts["stop"] == 0
+        op.completed_tokens = 4096  # a batch landed: looked at again, and stopped (keeping it)
+        clock[0] += 0.05
+        assert hooks.around_can_terminate(stop, cache, op) is True
+        assert pol.counts["stop"] == 1 and pol.last["kept"] == 4096
+        # a second load: no batch lands, but it runs past 1.25x its forecast
+        cache.ongoing_prefetch.clear()  # SGLang settled the stopped one
+        pol.current_req = req("u", 16448)
+        b.read_rate.seed(gbps_for(0.7) * 1e9, "back")
+        admit(cache, "u", 16384, [])
+        pol.current_req = None
+        assert pol.last["action"] == "load"
+        op2 = in_flight(cache, b, "u", 16384, kept=0)
+        b.read_rate.seed(gbps_for(2.0) * 1e9, "drifted")
+        clock[0] += 0.05
+        assert hooks.around_can_terminate(stop, cache, op2) is False
+        clock[0] += pol._loads["u"][1] * 1.25 + 0.2
+        assert hooks.around_can_terminate(stop, cache, op2) is True
+        assert pol.counts["stop"] == 2 and pol.last["kept"] == 0
     finally:
         b.close()
 
