@@ -219,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hicache-storage-backend", default=None)
     p.add_argument("--hicache-storage-prefetch-policy", default="timeout")
     a, _unknown = p.parse_known_args(argv)
+    gds_path = os.environ.get("GDS_PATH")
+    if a.hicache_storage_backend == "gds" and gds_path and not os.path.isdir(gds_path):
+        # as the real backend refuses at start (and SGLang then exits)
+        print(f"GDS_PATH: {gds_path} does not exist; create it (one directory per NVMe drive)", file=sys.stderr)
+        return 1
     time.sleep(float(os.environ.get("FAKE_START_S", "1.0")))
     srv = ThreadingHTTPServer((a.host, a.port), handler(Fake(a)))
     srv.daemon_threads = True

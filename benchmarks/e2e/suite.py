@@ -146,6 +146,8 @@ def server_command(a: argparse.Namespace, port: int) -> tuple[list[str], dict[st
     env = dict(os.environ)
     env["GDS_PATH"] = os.path.join(a.dir, "gds")
     env["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] = os.path.join(a.dir, "nixl")
+    for d in (env["GDS_PATH"], env["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"]):
+        os.makedirs(d, mode=0o700, exist_ok=True)  # the server opens its backend at start: GDS_PATH must exist
     env["SGLANG_HICACHE_NIXL_BACKEND_PLUGIN"] = "POSIX"
     return cmd, env
 
