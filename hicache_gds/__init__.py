@@ -9,7 +9,7 @@ from .config import Config
 from .engines.base import MemKind, Op
 from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSError, ReadOnlyError, RegionError,
                      StoreClosedError, StoreFullError, StoreLockedError, TransferError, TransferTimeout)
-from .index_reader import read_keys
+from .index import read_keys
 from .layout import Pages, namespace_id, namespace_location, page_bytes_for
 from .reader import PageReader
 from .store import PageStore

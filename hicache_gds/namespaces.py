@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 from . import ondisk
 from .errors import ConfigError
 from .index import INDEX_FILE, remove_pages
-from .index_reader import IndexReader
+from .index import IndexReader
 from .layout import NAMESPACE_RE
 from .owners import LOCK_FILE, procs_state, read_use
 from .slabs import META_FILE, SlabSet

@@ -53,7 +53,7 @@ from .engines.select import choose_engine
 from .errors import ConfigError, ReadOnlyError, RegionError
 from .gate import CallGate, gated
 from .index import INDEX_FILE
-from .index_reader import IndexReader
+from .index import IndexReader
 from .layout import Pages, namespace_location
 from .slabs import SlabSet, prepare_root
 from .stats import StoreStats

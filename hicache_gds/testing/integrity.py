@@ -585,12 +585,12 @@ def idle_map_case(root: str, *, reads: int = 4500) -> Case:
         case.check(all(b.put(ks, Pages.contiguous(buf.addr, PAGE, range(16)))), "puts failed")
         case.check(all(a.exists(ks)), "the idle store does not see the pages")
         reloads = [0]
-        real = a.index._read
+        real = a.index.keymap._read
 
         def counting(*args: Any, **kw: Any) -> Any:
             reloads[0] += 1
             return real(*args, **kw)
-        a.index._read = counting
+        a.index.keymap._read = counting
         for i in range(reads):
             e = b.index.lookup_pin([ks[i % 16]])
             b.index.unpin([e[0].slot])

@@ -23,7 +23,7 @@ import logging
 import os
 from typing import Iterable, Mapping
 
-from hicache_gds.index_reader import read_keys
+from hicache_gds.index import read_keys
 from hicache_gds.slabs import prepare_root, private_dir
 
 __all__ = ["SideDir", "FailureLog", "read_store_keys"]
