@@ -11,8 +11,7 @@ from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSE
                      StoreClosedError, StoreFullError, StoreLockedError, TransferError, TransferTimeout)
 from .index import read_keys
 from .layout import Pages, namespace_id, namespace_location, page_bytes_for
-from .reader import PageReader
-from .store import PageStore
+from .store import JoinedStore, Lease, PageReader, PageStore, Store, open_store
 
 __version__ = "0.1.0"
 
