@@ -34,7 +34,7 @@ from .. import checksum
 from ..config import Config
 from ..engines.base import MemKind, TransferEngine
 from ..layout import Pages
-from ..memory import HostBuffer
+from ..memory import HostBuffer, align_up
 from ..store.pagestore import PageStore
 from ..store.protocol import Lease, Store
 from .options import REMOTE_KEYS, RemoteOptions
@@ -101,6 +101,8 @@ class TieredStore(Store):
             self.close()
             raise
         self.namespace = str((self.local or self.remote).stats().get("namespace", ""))  # type: ignore[union-attr]
+        self.slot_bytes = self.local.slot_bytes if self.local is not None else align_up(page_bytes)
+        self.dirs = list(self.local.dirs) if self.local is not None else []
         self._counts = {"promoted": 0, "writeback_queued": 0, "writeback_done": 0, "writeback_dropped": 0,
                         "writeback_failed": 0}
         self._clock = threading.Lock()

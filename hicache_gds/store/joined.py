@@ -38,7 +38,7 @@ class JoinedStore(Store):
     def __init__(self, namespace_dir: str, config: Config | None = None) -> None:
         self.config = config if config is not None else Config.load({})
         self.namespace = os.path.basename(os.path.normpath(namespace_dir))
-        self.page_bytes = 0
+        self.page_bytes = self.slot_bytes = 0  # not known from the directory alone
         self.dirs = [namespace_dir]
         self._member: Membership | None = Membership(namespace_dir)
         try:

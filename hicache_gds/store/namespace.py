@@ -27,7 +27,7 @@ from ..layout import namespace_location
 from ..owners import Membership, setup_lock
 from ..slabs import META_FILE, SlabSet, prepare_root, private_dir
 
-__all__ = ["Namespace", "checked_config", "open_namespace"]
+__all__ = ["Namespace", "checked_config", "namespace_created", "open_namespace"]
 
 log = logging.getLogger("hicache_gds.store")
 
@@ -66,6 +66,13 @@ def refuse_link(exc: OSError) -> ConfigError | None:
     return ConfigError(f"GDS_PATH: {exc.filename} is a symbolic link; the store never follows links "
                        f"inside its namespace (remove it)")
 
+
+
+def namespace_created(page_bytes: int, identity: Mapping[str, Any] | None, config: Config) -> bool:
+    """Whether a store has already created the namespace of (`page_bytes`, `identity`, `config`):
+    it then keeps the size chosen when it was created, whatever capacity is configured now."""
+    loc = namespace_location(page_bytes, identity, config)
+    return os.path.exists(os.path.join(loc.dirs[0], SlabSet.FILE_NAME))
 
 
 @dataclass

@@ -100,8 +100,10 @@ class Store(abc.ABC):
     the conformance suite."""
 
     config: Config
-    page_bytes: int
-    namespace: str
+    page_bytes: int  # every page's size
+    slot_bytes: int  # a page's room in a slab file: page_bytes rounded up to 4 KiB
+    namespace: str  # the namespace's directory name (hash of its identity)
+    dirs: list[str]  # its directories, one per GDS_PATH entry (none for a store without a local tier)
     read_only: bool = False
 
     @abc.abstractmethod

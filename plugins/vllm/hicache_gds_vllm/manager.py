@@ -15,11 +15,11 @@ the chunks this engine stores, and consults the workers' shared indexes for the 
   the job (vLLM asserts success) but first appends the keys to its failure log (`sidecar.py`),
   and `complete_store` leaves those chunks un-committed;
 * `lookup` answers from the shared indexes whenever the workers' namespaces can be seen (one
-  read-only `Index` per (rank, group), kept in step with the database at each lookup): a chunk
+  lookups-and-leases store per (rank, group), `open_store(namespace_dir=...)`): a chunk
   is a HIT when every rank's namespace holds it -- whichever engine stored it -- and a READY
   chunk that some rank no longer holds (evicted by the store for another engine's chunks) is
   forgotten and a MISS. Before the workers have opened their stores it answers from its own map;
-* `prepare_load` leases the chunk's slots in every rank's namespace (`Index.lookup_pin`) until
+* `prepare_load` leases the chunk's slots in every rank's namespace (`Store.lease`) until
   `complete_load`: no process evicts a leased slot, so a chunk handed out for loading is never
   evicted by another engine meanwhile. (Between `lookup` and `prepare_load`, within one
   scheduler step, a chunk is not leased yet.) The manager's LRU and capacity bound what it
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -59,8 +58,7 @@ from typing import Collection, Iterable
 from vllm.v1.kv_offload.base import (LookupResult, OffloadingEvent, OffloadingManager, OffloadKey, PrepareStoreOutput,
                                      ReqContext, RequestOffloadingContext, ScheduleEndContext, get_offload_group_idx)
 
-from hicache_gds.index import INDEX_FILE, Index
-from hicache_gds.owners import Membership
+from hicache_gds import Lease, Store, open_store
 
 from . import compat
 from .costmodel import CostModel, breakeven_chunks, cost_model_from
@@ -82,7 +80,7 @@ class _Entry:
     state: ChunkState
     group: int
     pins: int = 0
-    leases: list = field(default_factory=list)  # per load in flight: [(Index, slot), ...] over the ranks
+    leases: list = field(default_factory=list)  # per load in flight: [(Lease, position), ...] over the ranks
 
 
 @dataclass
@@ -103,20 +101,20 @@ class _Flight:
 
 
 class SharedIndex:
-    """The workers' namespaces as this scheduler sees them: one `Index` per (rank, group position),
-    joined read-mostly (lookups, leases; never a reservation), opened once the worker has written
-    where its store is (`sidecar.write_stores`), tried again at most once a second until then."""
+    """The workers' namespaces as this scheduler sees them: one store per (rank, group position),
+    joined for lookups and leases only (`open_store(namespace_dir=...)`: never a reservation),
+    opened once the worker has written where its store is (`sidecar.write_stores`), tried again at
+    most once a second until then."""
 
     RETRY_S = 1.0
 
     def __init__(self, spec: HiCacheGDSOffloadingSpec) -> None:
         self.spec = spec
         self.world = spec.config.parallel.world_size
-        self._ix: dict[tuple[int, int], Index] = {}
-        self._members: dict[str, Membership] = {}
+        self._ix: dict[tuple[int, int], Store] = {}
         self._next_try: dict[tuple[int, int], float] = {}
 
-    def _index(self, rank: int, pos: int) -> Index | None:
+    def _index(self, rank: int, pos: int) -> Store | None:
         ix = self._ix.get((rank, pos))
         if ix is not None:
             return ix
@@ -128,16 +126,14 @@ class SharedIndex:
         if not d:
             return None
         try:
-            member = self._members.get(d) or Membership(d)
-            self._members[d] = member
-            ix = self._ix[(rank, pos)] = Index.join(os.path.join(d, INDEX_FILE), member)
+            ix = self._ix[(rank, pos)] = open_store(namespace_dir=d)
         except (OSError, ValueError) as exc:  # not created yet, or unreadable: our own map decides
             log.debug("hicache-gds-vllm: rank %d group %d namespace %s not readable yet: %s", rank, pos, d, exc)
             return None
         return ix
 
-    def indexes(self, pos: int) -> list[Index] | None:
-        """Every rank's index of group position `pos`, or None while one cannot be seen."""
+    def indexes(self, pos: int) -> list[Store] | None:
+        """Every rank's store of group position `pos`, or None while one cannot be seen."""
         out = []
         for r in range(self.world):
             ix = self._index(r, pos)
@@ -151,41 +147,38 @@ class SharedIndex:
         ixs = self.indexes(pos)
         if ixs is None:
             return None
-        return all(ix.contains([sk])[0] for ix in ixs)
+        return all(ix.exists([sk])[0] for ix in ixs)
 
-    def lease(self, sks: list[str], pos: int) -> tuple[list[list[tuple[Index, int]]], int]:
-        """Lease chunks `sks` on every rank: per chunk its (index, slot) leases; and how many
+    def lease(self, sks: list[str], pos: int) -> tuple[list[list[tuple[Lease, int]]], int]:
+        """Lease chunks `sks` on every rank: per chunk its (lease, position) holds; and how many
         chunks some rank did not hold (their load will fail)."""
-        out: list[list[tuple[Index, int]]] = [[] for _ in sks]
+        out: list[list[tuple[Lease, int]]] = [[] for _ in sks]
         ixs = self.indexes(pos)
         if ixs is None:
             return out, 0
         missing: set[int] = set()
         for ix in ixs:
             try:
-                ents = ix.lookup_pin(sks)
+                lease = ix.lease(sks)
             except OSError as exc:
-                log.warning("hicache-gds-vllm: could not lease %d chunks in %s: %s", len(sks), ix.db_path, exc)
+                log.warning("hicache-gds-vllm: could not lease %d chunks in %s: %s", len(sks), ix.namespace, exc)
                 continue
-            for i, e in enumerate(ents):
-                if e is None:
+            for i, present in enumerate(lease.present.tolist()):
+                if not present:
                     missing.add(i)
                 else:
-                    out[i].append((ix, e.slot))
+                    out[i].append((lease, i))
         return out, len(missing)
 
     @staticmethod
-    def release(leases: list[tuple[Index, int]]) -> None:
-        for ix, slot in leases:
-            ix.unpin([slot])
+    def release(leases: list[tuple[Lease, int]]) -> None:
+        for lease, i in leases:
+            lease.release([i])
 
     def close(self) -> None:
         for ix in self._ix.values():
             ix.close()
-        for m in self._members.values():
-            m.close()
         self._ix.clear()
-        self._members.clear()
 
 
 class HiCacheGDSManager(OffloadingManager):

@@ -23,8 +23,7 @@ import logging
 import os
 from typing import Iterable, Mapping
 
-from hicache_gds.index import read_keys
-from hicache_gds.slabs import prepare_root, private_dir
+from hicache_gds import prepare_root, private_dir, read_keys
 
 __all__ = ["SideDir", "FailureLog", "read_store_keys"]
 

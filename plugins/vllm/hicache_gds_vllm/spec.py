@@ -26,9 +26,7 @@ from typing import Any, Mapping
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from hicache_gds import Config, ConfigError, namespace_id
-from hicache_gds.capacity import default_budget
-from hicache_gds.memory import align_up
+from hicache_gds import Config, ConfigError, align_up, default_budget, namespace_id
 
 from . import compat, costmodel
 from .shared import HiCacheLoadSpec, HiCacheStoreSpec, store_key
