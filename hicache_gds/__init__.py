@@ -20,6 +20,7 @@ from .index import read_keys
 from .layout import Pages, namespace_id, namespace_location, page_bytes_for
 from .memory import HostBuffer, align_up, view
 from .slabs import prepare_root, private_dir
+from .stats import METRICS, Counters, metric_values
 from .store import JoinedStore, Lease, PageReader, PageStore, Store, open_store
 from .store.namespace import namespace_created
 
@@ -30,7 +31,7 @@ __all__ = [
     "Config", "MemKind", "Op", "Pages", "namespace_created", "namespace_id", "namespace_location",
     "page_bytes_for", "read_keys",
     "HostBuffer", "align_up", "view", "parse_size", "default_budget", "prepare_root", "private_dir",
-    "CostModel", "PrefillModel", "ReadRate", "COST_STATE_FILE", "load_state", "save_state",
+    "METRICS", "Counters", "metric_values", "CostModel", "PrefillModel", "ReadRate", "COST_STATE_FILE", "load_state", "save_state",
     "HiCacheGDSError", "ConfigError", "EngineUnavailable", "GDSUnavailable", "ReadOnlyError", "RegionError",
     "StoreClosedError", "StoreFullError", "StoreLockedError", "TransferError", "TransferTimeout", "__version__",
 ]

@@ -35,6 +35,7 @@ from ..config import Config
 from ..engines.base import MemKind, TransferEngine
 from ..layout import Pages
 from ..memory import HostBuffer, align_up
+from ..stats import Counters
 from ..store.pagestore import PageStore
 from ..store.protocol import Lease, Store
 from .options import REMOTE_KEYS, RemoteOptions
@@ -103,9 +104,8 @@ class TieredStore(Store):
         self.namespace = str((self.local or self.remote).stats().get("namespace", ""))  # type: ignore[union-attr]
         self.slot_bytes = self.local.slot_bytes if self.local is not None else align_up(page_bytes)
         self.dirs = list(self.local.dirs) if self.local is not None else []
-        self._counts = {"promoted": 0, "writeback_queued": 0, "writeback_done": 0, "writeback_dropped": 0,
-                        "writeback_failed": 0}
-        self._clock = threading.Lock()
+        self._counts = Counters(("promoted", "writeback_queued", "writeback_done", "writeback_dropped",
+                                 "writeback_failed"))
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="hicache-gds-tier") if self.mode == "both" else None
         self._wb_q: queue.Queue[str] = queue.Queue(maxsize=writeback_pages)
         self._wb_thread: threading.Thread | None = None
@@ -125,9 +125,7 @@ class TieredStore(Store):
         return o.io_timeout + 8 * o.redis_timeout + 5.0
 
     def _count(self, **kw: int) -> None:
-        with self._clock:
-            for k, v in kw.items():
-                self._counts[k] += v
+        self._counts.add(**kw)
 
     # -- API -------------------------------------------------------------------------------------
     def register_memory(self, addr: int, nbytes: int, kind: MemKind = MemKind.DRAM) -> None:
@@ -252,8 +250,7 @@ class TieredStore(Store):
             return self._wb_cv.wait_for(lambda: self._wb_pending == 0, timeout)
 
     def stats(self) -> dict[str, Any]:
-        with self._clock:
-            out: dict[str, Any] = dict(self._counts)
+        out: dict[str, Any] = self._counts.snapshot()
         names = [s.engine.name for s in (self.local, self.remote) if s is not None]
         ns = (self.local or self.remote).stats().get("namespace", "")  # type: ignore[union-attr]
         out.update(engine="tiered", mode=self.mode, write=self.write, promote=self.promote,

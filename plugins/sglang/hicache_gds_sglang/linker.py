@@ -58,7 +58,8 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from hicache_gds import ConfigError, Lease, MemKind, Op, Pages, TransferTimeout, align_up, open_store, parse_size
+from hicache_gds import (ConfigError, Counters, Lease, MemKind, Op, Pages, TransferTimeout, align_up, open_store,
+                         parse_size)
 
 from .gather import (ALIGN, GATHER_BELOW, READ_RUN, DevicePages, choose_impl, gather_pages, page_layout_identity, plan_io,
                      scatter_pages)
@@ -197,8 +198,8 @@ class GDSLinker(UnifiedCacheLinker):
         self._graveyard: list[torch.Tensor] = []  # staging a timed-out read may still write: never reused
         self._streams = {n: torch.cuda.Stream(self.dev.device) if self.kind is MemKind.VRAM else None
                          for n in ("load", "offload")}
-        self._stats = {"load_batches": 0, "load_pages": 0, "load_failures": 0, "offloads": 0, "offload_pages": 0,
-                       "offload_failures": 0, "load_bytes": 0, "offload_bytes": 0, "checksum_mismatches": 0}
+        self._stats = Counters(("load_batches", "load_pages", "load_failures", "offloads", "offload_pages",
+                                "offload_failures", "load_bytes", "offload_bytes", "checksum_mismatches"))
         self._lat = {"load": deque(maxlen=4096), "offload": deque(maxlen=4096)}
         self._lock = threading.Lock()
         self.copy_impl = "torch"
@@ -290,7 +291,7 @@ class GDSLinker(UnifiedCacheLinker):
     def stats(self) -> dict[str, Any]:
         """Counters, p50/p99 latencies (ms), the IO plan and the engine path that ran."""
         with self._lock:
-            out: dict[str, Any] = dict(self._stats)
+            out: dict[str, Any] = self._stats.snapshot()
             for op, lat in self._lat.items():
                 if lat:
                     v = np.sort(np.fromiter(lat, dtype=np.float64)) * 1e3
@@ -368,9 +369,7 @@ class GDSLinker(UnifiedCacheLinker):
 
             def landed() -> None:  # before the last layers complete: a caller of finish() sees the stats
                 with self._lock:
-                    self._stats["load_batches"] += 1
-                    self._stats["load_pages"] += n
-                    self._stats["load_bytes"] += n * self.dev.table.page_bytes
+                    self._stats.add(load_batches=1, load_pages=n, load_bytes=n * self.dev.table.page_bytes)
                     self._lat["load"].append(time.perf_counter() - t0)
 
             for k, step in enumerate(steps):
@@ -389,7 +388,7 @@ class GDSLinker(UnifiedCacheLinker):
             if timed_out:  # the IO may still land in staging: retire it (still registered, never freed)
                 self._graveyard += [self._stages.pop(f"load{i}") for i in range(self.depth) if f"load{i}" in self._stages]
             with self._lock:
-                self._stats["load_failures"] += 1
+                self._stats.add(load_failures=1)
             log.warning("hicache-gds linker: load of %d pages for %s failed: %s: %s", len(keys),
                         ",".join(ld.rid for ld in batch)[:200], type(exc).__name__, exc)
             self.layer_done_counter.fail(index, exc)
@@ -412,7 +411,7 @@ class GDSLinker(UnifiedCacheLinker):
         if not bad.size:
             return
         with self._lock:
-            self._stats["checksum_mismatches"] += int(bad.size)
+            self._stats.add(checksum_mismatches=int(bad.size))
         try:
             lease.reject(bad)
         except OSError as exc:
@@ -515,15 +514,13 @@ class GDSLinker(UnifiedCacheLinker):
             elif todo:
                 ok = self._offload_staged(keys, starts, todo)
             with self._lock:
-                self._stats["offloads"] += 1
-                self._stats["offload_pages"] += len(todo)
-                self._stats["offload_bytes"] += len(todo) * table.page_bytes
-                self._stats["offload_failures"] += not ok
+                self._stats.add(offloads=1, offload_pages=len(todo), offload_bytes=len(todo) * table.page_bytes,
+                                offload_failures=int(not ok))
                 self._lat["offload"].append(time.perf_counter() - t0)
         except BaseException as exc:  # noqa: BLE001 -- reported as a failed offload
             ok = False
             with self._lock:
-                self._stats["offload_failures"] += 1
+                self._stats.add(offload_failures=1)
             log.warning("hicache-gds linker: offload of %d pages failed: %s: %s", len(keys), type(exc).__name__, exc)
         finally:
             self._results.put(ok)
