@@ -9,7 +9,7 @@ The rest are the helpers adapters share: memory (`HostBuffer`, `view`, `align_up
 `ReadRate` and their persisted state) and namespace directories (`prepare_root`, `private_dir`).
 """
 
-from .capacity import default_budget
+from .slabs.capacity import default_budget
 from .config import Config, parse_size
 from .costmodel import STATE_FILE as COST_STATE_FILE
 from .costmodel import CostModel, PrefillModel, ReadRate, load_state, save_state
@@ -19,7 +19,7 @@ from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSE
 from .index import read_keys
 from .layout import Pages, namespace_id, namespace_location, page_bytes_for
 from .memory import HostBuffer, align_up, view
-from .slabs import prepare_root, private_dir
+from .slabs.slabset import prepare_root, private_dir
 from .stats import METRICS, Counters, metric_values
 from .store import JoinedStore, Lease, PageReader, PageStore, Store, open_store
 from .store.namespace import namespace_created

@@ -199,7 +199,7 @@ def test_device_pages_in_segments_are_checksummed_as_their_concatenation(gds_dir
 def test_a_namespace_of_the_old_format_opens_empty_and_verify_checks_it_with_xxh3(gds_dir, caplog):
     import xxhash
 
-    from hicache_gds import namespaces
+    from hicache_gds.slabs import namespaces
     ks = [f"o{i}" for i in range(6)]
     buf = HostBuffer(6 * PAGE)
     with I._store(gds_dir, "old-format", 16) as s:

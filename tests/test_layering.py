@@ -141,9 +141,9 @@ def test_the_adapter_rule_catches_a_reach_around(tmp_path):
     p = tmp_path / "adapter.py"
     p.write_text("import hicache_gds\nfrom hicache_gds import PageStore, open_store\n"
                  "from hicache_gds.testing.cases import Case\n"
-                 "def f():\n    from hicache_gds.index import Index\n    import hicache_gds.capacity\n"
+                 "def f():\n    from hicache_gds.index import Index\n    import hicache_gds.slabs.capacity\n"
                  "from hicache_gds import _nixl\n")
-    assert [w for _, w in _adapter_imports_of_the_core(str(p))] == ["hicache_gds.index", "hicache_gds.capacity",
+    assert [w for _, w in _adapter_imports_of_the_core(str(p))] == ["hicache_gds.index", "hicache_gds.slabs.capacity",
                                                                     "hicache_gds._nixl"]
 
 
@@ -166,7 +166,7 @@ def test_the_graph_sees_lazy_and_relative_imports(graph):
     assert "hicache_gds.bench.jobs" in graph["hicache_gds.bench.runner"]  # `from .jobs import ...` in a method
 
 
-@pytest.mark.parametrize("module", ["hicache_gds/engines/select.py", "hicache_gds/doctor.py",
+@pytest.mark.parametrize("module", ["hicache_gds/engines/select.py", "hicache_gds/tools/doctor.py",
                                     "hicache_gds/engines/diagnose.py",
                                     "hicache_gds/bench/runner.py", "hicache_gds/bench/cli.py"])
 def test_engine_choice_and_diagnosis_never_name_an_engine(module):

@@ -97,7 +97,7 @@ class Session:
         """Temporary directories (one per root) of `opts.directory`, GDS_PATH or a scratch disk."""
         spec = opts.directory
         if spec not in self._dirs:
-            from ..doctor import o_direct_ok
+            from ..tools.doctor import o_direct_ok
             if spec:
                 roots = [r for r in spec.replace(",", ":").split(":") if r]
             else:

@@ -23,7 +23,7 @@ from .schema import (Entry, bump, damaged, drop_leases, free_doomed, remove_page
                      slot_list, take_free, tick, unpublish)
 
 if TYPE_CHECKING:
-    from ..owners import Membership
+    from ..slabs.owners import Membership
 
 __all__ = ["Index"]
 
@@ -121,7 +121,7 @@ class Index:
         """Move a damaged database aside and start the namespace empty, under the namespace's setup
         lock (`locked`: the caller holds it); other processes find the new file at their next call
         (`_check_file`)."""
-        from ..owners import setup_lock
+        from ..slabs.owners import setup_lock
         if self._meta is None:  # joined as it is: the namespace's stores recover it, not us
             raise OSError(f"index {self.db_path} is damaged ({exc}); left to the namespace's stores")
         with contextlib.nullcontext() if locked else setup_lock(os.path.dirname(self.db_path)):

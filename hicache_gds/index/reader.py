@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from ..errors import ConfigError
-from ..ondisk import FORMAT_KEY
+from ..slabs.ondisk import FORMAT_KEY
 from .schema import INDEX_FILE, SCHEMA, Entry, select_entries
 
 __all__ = ["IndexReader", "read_keys"]

@@ -20,7 +20,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-from .. import ondisk
+from ..slabs import ondisk
 from .schema import CREATE, SCHEMA, TABLES, connect
 
 __all__ = ["Opened", "open_database", "move_aside", "replaced"]

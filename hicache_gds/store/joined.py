@@ -18,7 +18,7 @@ from ..engines.base import MemKind, Op, Transfer
 from ..errors import ReadOnlyError, StoreClosedError
 from ..index import INDEX_FILE, Index
 from ..layout import Pages
-from ..owners import Membership
+from ..slabs.owners import Membership
 from .mover import MAX_KEY_BYTES
 from .protocol import Lease, Store
 

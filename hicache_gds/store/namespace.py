@@ -16,16 +16,17 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from .. import checksum, ondisk
-from ..capacity import Sizing, size_namespace
+from .. import checksum
+from ..slabs import ondisk
+from ..slabs.capacity import Sizing, size_namespace
 from ..config import Config
 from ..engines.base import MemKind, TransferEngine
 from ..engines.select import choose_engine
 from ..errors import ConfigError
 from ..index import INDEX_FILE, Index
 from ..layout import namespace_location
-from ..owners import Membership, setup_lock
-from ..slabs import META_FILE, SlabSet, prepare_root, private_dir
+from ..slabs.owners import Membership, setup_lock
+from ..slabs.slabset import META_FILE, SlabSet, prepare_root, private_dir
 
 __all__ = ["Namespace", "checked_config", "namespace_created", "open_namespace"]
 

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..capacity import gib
+from ..slabs.capacity import gib
 from ..config import Config
 from ..engines.base import MemKind, Op, TransferEngine
 from ..errors import TransferError

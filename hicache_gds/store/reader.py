@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import ondisk
+from ..slabs import ondisk
 from ..config import Config
 from ..engines.base import MemKind, Op, TransferEngine
 from ..engines.select import choose_engine
@@ -54,7 +54,7 @@ from ..errors import ConfigError, ReadOnlyError, RegionError
 from ..gate import gated
 from ..index import INDEX_FILE, IndexReader
 from ..layout import Pages, namespace_location
-from ..slabs import SlabSet, prepare_root
+from ..slabs.slabset import SlabSet, prepare_root
 from .mover import BADSUM, FAIL, MAX_SINGLE_RETRIES, OK, TIMEOUT, PageMover, post_rows
 from .namespace import checked_config
 from .protocol import Lease, Store

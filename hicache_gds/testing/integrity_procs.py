@@ -41,7 +41,7 @@ def membership_race_case(root: str, *, opens: int = 20, wait_s: float = 0.02) ->
     """One thread opens and closes memberships of a namespace, each lock taken `wait_s` late; another
     judges who is alive (`others`, as reclaim does) all along. A live membership judged dead loses
     its file (and its reservations would be reclaimed)."""
-    from .. import owners
+    from ..slabs import owners
     case = Case(_AREA, "membership created while another process judges it")
     d = _dir(root, "membership")
     judge = owners.Membership(d)

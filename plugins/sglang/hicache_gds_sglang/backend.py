@@ -155,7 +155,7 @@ class HiCacheGDS(HiCacheStorage):
     # -- attach (scheduler thread) ----------------------------------------------------------------
     def _store_config(self, name: str, ident: dict, page_bytes: int):
         """Capacity when none is configured: this server's writer ranks split the core's default
-        budget (`hicache_gds.capacity.default_budget`: `capacity_fraction` of the space available
+        budget (`hicache_gds.slabs.capacity.default_budget`: `capacity_fraction` of the space available
         plus what hicache-gds namespaces hold, never past `max_fill`) evenly, so every rank gets the
         same share whichever opens first; a sidecar gets as many slots as KV within that share. An
         existing namespace keeps the size chosen when it was created (the core's rule)."""

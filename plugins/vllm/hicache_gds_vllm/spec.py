@@ -91,7 +91,7 @@ def _proposed_capacity(cfg: Config, config: OffloadingConfig) -> int:
     """Chunks per (rank, group) namespace.
 
     `capacity` is read as bytes per rank (all groups); 0 means the core's default budget under
-    `GDS_PATH` (`hicache_gds.capacity.default_budget`: `capacity_fraction` of the space available
+    `GDS_PATH` (`hicache_gds.slabs.capacity.default_budget`: `capacity_fraction` of the space available
     plus what hicache-gds namespaces hold, never past `max_fill`), shared by `world_size` ranks. A
     chunk is counted at vLLM's padded per-block size, an upper bound of the un-padded page each
     worker stores.

@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from . import ondisk
-from .errors import ConfigError
-from .index import INDEX_FILE, IndexReader, remove_pages
-from .layout import NAMESPACE_RE
+from ..errors import ConfigError
+from ..index import INDEX_FILE, IndexReader, remove_pages
+from ..layout import NAMESPACE_RE
 from .owners import LOCK_FILE, procs_state, read_use
-from .slabs import META_FILE, SlabSet
-from .stats import metric_values
+from .slabset import META_FILE, SlabSet
+from ..stats import metric_values
 
 __all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "open_by", "find", "scan", "resolve", "verify",
            "real_roots", "is_real_dir"]
