@@ -36,6 +36,7 @@ def test_command_lines_of_every_configuration(tmp_path):
                      "--enable-prompt-tokens-details"):
             assert flag in cmd, (cfg, flag)
         assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and env["PYTHONHASHSEED"] == "0"
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # the V1 runner: cross-layer KV for the offloading connectors
         ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) if "--kv-transfer-config" in cmd else None
         if cfg == "recompute":
             assert ktc is None
@@ -46,7 +47,8 @@ def test_command_lines_of_every_configuration(tmp_path):
             extra = ktc["kv_connector_extra_config"]
             assert extra["gds_path"] == env["GDS_PATH"] == str(tmp_path / cfg)
             assert extra["engine"] == bench.ENGINE[cfg] and extra["block_size"] == 64
-            assert extra["cost_model"] == ("rate" if cfg == "gds-cost" else "off")
+            assert extra["cost_model"] == ("on" if cfg == "gds-cost" else "off")
+            assert "load_bytes_per_s" not in extra  # no raw read measured yet: nothing to seed with
             assert env["CUFILE_ENV_PATH_JSON"].endswith("configs/cufile.json")
             if cfg == "gds-plain":
                 assert ktc["kv_connector"] == "OffloadingConnector" and extra["spec_module_path"] == "hicache_gds_vllm"
@@ -54,6 +56,13 @@ def test_command_lines_of_every_configuration(tmp_path):
                 assert ktc["kv_connector"] == "HiCacheGDSConnector" and ktc["kv_load_failure_policy"] == "recompute"
     with pytest.raises(SystemExit):
         bench.parse(["--dir", str(tmp_path), "--configs", "recompute,nope"])
+    big = bench.parse(["--dir", str(tmp_path), "--model", os.path.join(E2E, "llama-32b-shape"), "--model-runner", "v2"])
+    assert big.kv_per_token == 64 * 2 * 8 * 128 * 2  # the 32B shape: 256 KiB per token
+    big.seed_read_GBps = 1.66
+    cmd, env = bench.server_command("gds-cost", big, 8000, str(tmp_path / "g"))
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["load_bytes_per_s"] == 1_660_000_000  # gds-cost starts from the raw read of the same run
 
 
 def test_dry_run_tables_resume_and_deadline(tmp_path):
@@ -123,3 +132,57 @@ def test_sigterm_stops_the_server(tmp_path):
         for _ in range(50):
             os.killpg(pgid, 0)
             time.sleep(0.1)
+
+
+def test_a_configuration_that_stalls_is_bounded_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A server whose requests stop being answered (the first GPU run: a load retried for minutes)
+    costs its workload's timeout, records the error with what it measured, and the next
+    configuration runs; results are mirrored after each configuration."""
+    monkeypatch.setenv("FAKE_VLLM_STALL_AFTER", "4")  # the warmup and pass 1, then nothing (offloading only)
+    t0 = time.monotonic()
+    rc = run(tmp_path, "--configs", "gds,recompute", "--raw-size", "0", "--workload-timeout-s", "8",
+             "--mirror", str(tmp_path / "mirror"))
+    assert rc == 1 and time.monotonic() - t0 < 60
+    doc = json.load(open(tmp_path / "mirror" / "results.json"))
+    gds, rec = doc["records"]
+    assert "WorkloadTimeout" in gds["error"] and len(gds["workload_partial"]["pass1"]) == 3
+    assert "error" not in rec and doc["summary"]["recompute"]["revisit"]["n"] == 3
+    md = open(tmp_path / "mirror" / "results.md").read()
+    assert "| gds | error: WorkloadTimeout" in md and "| recompute |" in md
+
+
+def test_a_configuration_whose_requests_all_fail_prints_dashes(tmp_path, monkeypatch):
+    """Every request of a configuration failing leaves no TTFT: the table prints "-" (the first GPU
+    run's harness crashed formatting None)."""
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")  # offloading configurations only
+    assert run(tmp_path, "--configs", "recompute,gds", "--raw-size", "0", "--drain-timeout", "3") == 0
+    doc = json.load(open(tmp_path / "out" / "results.json"))
+    g = doc["summary"]["gds"]
+    assert g["revisit"]["errors"] == 3 and g["revisit"]["p50"] is None
+    md = open(tmp_path / "out" / "results.md").read()
+    row = next(line for line in md.splitlines() if line.startswith("| gds |"))
+    assert "- / - / -" in row and "None" not in row
+
+
+def test_the_default_gpu_plan_dry_run(tmp_path):
+    """run_vllm_e2e.sh without arguments -- the one device call of the plan: the 8B shape's recompute
+    and gds, the 32B shape's recompute, gds-cost and gds, then the 8B shape's cpu (vLLM's own CPU
+    offloading, the baseline for revisits only NVMe can serve) and gds-cost -- against the fake
+    server: every configuration measured, results per shape mirrored to $OUT."""
+    out = tmp_path / "OUT"
+    out.mkdir()
+    env = {**os.environ, "E2E_DRY_RUN": "1", "RAW_SIZE": str(32 << 20), "DEADLINE_S": "300",
+           "E2E_DIR": str(tmp_path / "store"), "E2E_OUT": str(tmp_path / "res"), "OUT": str(out),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+           "PYTHONPATH": os.path.dirname(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(["bash", os.path.join(E2E, "run_vllm_e2e.sh")], env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for shape, cfgs, kv in (("8b", ["recompute", "gds", "cpu", "gds-cost"], 128 << 10),
+                            ("32b", ["recompute", "gds-cost", "gds"], 256 << 10)):
+        doc = json.load(open(out / shape / "results.json"))
+        assert [r["config"] for r in doc["records"]] == cfgs and doc["kv_per_token"] == kv
+        assert all("error" not in r for r in doc["records"]) and doc["raw_disk"]["read_GBps"] > 0
+        assert all(r["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0" for r in doc["records"])
+        assert doc["summary"]["gds"]["tokens_revisit"]["identical"] == doc["args"]["prefixes"]
+        assert (out / shape / "server-gds.log").exists()

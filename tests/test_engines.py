@@ -129,4 +129,32 @@ def test_split_rows_and_split_batches_cover_every_byte_once():
                         alignment=1, direct_io=False, gpu_direct=False, path='test')
     plan = list(split_batches(np.ones(len(ln)), ln, caps))
     assert plan[0][0] == 0 and plan[-1][1] == len(ln) and all(p[1] == q[0] for p, q in zip(plan, plan[1:]))
-    assert all(b - a <= 7 and int(ln[a:b].sum()) <= 6000 for a, b in plan)
+    assert all(b - a <= 7 and int(ln[a:b].sum()) <= 6000 for a, b, _, _ in plan)
+
+
+def test_split_batches_lets_an_item_span_requests():
+    import numpy as np
+
+    from hicache_gds.engines.base import Capabilities, split_batches
+    caps = Capabilities(mem_kinds=frozenset(), max_descs=4, max_request_bytes=10_000, max_desc_bytes=4096,
+                        alignment=1, direct_io=False, gpu_direct=False, path='test')
+    # items of 2, 9 (too many rows), 3, 1 and 3 rows; the 4th item's one row is too many bytes for
+    # the soft limit but within the hard one; the last's rows add up past the hard limit.
+    descs = [2, 9, 3, 1, 3]
+    row_bytes = np.array([100] * 2 + [500] * 9 + [100] * 3 + [4096] + [4000] * 3)
+    item_bytes = np.add.reduceat(row_bytes, np.cumsum([0] + descs[:-1]))
+    plan = list(split_batches(descs, item_bytes, caps, 1000, row_bytes=row_bytes))
+    # Every row once, in order; within the row count and the hard byte limit.
+    assert plan[0].row_start == 0 and plan[-1].row_stop == len(row_bytes)
+    assert all(p.row_stop == q.row_start for p, q in zip(plan, plan[1:]))
+    assert all(0 < b.row_stop - b.row_start <= 4 and row_bytes[b.row_start:b.row_stop].sum() <= 10_000 for b in plan)
+    # The 9-row item: requests of its own, at most 1000 bytes (2 rows) each, consecutive.
+    spans = [b for b in plan if (b.start, b.stop) == (1, 2)]
+    assert [b.row_stop - b.row_start for b in spans] == [2, 2, 2, 2, 1]
+    assert plan.index(spans[0]) + len(spans) - 1 == plan.index(spans[-1])
+    # The item of 12000 bytes: cut (each request under the soft limit holds one 4000-byte row).
+    assert [(b.start, b.stop, b.row_stop - b.row_start) for b in plan if b.start == 4] == [(4, 5, 1)] * 3
+    # Items that fit are never split; a plan without a spanning item is what it always was.
+    assert all(b.stop - b.start >= 1 for b in plan)
+    whole = list(split_batches([1] * 5, [300] * 5, caps, 1000))
+    assert [(b.start, b.stop) for b in whole] == [(0, 3), (3, 5)] and whole[1].row_start == 3

@@ -196,6 +196,49 @@ def test_device_pages_in_segments_are_checksummed_as_their_concatenation(gds_dir
         assert all(s.get(ks, Pages(addrs, lens, MemKind.VRAM))) and np.array_equal(pool.numpy(), data)
 
 
+def test_device_pages_spanning_requests_are_verified_once_after_their_last_request(gds_dir):
+    """An engine that takes 3 descriptors per request (as cuFile's compat pool takes 64) is handed
+    device pages of 8 segments: each page spans 3 requests, and the device checksum judges it once,
+    whole, after its last; a page damaged in the rows of its last request reads as a miss."""
+    from hicache_gds.engines.faulty import Faults, FaultyEngine
+
+    seg, nseg, n = 64 << 10, 8, 4
+    page = seg * nseg
+    eng = FaultyEngine(HostAsVram(create_engine("bounce", EngineOptions(direct_io=True))), Faults(max_descs=3))
+    s = use_fake_vram(PageStore(page, {"model": "device-pages-wide"},
+                                config={"gds_path": gds_dir, "capacity": 16 * page, "verify": True},
+                                mem_kinds=(MemKind.VRAM,), engine=eng))
+    judged: list[int] = []
+    sums = s._device_sums
+
+    def recording(addrs, lens, page_bytes):
+        judged.append(len(addrs))
+        assert (lens.sum(axis=1) == page).all()  # whole pages only, never a part of one
+        return sums(addrs, lens, page_bytes)
+
+    s._device_sums = recording
+    with s:
+        pool = HostBuffer(n * page)
+        s.register_memory(pool.addr, pool.nbytes, MemKind.VRAM)
+        data = np.random.default_rng(8).integers(0, 256, n * page, dtype=np.uint8)
+        pool.numpy()[:] = data
+        addrs = np.array([[pool.addr + (k * n + i) * seg for k in range(nseg)] for i in range(n)], dtype=np.uint64)
+        wide = Pages(addrs, np.full_like(addrs, seg), MemKind.VRAM)
+        ks = [f"w{i}" for i in range(n)]
+        assert s.put(ks, wide) == [True] * n
+        arr = data.reshape(nseg, n, seg)
+        rows = s.index.peek(ks)
+        assert [rows[k].csum for k in ks] == [C.checksum(arr[:, i, :].ravel()) for i in range(n)]
+        _damage(s, ks[1], 2 * page - seg)  # the page's 8th segment: rows of its last request
+        pool.numpy()[:] = 0xEE
+        judged.clear()
+        assert s.get(ks, wide) == [True, False, True, True]
+        for i in (0, 2, 3):
+            assert np.array_equal(pool.numpy().reshape(nseg, n, seg)[:, i, :], arr[:, i, :])
+        assert sum(judged) == n and s.stats()["checksum_mismatches"] == 1
+        assert s.exists(ks) == [True, False, True, True]
+
+
 def test_a_namespace_of_the_old_format_opens_empty_and_verify_checks_it_with_xxh3(gds_dir, caplog):
     import xxhash
 

@@ -10,7 +10,7 @@ import pytest
 
 from hicache_gds import ConfigError, PageStore, Pages, RegionError, StoreFullError
 from hicache_gds.engines import EngineOptions, Op, create_engine
-from hicache_gds.engines.faulty import Faults, FaultyEngine
+from hicache_gds.engines.faulty import Faults, FaultyEngine, _Hung
 from hicache_gds.memory import HostBuffer
 from hicache_gds.testing import random_bytes
 from hicache_gds.testing.faults import fill_filesystem
@@ -459,3 +459,114 @@ def test_checksums_run_in_parallel_and_survive_fork(gds_dir):
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("a forked child hung hashing pages (the parent's hashing pool was inherited)")
+
+
+class _Counting(FaultyEngine):
+    """A faulty engine that records the descriptor count of every request it is handed."""
+
+    def __init__(self, inner, faults):
+        super().__init__(inner, faults)
+        self.requests: list[tuple[Op, int]] = []
+
+    def _submit(self, op, kind, mem, file):
+        self.requests.append((op, len(mem)))
+        return super()._submit(op, kind, mem, file)
+
+
+SEG = 128 << 10  # segments this large go straight to the engine (no staging)
+SEGS = 8
+
+
+def _wide_pages(buf, n, seed=3):
+    """n pages of SEGS scattered 128 KiB segments each (a page's segment j at layer j's region)."""
+    order = np.random.default_rng(seed).permutation(n)
+    addrs = np.array([[int(order[i]) * SEG + j * n * SEG for j in range(SEGS)] for i in range(n)], dtype=np.uint64)
+    return Pages(addrs + np.uint64(buf.addr), np.full_like(addrs, SEG))
+
+
+def _page_bytes(buf, pages, i):
+    return np.concatenate([buf.numpy()[int(a) - buf.addr:int(a) - buf.addr + SEG] for a in pages.addrs[i]])
+
+
+@pytest.mark.parametrize("engine", ["nixl-posix", "bounce"])
+def test_pages_with_more_segments_than_a_request_takes_span_requests(gds_dir, engine):
+    """An engine that takes 3 descriptors per request (as GDS in compat mode takes 64) is handed
+    pages of 8: each page spans 3 requests, never refused, byte-exact, verified after all of them."""
+    n = 6
+    eng = _Counting(create_engine(engine, EngineOptions()), Faults(max_descs=3))
+    assert eng.capabilities.max_descs == 3
+    with open_store(gds_dir, engine=eng, page_bytes=SEG * SEGS, capacity=16 * SEG * SEGS,
+                    config={"verify": True}) as s:
+        src, dst = HostBuffer(n * SEGS * SEG), HostBuffer(n * SEGS * SEG)
+        s.register_memory(src.addr, src.nbytes)
+        s.register_memory(dst.addr, dst.nbytes)
+        random_bytes(src, 11)
+        dst.numpy()[:] = 0x5A
+        put_pages, get_pages = _wide_pages(src, n), _wide_pages(dst, n)
+        assert s.put(keys(n), put_pages) == [True] * n
+        assert s.get(keys(n), get_pages) == [True] * n
+        for i in range(n):
+            assert np.array_equal(_page_bytes(dst, get_pages, i), _page_bytes(src, put_pages, i))
+        st_ = s.stats()
+        assert st_["staged_pages"] == 0 and st_["checksum_mismatches"] == 0
+        assert eng.requests and max(d for _, d in eng.requests) <= 3
+        assert sum(d for op, d in eng.requests if op is Op.WRITE) == n * SEGS
+
+
+def test_a_failed_request_fails_only_the_page_it_holds_rows_of(gds_dir):
+    """EIO in one request of a page that spans three: that page is not stored (a write) or not
+    served (a read, also when re-read), and every other page is stored and read byte-exact."""
+    n = 4
+    eng = _Counting(create_engine("nixl-posix", EngineOptions()), Faults(max_descs=3))
+    with open_store(gds_dir, engine=eng, page_bytes=SEG * SEGS, capacity=16 * SEG * SEGS,
+                    config={"verify": True, "max_request_bytes": 1}) as s:  # one page's rows per request
+        src, dst = HostBuffer(n * SEGS * SEG), HostBuffer(n * SEGS * SEG)
+        s.register_memory(src.addr, src.nbytes)
+        s.register_memory(dst.addr, dst.nbytes)
+        random_bytes(src, 12)
+        dst.numpy()[:] = 0x5A
+        put_pages, get_pages = _wide_pages(src, n), _wide_pages(dst, n)
+        # Requests of a page of 8 rows of 128 KiB under a 1-byte soft limit: one row each. Page 1's
+        # rows are requests 8..15; the 12th request (its 5th row) fails.
+        eng.set(Faults(max_descs=3, nth=(12,), only=Op.WRITE))
+        assert s.put(keys(n), put_pages) == [True, False, True, True]
+        assert s.exists(keys(n)) == [True, False, True, True]
+        eng.set(Faults(max_descs=3))
+        assert s.put(keys(n), put_pages) == [True] * n
+        # A read: page 2's 3rd row fails, and again when the page is re-read on its own.
+        eng.set(Faults(max_descs=3, nth=(18, 32 + 2), only=Op.READ))
+        assert s.get(keys(n), get_pages) == [True, True, False, True]
+        for i in (0, 1, 3):
+            assert np.array_equal(_page_bytes(dst, get_pages, i), _page_bytes(src, put_pages, i))
+        # Fails once only: the re-read of the page alone serves it, verified.
+        dst.numpy()[:] = 0x5A
+        eng.set(Faults(max_descs=3, nth=(18,), only=Op.READ))
+        assert s.get(keys(n), get_pages) == [True] * n
+        for i in range(n):
+            assert np.array_equal(_page_bytes(dst, get_pages, i), _page_bytes(src, put_pages, i))
+        assert s.stats()["checksum_mismatches"] == 0
+
+
+def test_a_hung_request_of_a_spanning_page_times_it_out(gds_dir):
+    """The last of page 0's requests never completes: page 0 times out (its slot is lost: the write
+    may still land), page 1 is stored."""
+    n = 2
+
+    class LastOfFirstPageHangs(FaultyEngine):
+        count = 0
+
+        def _submit(self, op, kind, mem, file):
+            self.count += 1
+            if self.count == SEGS:  # one row per request: request 8 is page 0's last
+                return _Hung(self.name, op, int(mem[:, 1].sum()), "a request that never completes")
+            return super()._submit(op, kind, mem, file)
+
+    eng = LastOfFirstPageHangs(create_engine("bounce", EngineOptions()), Faults(max_descs=3))
+    with open_store(gds_dir, engine=eng, page_bytes=SEG * SEGS, capacity=16 * SEG * SEGS,
+                    config={"io_timeout": 1, "max_request_bytes": 1}) as s:
+        src = HostBuffer(n * SEGS * SEG)
+        s.register_memory(src.addr, src.nbytes)
+        random_bytes(src, 13)
+        assert s.put(keys(n), _wide_pages(src, n)) == [False, True]
+        st_ = s.stats()
+        assert st_["timeouts"] == 1 and st_["lost_slots"] == 1

@@ -36,11 +36,22 @@ in ``--dir``), and, per configuration, vLLM's own load counters (``vllm:kv_offlo
 ``..._load_time``: the rate at which the connector's worker moved KV into the GPU) against that raw
 read. Results: ``results.json`` and ``results.md`` under ``--out``; server logs beside them.
 
+Every configuration runs vLLM 0.26's V1 model runner (``--model-runner v1``:
+``VLLM_USE_V2_MODEL_RUNNER=0``), which allocates one cross-layer KV tensor for an offloading
+connector and so hands it one region per block (a 2 MiB block of the 8B shape); the V2 runner,
+0.26's default for dense models, hands per-layer views (32 regions per block), which the first GPU
+run got. ``gds-cost``'s read rate is seeded with the raw O_DIRECT read of the same run until the
+engine's own loads are measured (``--no-seed-read``: unseeded).
+
 Operations: every server runs in its own process group, recorded in ``--out``/servers.pids; the
 harness stops it on every exit path (return, exception, SIGTERM/SIGINT) and, at start, stops any
 left by an earlier run that was killed (and any process on the GPU whose command line names vLLM).
 ``--resume`` keeps the configurations already measured; ``--deadline-s`` stops starting new ones
-when too little time is left, so a run split over several device calls loses nothing.
+when too little time is left, so a run split over several device calls loses nothing, and no
+server start, request or drain runs past it; ``--workload-timeout-s`` bounds one configuration's
+workload (it records the error, keeps what was measured under ``workload_partial``, and the run
+goes on). ``--mirror DIR`` copies the results there after every configuration (the device tool's
+``$OUT``: what a killed call leaves still comes back).
 ``--dry-run`` replaces vLLM with ``fake_vllm_server.py`` (CPU, no model) to check the harness.
 """
 
@@ -72,7 +83,7 @@ CONFIGS = ("recompute", "cpu", "gds", "bounce", "gds-cost", "gds-plain")
 OFFLOAD = ("cpu", "gds", "bounce", "gds-cost", "gds-plain")
 OURS = ("gds", "bounce", "gds-cost", "gds-plain")
 ENGINE = {"gds": "nixl-gds-mt", "bounce": "bounce", "gds-cost": "nixl-gds-mt", "gds-plain": "nixl-gds-mt"}
-COST_MODEL = {"gds": "off", "bounce": "off", "gds-cost": "rate", "gds-plain": "off"}
+COST_MODEL = {"gds": "off", "bounce": "off", "gds-cost": "on", "gds-plain": "off"}
 PIDS = "servers.pids"
 
 
@@ -89,6 +100,8 @@ def server_command(cfg: str, a: argparse.Namespace, port: int, store_dir: str) -
     """The launch command and environment of one configuration."""
     env = dict(os.environ)
     env.update(VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONHASHSEED="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if a.model_runner != "default":  # every configuration on the same runner (v1: cross-layer KV for offloading)
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.model_runner == "v2" else "0"
     if a.dry_run:
         cmd = [sys.executable, os.path.join(HERE, "fake_vllm_server.py")]
     else:  # the OpenAI server module `vllm serve` runs (no console script in the bundle)
@@ -110,6 +123,8 @@ def server_command(cfg: str, a: argparse.Namespace, port: int, store_dir: str) -
         env.update(GDS_PATH=store_dir, CUFILE_ENV_PATH_JSON=os.path.join(REPO, "configs", "cufile.json"))
         extra: dict[str, Any] = {"gds_path": store_dir, "capacity": a.capacity, "block_size": chunk_tokens,
                                  "engine": ENGINE[cfg], "cost_model": a.cost_model or COST_MODEL[cfg]}
+        if extra["cost_model"] != "off" and a.seed_read_GBps:  # until the engine's own loads are measured
+            extra["load_bytes_per_s"] = round(a.seed_read_GBps * 1e9)
         if cfg == "gds-plain":  # the spec by name under vLLM's own connector (no recompute on failure)
             extra.update(spec_name="HiCacheGDSOffloadingSpec", spec_module_path="hicache_gds_vllm")
             ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
@@ -244,30 +259,45 @@ def wait_stored(srv: Server, expect_bytes: int, stable_s: float, timeout: float)
             "drained": last >= expect_bytes}
 
 
-def run_workload(srv: Server, cfg: str, a: argparse.Namespace) -> dict[str, Any]:
+class WorkloadTimeout(TimeoutError):
+    """A configuration's workload ran past its time (`--workload-timeout-s`, or the run's deadline)."""
+
+
+def run_workload(srv: Server, cfg: str, a: argparse.Namespace, res: dict[str, Any], deadline: float) -> None:
+    """The three passes, into `res` as they go (a workload cut short keeps what it measured); no
+    request, drain or pass runs past `deadline` (time.monotonic())."""
+    def left(what: str) -> float:
+        t = deadline - time.monotonic()
+        if t <= 1.0:
+            raise WorkloadTimeout(f"workload deadline reached before {what}")
+        return min(a.req_timeout, t)
+
     prefixes = [tokens(1000 + i, a.prefix_tokens) for i in range(a.prefixes)]
     chunk_tokens = a.block_size * a.blocks_per_chunk
-    res: dict[str, Any] = {"pass1": [], "pass2": [], "pass3": []}
+    res.update(pass1=[], pass2=[], pass3=[])
     for i, p in enumerate(prefixes):
-        res["pass1"].append(complete(srv, f"p{i}", p + tokens(2000 + i, a.suffix_tokens), a.gen, a.req_timeout))
+        res["pass1"].append(complete(srv, f"p{i}", p + tokens(2000 + i, a.suffix_tokens), a.gen, left("pass 1")))
     if cfg in OFFLOAD:
         sent = [a.warmup_tokens] + [a.prefix_tokens + a.suffix_tokens] * a.prefixes
         expect = sum(n // chunk_tokens for n in sent) * chunk_tokens * a.kv_per_token
-        res["drain"] = wait_stored(srv, expect, a.stable_s, a.drain_timeout)
+        res["drain"] = wait_stored(srv, expect, a.stable_s, min(a.drain_timeout, left("the drain")))
     res["page_cache"] = drop_caches()
     c0 = offload_counters(srv)
     for i, p in enumerate(prefixes):
-        res["pass2"].append(complete(srv, f"p{i}", p + tokens(3000 + i, a.suffix_tokens), a.gen, a.req_timeout))
+        res["pass2"].append(complete(srv, f"p{i}", p + tokens(3000 + i, a.suffix_tokens), a.gen, left("pass 2")))
     c1 = offload_counters(srv)
     t = time.perf_counter()
+    limit = left("pass 3")
     with ThreadPoolExecutor(max_workers=len(prefixes)) as pool:
-        futs = [pool.submit(complete, srv, f"p{i}", p + tokens(4000 + i, a.suffix_tokens), a.gen, a.req_timeout)
+        futs = [pool.submit(complete, srv, f"p{i}", p + tokens(4000 + i, a.suffix_tokens), a.gen, limit)
                 for i, p in enumerate(prefixes)]
         res["pass3"] = [f.result() for f in futs]
     res["burst_makespan_s"] = time.perf_counter() - t
     c2 = offload_counters(srv)
     res["counters"] = {"before_pass2": c0, "after_pass2": c1, "after_pass3": c2}
-    return res
+    for r in res["pass2"] + res["pass3"]:
+        if r.error and time.monotonic() >= deadline - 1.0:
+            raise WorkloadTimeout(f"workload deadline reached during the passes ({r.tag}: {r.error})")
 
 
 # -- raw disk -------------------------------------------------------------------------------------------------
@@ -349,7 +379,10 @@ def log_facts(path: str) -> dict[str, list[str]]:
     return {k: v[:40] for k, v in facts.items()}
 
 
-def run_config(cfg: str, a: argparse.Namespace) -> dict[str, Any]:
+def run_config(cfg: str, a: argparse.Namespace, hard_deadline: float = float("inf")) -> dict[str, Any]:
+    """One configuration: a fresh server, the workload (bounded by `--workload-timeout-s` and by
+    `hard_deadline`, time.monotonic(): a broken configuration records its error and the run goes
+    on), the server stopped on every path."""
     store_dir = os.path.join(a.dir, cfg)
     shutil.rmtree(store_dir, ignore_errors=True)
     os.makedirs(store_dir, mode=0o700)
@@ -363,15 +396,19 @@ def run_config(cfg: str, a: argparse.Namespace) -> dict[str, Any]:
     srv = Server(cmd, env, log_path, port)
     _current.append(srv)
     _record_pgid(a.out, srv.proc.pid)
+    res: dict[str, Any] = {}
     try:
-        rec["start_s"] = round(srv.wait_ready(a.start_timeout), 1)
+        rec["start_s"] = round(srv.wait_ready(max(10.0, min(a.start_timeout, hard_deadline - time.monotonic()))), 1)
         warm = complete(srv, "warmup", tokens(1, a.warmup_tokens), a.gen, a.req_timeout)
         rec["warmup_error"] = warm.error
         t = time.monotonic()
-        rec["workload"] = run_workload(srv, cfg, a)
+        run_workload(srv, cfg, a, res, min(t + a.workload_timeout_s, hard_deadline))
+        rec["workload"] = res
         rec["workload_s"] = round(time.monotonic() - t, 1)
     except Exception as exc:  # noqa: BLE001 -- one broken configuration must not lose the others
         rec["error"] = f"{type(exc).__name__}: {exc}"
+        if res:
+            rec["workload_partial"] = res
     finally:
         rec["stop"] = srv.stop()
         if srv in _current:
@@ -433,9 +470,11 @@ def summarize(records: list[dict[str, Any]], raw: dict[str, Any]) -> dict[str, A
         out[cfg] = s
     base = out.get("recompute", {})
     for cfg, s in out.items():
-        if "revisit" in s and "revisit" in base and base["revisit"]["p50"] == base["revisit"]["p50"]:
-            s["revisit_p50_vs_recompute"] = s["revisit"]["p50"] / base["revisit"]["p50"]
-            s["makespan_vs_recompute"] = s["burst_makespan_s"] / base["burst_makespan_s"]
+        bp = base.get("revisit", {}).get("p50")
+        if "revisit" in s and bp is not None and bp == bp and bp > 0 and s["revisit"]["p50"] == s["revisit"]["p50"]:
+            s["revisit_p50_vs_recompute"] = s["revisit"]["p50"] / bp
+            if base.get("burst_makespan_s"):
+                s["makespan_vs_recompute"] = s["burst_makespan_s"] / base["burst_makespan_s"]
     return out
 
 
@@ -445,7 +484,8 @@ def markdown(doc: dict[str, Any]) -> str:
              f"vllm {doc['versions'].get('vllm')}, torch {doc['versions'].get('torch')}, "
              f"nixl-cu13 {doc['versions'].get('nixl-cu13')}; model {os.path.basename(a['model'])} (dummy weights), "
              f"{a['gpu_blocks']} GPU blocks of {a['block_size']} tokens, chunks of {a['blocks_per_chunk']} blocks, "
-             f"CPU tier {a['cpu_gib']} GiB, attention {a['attention_backend']}, --enforce-eager" +
+             f"CPU tier {a['cpu_gib']} GiB, attention {a['attention_backend']}, --enforce-eager, "
+             f"model runner {a.get('model_runner', 'default')}" +
              ("; DRY RUN (fake server)" if a.get("dry_run") else ""), "",
              "gds = NIXL GDS_MT on vLLM's VRAM KV; on this machine cuFile runs in compat mode (no nvidia-fs): "
              "POSIX IO through cuFile's bounce buffers, not GPU-direct DMA.", ""]
@@ -457,18 +497,24 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += [f"{a['prefixes']} prefixes x {a['prefix_tokens']} tokens (+{a['suffix_tokens']}), {a['gen']} greedy "
               f"tokens; working set {ws / 2**30:.1f} GiB of KV; pass 2 one at a time, pass 3 all at once", ""]
 
-    def f3(x: float) -> str:
-        return "-" if x != x else f"{x:.3f}"
+    def f3(x: float | None) -> str:
+        return "-" if x is None or x != x else f"{x:.3f}"
+
+    def pc(x: float | None) -> str:
+        return "-" if x is None or x != x else f"{x:.0%}"
 
     def row(cfg: str, s: dict[str, Any]) -> list[str]:
         rv, bu = s["revisit"], s["burst"]
         lr, lb = s.get("load_revisit") or {}, s.get("load_burst") or {}
         tv, tb = s.get("tokens_revisit"), s.get("tokens_burst")
-        load = (f"{lr['GBps']:.2f} ({lr.get('vs_raw_read', float('nan')):.2f}x raw)" if lr.get("GBps") else "-")
+        load = "-"
+        if lr.get("GBps"):
+            load = f"{lr['GBps']:.2f}" + (f" ({lr['vs_raw_read']:.2f}x raw)" if lr.get("vs_raw_read") else "")
+        ms = s.get("burst_makespan_s")
         return [cfg, f3(s["cold"]["p50"]), f"{f3(rv['p50'])} / {f3(rv['p90'])} / {f3(rv['p99'])}",
-                _ratio(s.get("revisit_p50_vs_recompute")), f"{rv['cached_frac']:.0%}",
-                f"{s['burst_makespan_s']:.2f} s ({_ratio(s.get('makespan_vs_recompute'))})",
-                f"{f3(bu['p50'])} / {f3(bu['p90'])} / {f3(bu['p99'])}", f"{bu['cached_frac']:.0%}", load,
+                _ratio(s.get("revisit_p50_vs_recompute")), pc(rv.get("cached_frac")),
+                f"{f3(ms)} s ({_ratio(s.get('makespan_vs_recompute'))})",
+                f"{f3(bu['p50'])} / {f3(bu['p90'])} / {f3(bu['p99'])}", pc(bu.get("cached_frac")), load,
                 f"{tv['identical']}/{tv['prompts']}, {tb['identical']}/{tb['prompts']}" if tv and tb else "-"]
     lines += _table(["config", "cold TTFT p50 (s)", "revisit TTFT p50 / p90 / p99 (s)", "revisit vs recompute",
                      "revisit cached", "burst makespan", "burst TTFT p50 / p90 / p99 (s)", "burst cached",
@@ -563,6 +609,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=0.0,
                    help="start no configuration later than this many seconds minus --config-budget-s (0: no limit)")
     p.add_argument("--config-budget-s", type=float, default=170.0, help="time one configuration is expected to take")
+    p.add_argument("--workload-timeout-s", type=float, default=240.0,
+                   help="most seconds one configuration's workload may take (then its error is recorded, and on)")
+    p.add_argument("--model-runner", choices=("v1", "v2", "default"), default="v1",
+                   help="VLLM_USE_V2_MODEL_RUNNER for every configuration: vLLM 0.26's V1 runner hands an "
+                        "offloading connector one cross-layer KV tensor, its V2 runner (the default for dense "
+                        "models) per-layer views")
+    p.add_argument("--raw-from", default="", help="take the raw disk measurement from this results.json")
+    p.add_argument("--no-seed-read", dest="seed_read", action="store_false",
+                   help="do not seed the load-or-recompute model's read rate with the raw O_DIRECT read")
+    p.add_argument("--mirror", default="", help="also copy results.json / results.md here after each configuration")
     p.add_argument("--keep", action="store_true", help="keep each configuration's stored files")
     p.add_argument("--resume", action="store_true", help="keep the configurations already in --out's results")
     p.add_argument("--dry-run", action="store_true", help="fake_vllm_server.py instead of vLLM (CPU, no model)")
@@ -572,6 +628,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"--configs: unknown {bad}; choose from {', '.join(CONFIGS)}")
     a.kv_per_token = kv_bytes_per_token(a.model)
+    a.seed_read_GBps = None  # the raw read rate, once measured (main)
     return a
 
 
@@ -585,8 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     left = stop_leftovers(a.out)
     if left:
         print(f"stopped leftover server process groups {left}", flush=True)
-    args_doc = {k: v for k, v in vars(a).items() if k != "configs_list"}
-    doc: dict[str, Any] = {"args": args_doc, "machine": machine(), "versions": versions(), "records": [],
+    doc: dict[str, Any] = {"args": {}, "machine": machine(), "versions": versions(), "records": [],
                            "kv_per_token": a.kv_per_token, "space": space(a)}
     if "cpu" in a.configs_list and doc["space"].get("dev_shm_free", 1 << 62) < a.cpu_gib * 2**30 * 1.1:
         print(f"WARNING: /dev/shm has {doc['space']['dev_shm_free'] >> 20} MiB free; vLLM's CPU tier maps "
@@ -600,9 +656,18 @@ def main(argv: list[str] | None = None) -> int:
             doc["raw_disk"] = old["raw_disk"]
         cfgs = [c for c in cfgs if c not in {r["config"] for r in doc["records"]}]
         print(f"resuming: kept {[r['config'] for r in doc['records']]}, running {cfgs}", flush=True)
+    if a.raw_from and "raw_disk" not in doc:
+        try:
+            got = json.load(open(a.raw_from)).get("raw_disk")
+            if got and "error" not in got:
+                doc["raw_disk"] = {**got, "from": a.raw_from}
+        except (OSError, ValueError) as exc:
+            print(f"--raw-from {a.raw_from}: {exc}", flush=True)
     if a.raw_size and "raw_disk" not in doc:
         doc["raw_disk"] = raw_odirect(a.dir, a.raw_size)
         print("raw disk:", json.dumps(doc["raw_disk"]), flush=True)
+    a.seed_read_GBps = (doc.get("raw_disk") or {}).get("read_GBps") if a.seed_read else None
+    doc["args"] = {k: v for k, v in vars(a).items() if k != "configs_list"}
 
     def save() -> None:
         doc["summary"] = summarize(doc["records"], doc.get("raw_disk", {}))
@@ -611,6 +676,10 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(path + ".tmp", path)
         with open(os.path.join(a.out, "results.md"), "w") as f:
             f.write(markdown(_jsonable(doc)))
+        if a.mirror:
+            os.makedirs(a.mirror, exist_ok=True)
+            for name in ("results.json", "results.md"):
+                shutil.copyfile(os.path.join(a.out, name), os.path.join(a.mirror, name))
 
     try:
         for cfg in cfgs:
@@ -619,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{a.deadline_s:.0f}); run again with --resume", flush=True)
                 doc["unfinished"] = cfgs[cfgs.index(cfg):]
                 break
-            doc["records"].append(run_config(cfg, a))
+            hard = t_start + a.deadline_s - 15.0 if a.deadline_s else float("inf")  # 15 s: stop the server
+            doc["records"].append(run_config(cfg, a, hard))
             save()
         else:
             doc.pop("unfinished", None)

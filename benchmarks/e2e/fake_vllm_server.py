@@ -6,7 +6,12 @@ offloading counters) and behaves like a server with a small GPU prefix cache and
 ``--kv-transfer-config`` is given, an offload tier: prompts' full chunks are "stored" (the store
 counter grows), a revisit "loads" what the tier holds (the load counters grow) and "computes" the
 rest, at made-up rates, so TTFTs differ between configurations. Output tokens are a function of the
-prompt, so every configuration agrees with recompute. No model, no GPU, no disk.
+prompt, so every configuration agrees with recompute. KV bytes per token come from the model's
+config.json. No model, no GPU, no disk.
+
+Faults, for the harness's own failure paths, where a ``--kv-transfer-config`` is given:
+``FAKE_VLLM_FAIL=1`` answers every completion with HTTP 500; ``FAKE_VLLM_STALL_AFTER=N`` lets N
+completions through and then never answers (as an engine retrying a failed load forever).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -21,7 +27,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 PREFILL_TOK_S = 400_000.0
 LOAD_BYTES_S = 40e9
-KV_PER_TOKEN = 131072
+
+
+def kv_per_token(model_dir: str) -> int:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            c = json.load(f)
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 2
+    except (OSError, ValueError, KeyError):
+        return 131072
 
 
 class State:
@@ -31,12 +46,18 @@ class State:
         ktc = json.loads(a.kv_transfer_config) if a.kv_transfer_config else None
         extra = (ktc or {}).get("kv_connector_extra_config", {})
         self.chunk = int(extra.get("block_size", 4 * a.block_size))
-        self.tier_chunks = (int(extra["cpu_bytes_to_use"]) // (self.chunk * KV_PER_TOKEN) if "cpu_bytes_to_use" in extra
+        per_chunk = self.chunk * kv_per_token(a.model)
+        self.tier_chunks = (int(extra["cpu_bytes_to_use"]) // per_chunk if "cpu_bytes_to_use" in extra
                             else (1 << 40 if ktc else 0))
         self.gpu: OrderedDict[str, None] = OrderedDict()  # chunk prefix hashes, LRU
         self.tier: OrderedDict[str, None] = OrderedDict()
         self.counters = {"load_bytes": 0.0, "load_time": 0.0, "store_bytes": 0.0, "store_time": 0.0}
         self.mu = threading.Lock()
+        self.kv_per_token = kv_per_token(a.model)
+        self.fail = bool(ktc) and os.environ.get("FAKE_VLLM_FAIL") == "1"
+        stall = os.environ.get("FAKE_VLLM_STALL_AFTER")
+        self.stall_after = int(stall) if ktc and stall else None
+        self.served = 0
 
     def keys(self, ids: list[int]) -> list[str]:
         out, h = [], hashlib.sha256()
@@ -52,16 +73,16 @@ class State:
             gpu = next((i for i, k in enumerate(ks) if k not in self.gpu), len(ks))
             tier = next((i for i, k in enumerate(ks[gpu:], gpu) if k not in self.tier), len(ks))
             loaded = (tier - gpu) * self.chunk
-            seconds = loaded * KV_PER_TOKEN / LOAD_BYTES_S + (len(ids) - tier * self.chunk) / PREFILL_TOK_S
+            seconds = loaded * self.kv_per_token / LOAD_BYTES_S + (len(ids) - tier * self.chunk) / PREFILL_TOK_S
             if loaded:
-                self.counters["load_bytes"] += loaded * KV_PER_TOKEN
-                self.counters["load_time"] += loaded * KV_PER_TOKEN / LOAD_BYTES_S
+                self.counters["load_bytes"] += loaded * self.kv_per_token
+                self.counters["load_time"] += loaded * self.kv_per_token / LOAD_BYTES_S
             for k in ks:
                 self.gpu[k] = None
                 self.gpu.move_to_end(k)
                 if self.tier_chunks and k not in self.tier:
-                    self.counters["store_bytes"] += self.chunk * KV_PER_TOKEN
-                    self.counters["store_time"] += self.chunk * KV_PER_TOKEN / LOAD_BYTES_S
+                    self.counters["store_bytes"] += self.chunk * self.kv_per_token
+                    self.counters["store_time"] += self.chunk * self.kv_per_token / LOAD_BYTES_S
                 if self.tier_chunks:
                     self.tier[k] = None
                     self.tier.move_to_end(k)
@@ -96,6 +117,15 @@ def handler(state: State):
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             ids = [int(t) for t in body["prompt"]]
+            if state.fail:
+                self._send(500, b'{"error": "injected"}')
+                return
+            with state.mu:
+                state.served += 1
+                stall = state.stall_after is not None and state.served > state.stall_after
+            if stall:
+                time.sleep(3600)  # never answers; the server is stopped by the harness
+                return
             cached, seconds = state.serve(ids)
             time.sleep(seconds)
             digest = hashlib.sha256(json.dumps(ids).encode()).digest()

@@ -10,7 +10,9 @@ built ~150x faster from arrays than from Python tuples (NIXL measurement).
 
 `submit(...)` returns a `Transfer`; `submit(...).wait(timeout)` is the blocking call. A request may
 not exceed `capabilities.max_descs` descriptors nor `max_request_bytes`; `split_batches` plans a
-large batch into legal requests on item (page) boundaries.
+large batch into legal requests on item (page) boundaries, and lets an item too large for one
+request span several (GDS in cuFile compat mode takes 64 descriptors per request; a vLLM chunk of
+per-layer views is layers x blocks of them).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -37,6 +39,7 @@ __all__ = [
     "Transfer",
     "TransferEngine",
     "split_batches",
+    "Batch",
 ]
 
 
@@ -336,23 +339,63 @@ def split_rows(addrs: np.ndarray, lens: np.ndarray, offsets: np.ndarray, limit: 
     return addrs[rep] + off, np.minimum(lens[rep] - off, np.uint64(limit)), offsets[rep] + off, pieces
 
 
-def split_batches(item_descs: Sequence[int] | np.ndarray, item_bytes: Sequence[int] | np.ndarray,
-                  caps: Capabilities, max_request_bytes: int = 0) -> Iterator[tuple[int, int]]:
-    """Plan items (pages) into requests within `caps`: yields [start, stop) item ranges.
+class Batch(NamedTuple):
+    """One request of a planned batch: descriptor rows [row_start, row_stop) of the items
+    [start, stop) it touches. Where an item spans several requests (more rows or bytes than one
+    request may carry), the requests that hold its rows are consecutive and it is in each of them;
+    its outcome is the AND of theirs."""
 
-    `item_descs[i]` is the descriptor count of item i and `item_bytes[i]` its size. An item is
-    never split across requests, so a request's outcome is its items' outcome.
+    start: int
+    stop: int
+    row_start: int
+    row_stop: int
+
+
+def split_batches(item_descs: Sequence[int] | np.ndarray, item_bytes: Sequence[int] | np.ndarray,
+                  caps: Capabilities, max_request_bytes: int = 0, *,
+                  row_bytes: Sequence[int] | np.ndarray | None = None) -> Iterator[Batch]:
+    """Plan items (pages) into requests within `caps`: yields `Batch`es in item and row order.
+
+    `item_descs[i]` is the descriptor count (rows) of item i, `item_bytes[i]` its size, and
+    `row_bytes` (optional) the size of every row, items' rows in order. Items are packed whole,
+    up to `caps.max_descs` rows and `max_request_bytes` (a soft limit, 0: none; never past
+    `caps.max_request_bytes`) per request. An item that cannot fit one request -- more rows than
+    `caps.max_descs`, or more bytes than `caps.max_request_bytes` -- is never refused: it gets
+    requests of its own, its rows cut into consecutive runs within the limits (row sizes from
+    `row_bytes`, else the item's bytes spread evenly over its rows). Its caller takes it as done
+    only once all of them are, and as failed if any failed.
     """
-    limit_bytes = caps.max_request_bytes if not max_request_bytes else min(max_request_bytes, caps.max_request_bytes)
-    start, descs, nbytes = 0, 0, 0
+    hard = int(caps.max_request_bytes)
+    limit = hard if not max_request_bytes else min(int(max_request_bytes), hard)
+    max_descs = max(1, int(caps.max_descs))
+    rb = None if row_bytes is None else np.asarray(row_bytes, dtype=np.int64)
+    start, descs, nbytes, row = 0, 0, 0, 0
     for i, (d, b) in enumerate(zip(item_descs, item_bytes)):
         d, b = int(d), int(b)
-        if d > caps.max_descs:
-            raise ValueError(f"an item of {d} descriptors exceeds the engine's {caps.max_descs} per request")
-        if i > start and (descs + d > caps.max_descs or nbytes + b > limit_bytes):
-            yield start, i
+        if d > max_descs or b > hard:
+            if i > start:
+                yield Batch(start, i, row - descs, row)
+            sizes = rb[row:row + d] if rb is not None else np.full(d, -(-b // max(d, 1)), dtype=np.int64)
+            yield from _span(i, row, sizes, max_descs, limit)
+            row += d
+            start, descs, nbytes = i + 1, 0, 0
+            continue
+        if i > start and (descs + d > max_descs or nbytes + b > limit):
+            yield Batch(start, i, row - descs, row)
             start, descs, nbytes = i, 0, 0
         descs += d
         nbytes += b
+        row += d
     if start < len(item_descs):
-        yield start, len(item_descs)
+        yield Batch(start, len(item_descs), row - descs, row)
+
+
+def _span(item: int, row0: int, sizes: np.ndarray, max_descs: int, limit: int) -> Iterator[Batch]:
+    """The requests of one item too large for one: consecutive runs of its rows, each at most
+    `max_descs` rows and `limit` bytes (a row larger than `limit` goes alone)."""
+    a, n = 0, len(sizes)
+    while a < n:
+        ends = np.cumsum(sizes[a:a + max_descs])
+        k = max(1, int(np.searchsorted(ends, limit, side="right")))
+        yield Batch(item, item + 1, row0 + a, row0 + a + k)
+        a += k

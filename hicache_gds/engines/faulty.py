@@ -2,11 +2,14 @@
 
 Faults are data, not code paths in the engines: EIO (a `TransferError`), hangs (a request that
 never completes, so the caller's timeout fires), and delays, each with a probability per request
-and optionally limited to one operation. `heal()` turns them off: service must resume.
+and optionally limited to one operation; EIO on chosen requests by their number (`nth`); and a
+declared cap on descriptors per request (`max_descs`: the wrapped engine then says it takes no
+more, as GDS in cuFile compat mode says 64). `heal()` turns them off: service must resume.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -31,6 +34,11 @@ class Faults:
     only: Op | None = None
     """Limit faults to reads or writes."""
     seed: int = 0
+    nth: tuple[int, ...] = ()
+    """Requests that fail with EIO, by number: 0 is the first request submitted (of `only`'s
+    operation, where set) since this engine was built or its faults last set."""
+    max_descs: int = 0
+    """Declare at most this many descriptors per request (0: the wrapped engine's own limit)."""
 
 
 class _Failed(Transfer):
@@ -66,14 +74,27 @@ class FaultyEngine(TransferEngine):
         self.faults = faults or Faults()
         self._rng = random.Random(self.faults.seed)
         self._lock = threading.Lock()
+        self._count = 0  # requests submitted that `nth` counts
         self.injected = {"eio": 0, "hang": 0, "delay": 0}
 
     def heal(self) -> None:
-        self.faults = Faults()
+        self.set(Faults())
+
+    def set(self, faults: Faults) -> None:
+        """New faults; the same sequence of victims as a fresh engine with them."""
+        with self._lock:
+            self.faults = faults
+            self._rng = random.Random(faults.seed)
+            self._count = 0
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
+        caps = self.inner.capabilities
+        cap = self.faults.max_descs
+        if cap and cap < caps.max_descs:
+            return dataclasses.replace(caps, max_descs=cap, max_request_bytes=min(caps.max_request_bytes,
+                                                                                  cap * caps.max_desc_bytes))
+        return caps
 
     def _register(self, addr: int, nbytes: int, kind: MemKind) -> None:
         self.inner.register_memory(addr, nbytes, kind)
@@ -94,7 +115,9 @@ class FaultyEngine(TransferEngine):
         if f.only is None or f.only is op:
             with self._lock:
                 r = self._rng.random()
-            if r < f.eio:
+                nth = self._count
+                self._count += 1
+            if r < f.eio or nth in f.nth:
                 self.injected["eio"] += 1
                 return _Failed(self.name, op, nbytes, what)
             if r < f.eio + f.hang:

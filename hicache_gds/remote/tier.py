@@ -373,7 +373,9 @@ class RemoteTier:
         Requests run on the transfer threads; `during` runs in the caller meanwhile. Nothing here
         waits past `io_timeout` (a request still running then is a timeout, and is left to finish).
         """
-        out = {sid: ["fail"] * len(items) for sid, (_, items) in plan.items()}
+        # Per server and item, the worst outcome of the requests holding its rows (an item may span
+        # several: more segments than one request takes): 0 ok, 1 failed, 2 timed out.
+        worst = {sid: np.zeros(len(items), dtype=np.int8) for sid, (_, items) in plan.items()}
         caps = self.engine.capabilities
         deadline = time.monotonic() + self.opts.io_timeout
         posted: list[tuple[str, int, int, Future]] = []
@@ -388,26 +390,28 @@ class RemoteTier:
             mem = np.stack([sel.addrs.ravel(), sel.lens.ravel()], axis=1)
             rem = np.stack([np.full(n * segs, peer.peer_id, dtype=np.uint64), (base.reshape(n, 1) + seg_off).ravel()],
                            axis=1)
-            for a, b in split_batches(np.full(n, segs), np.full(n, self.page_bytes), caps, self.opts.request_bytes):
+            for bt in split_batches(np.full(n, segs), np.full(n, self.page_bytes), caps, self.opts.request_bytes,
+                                    row_bytes=mem[:, 1]):
                 try:
-                    t = self.engine.submit(op, sel.kind, mem[a * segs:b * segs], rem[a * segs:b * segs])
+                    t = self.engine.submit(op, sel.kind, mem[bt.row_start:bt.row_stop], rem[bt.row_start:bt.row_stop])
                 except (TransferError, ValueError) as exc:
                     self._peer_failed(sid, exc)
+                    worst[sid][bt.start:bt.stop] = np.maximum(worst[sid][bt.start:bt.stop], 1)
                     continue
-                posted.append((sid, a, b, self._pool.submit(t.wait, self.opts.io_timeout)))
+                posted.append((sid, bt.start, bt.stop, self._pool.submit(t.wait, self.opts.io_timeout)))
         if during is not None:
             during()
         for sid, a, b, fut in posted:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-                out[sid][a:b] = ["ok"] * (b - a)
             except (TransferTimeout, FutureTimeout) as exc:
                 self._stats.add(timeouts=1)
-                out[sid][a:b] = ["timeout"] * (b - a)
+                worst[sid][a:b] = 2
                 self._warn(f"peer:{sid}", f"hicache-gds remote: server {sid}: {exc or 'transfer timed out'}")
             except TransferError as exc:
                 self._peer_failed(sid, exc)
-        return out
+                worst[sid][a:b] = np.maximum(worst[sid][a:b], 1)
+        return {sid: [("ok", "fail", "timeout")[int(w)] for w in ws] for sid, ws in worst.items()}
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove pages; True per key that was present."""

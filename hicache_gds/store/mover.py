@@ -88,8 +88,8 @@ def post_rows(engine: TransferEngine, config: Config, op: Op, kind: MemKind, mem
     mem, fil = np.stack([a, ln], axis=1), np.stack([np.repeat(fil[:, 0], pieces), off], axis=1)
     out: list[Transfer] = []
     try:
-        for a, b in split_batches(np.ones(len(mem)), mem[:, 1], caps, config.max_request_bytes or 64 << 20):
-            out.append(engine.submit(op, kind, mem[a:b], fil[a:b]))
+        for bt in split_batches(np.ones(len(mem)), mem[:, 1], caps, config.max_request_bytes or 64 << 20):
+            out.append(engine.submit(op, kind, mem[bt.row_start:bt.row_stop], fil[bt.row_start:bt.row_stop]))
     except BaseException:
         deadline = time.monotonic() + config.io_timeout
         for t in out:
@@ -243,7 +243,7 @@ class PageMover:
     def _finish(self, prep: Prepared) -> list[Transfer]:
         """Return the request's staging (held instead while IO that timed out may still land in it);
         returns that IO."""
-        late = [t for _, _, t in prep.transfers if t is not None and not finished(t)]
+        late = [t for _, t in prep.transfers if t is not None and not finished(t)]
         buf, prep.buf = prep.buf, None
         if buf is not None:
             if late:
@@ -277,16 +277,16 @@ class PageMover:
         fil = np.stack([np.repeat(fids, per_page), file_off], axis=1)
         pipeline = max(_PIPELINE_MIN_BYTES, n * self.slot_bytes // _PIPELINE_PARTS)
         plan = list(split_batches(per_page, np.full(n, self.slot_bytes), caps,
-                                  self.config.max_request_bytes or pipeline))
+                                  self.config.max_request_bytes or pipeline, row_bytes=mem_l))
         deadline = time.monotonic() + self.config.io_timeout
         kind = MemKind.DRAM if buf is not None else pages.kind
-        for a, b in plan:
+        for bt in plan:
             try:
-                t = self.engine.submit(op, kind, mem[rows[a]:rows[b]], fil[rows[a]:rows[b]])
+                t = self.engine.submit(op, kind, mem[bt.row_start:bt.row_stop], fil[bt.row_start:bt.row_stop])
             except (TransferError, OSError, ValueError) as exc:
-                log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, b - a, exc)
+                log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, bt.stop - bt.start, exc)
                 t = None
-            prep.transfers.append((a, b, t))
+            prep.transfers.append((bt, t))
             prep.posted = prep.posted or t is not None
         hashed = True
         if op is Op.WRITE:  # overlaps the IO in flight
@@ -296,36 +296,50 @@ class PageMover:
                 log.error("hicache-gds: checksums of %d written pages failed (%s: %s); not published", n,
                           type(exc).__name__, exc)
                 hashed = False
-        for a, b, t in prep.transfers:
+        # A page is done once every request holding its rows is (a page may span several: more rows
+        # than one request takes); its status is the worst of theirs: a timeout (the IO may still
+        # land) over a failure over success. Reads are scattered and verified (`_finish_read`: the
+        # one checksum for host and device pages) only then, after the page's last request.
+        left = np.zeros(n, dtype=np.int32)
+        worst = np.zeros(n, dtype=np.int8)  # 0 ok, 1 failed, 2 timed out
+        for bt, _ in prep.transfers:
+            left[bt.start:bt.stop] += 1
+        for bt, t in prep.transfers:
+            a, b = bt.start, bt.stop
+            got = np.zeros(b - a, dtype=np.int8)
             if t is None:
+                got[:] = 1
+            else:
+                try:
+                    t.wait(max(0.0, deadline - time.monotonic()))
+                except TransferTimeout as exc:
+                    log.error("hicache-gds: %s", exc)
+                    got[:] = 2
+                except TransferError as exc:
+                    log.warning("hicache-gds: %s", exc)
+                    got[:] = 1
+                    ok_rows = getattr(t, "ok_mask", lambda: None)()
+                    if ok_rows is not None:  # the engine knows which descriptors landed
+                        for j in range(a, b):
+                            r0, r1 = max(int(rows[j]), bt.row_start), min(int(rows[j + 1]), bt.row_stop)
+                            if ok_rows[r0 - bt.row_start:r1 - bt.row_start].all():
+                                got[j - a] = 0
+                except Exception as exc:  # noqa: BLE001 -- the engine's state is unknown: the IO may still land
+                    log.error("hicache-gds: waiting for %s of %d pages failed: %s: %s", op.value, b - a,
+                              type(exc).__name__, exc)
+                    got[:] = 2
+                finally:
+                    t.release()
+            np.maximum(worst[a:b], got, out=worst[a:b])
+            left[a:b] -= 1
+            done = np.flatnonzero(left[a:b] == 0) + a
+            if not len(done):
                 continue
-            try:
-                t.wait(max(0.0, deadline - time.monotonic()))
-            except TransferTimeout as exc:
-                log.error("hicache-gds: %s", exc)
-                status[a:b] = TIMEOUT
-                continue
-            except TransferError as exc:
-                log.warning("hicache-gds: %s", exc)
-                ok_rows = getattr(t, "ok_mask", lambda: None)()
-                if ok_rows is not None:  # the engine knows which descriptors landed
-                    r0 = rows[a]
-                    for j in range(a, b):
-                        if ok_rows[rows[j] - r0:rows[j + 1] - r0].all():
-                            status[j] = OK
-                            if op is Op.READ:
-                                self._finish_read(pages, buf, expect, status, j, j + 1)
-                continue
-            except Exception as exc:  # noqa: BLE001 -- the engine's state is unknown: the IO may still land
-                log.error("hicache-gds: waiting for %s of %d pages failed: %s: %s", op.value, b - a,
-                          type(exc).__name__, exc)
-                status[a:b] = TIMEOUT
-                continue
-            finally:
-                t.release()
-            status[a:b] = OK
+            status[done] = np.where(worst[done] == 2, TIMEOUT, np.where(worst[done] == 1, FAIL, OK))
             if op is Op.READ:
-                self._finish_read(pages, buf, expect, status, a, b)
+                ok = done[worst[done] == 0]
+                for run in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1) if len(ok) else ():
+                    self._finish_read(pages, buf, expect, status, int(run[0]), int(run[-1]) + 1)
         if not hashed:
             status[status == OK] = FAIL
         return status, sums

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engines.base import MemKind, Op, Transfer, TransferEngine
+from ..engines.base import Batch, MemKind, Op, Transfer, TransferEngine
 from ..errors import TransferError
 from ..layout import Pages
 from ..memory import HostBuffer, align_up, view
@@ -43,14 +43,14 @@ def finished(t: Transfer) -> bool:
 @dataclass
 class Prepared:
     """A request's memory side (`PageMover._prepare`): descriptors as (P, S) arrays, the staging
-    lent to it, and what was posted (first page, end page, transfer or None) once it runs."""
+    lent to it, and what was posted (the `Batch`, transfer or None) once it runs."""
 
     op: Op
     pages: Pages
     buf: HostBuffer | None
     mem_a: np.ndarray
     mem_l: np.ndarray
-    transfers: list[tuple[int, int, Transfer | None]] = field(default_factory=list)
+    transfers: list[tuple[Batch, Transfer | None]] = field(default_factory=list)
     posted: bool = False
 
 

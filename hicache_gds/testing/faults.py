@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import subprocess
 import time
 from typing import Iterator
@@ -67,8 +66,7 @@ def set_faults(faults: Faults | None) -> dict[str, int]:
     _current = faults or Faults()
     total = {"eio": 0, "hang": 0, "delay": 0}
     for e in list(_live):
-        e.faults = _current
-        e._rng = random.Random(_current.seed)  # the same faults, the same sequence of victims
+        e.set(_current)  # the same faults, the same sequence of victims
         for k in total:
             total[k] += e.injected[k]
     return total

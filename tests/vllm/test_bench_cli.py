@@ -13,8 +13,9 @@ sys.path.insert(0, E2E)
 import bench_vllm_server as bench  # noqa: E402
 
 
+@pytest.mark.parametrize("shape", ["llama3-8b-shape", "llama-32b-shape"])
 @pytest.mark.parametrize("cfg", bench.CONFIGS)
-def test_server_command_parses_with_vllms_cli(tmp_path, cfg):
+def test_server_command_parses_with_vllms_cli(tmp_path, cfg, shape):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     try:  # 0.26
@@ -22,14 +23,18 @@ def test_server_command_parses_with_vllms_cli(tmp_path, cfg):
     except ImportError:  # 0.33 moved the server's arguments (its api_server module still runs them)
         from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
 
-    a = bench.parse(["--dir", str(tmp_path)])
-    cmd, _ = bench.server_command(cfg, a, 8000, str(tmp_path / cfg))
+    a = bench.parse(["--dir", str(tmp_path), "--model", os.path.join(E2E, shape)])
+    a.seed_read_GBps = 1.66
+    cmd, env = bench.server_command(cfg, a, 8000, str(tmp_path / cfg))
+    # The V1 model runner, which hands offloading connectors one cross-layer KV tensor, by vLLM's own switch.
+    from vllm import envs
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "VLLM_USE_V2_MODEL_RUNNER" in envs.environment_variables
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:])
     validate_parsed_serve_args(ns)
     assert ns.enable_prompt_tokens_details and ns.port == 8000
     ea = AsyncEngineArgs.from_cli_args(ns)
-    assert os.path.basename(ea.model) == "llama3-8b-shape" and ea.load_format == "dummy"
+    assert os.path.basename(ea.model) == shape and ea.load_format == "dummy"
     assert ea.skip_tokenizer_init and ea.enforce_eager and ea.num_gpu_blocks_override == a.gpu_blocks
     ktc = ea.kv_transfer_config
     if cfg == "recompute":

@@ -1,4 +1,5 @@
-"""Load or recompute: the manager reports a hit only where loading beats recomputing, given the queue."""
+"""Load or recompute: the manager reports a hit only where loading beats recomputing, given the
+queues -- with the core's `hicache_gds.costmodel.CostModel`, the model the SGLang policy asks."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm_harness import Engine
 
 from hicache_gds import ConfigError
+from hicache_gds.costmodel import CostModel
 from hicache_gds_vllm import HiCacheGDSOffloadingSpec
-from hicache_gds_vllm.costmodel import CostModel, RateModel, breakeven_chunks, cost_model_from
+from hicache_gds_vllm.costmodel import cost_model_from
 from hicache_gds_vllm.manager import HiCacheGDSManager
 
 CHUNK = 32 * 64 * 1024 * 4  # Llama-3-8B: 8 MiB per chunk of 4 blocks (64 tokens)
 TOKENS = 64
+PER_TOKEN = CHUNK // TOKENS  # 128 KiB of KV per token
 PROMPT = list(range(1, 131))
 
 
@@ -23,57 +26,35 @@ def key(i: int):
     return make_offload_key(hashlib.sha256(str(i).encode()).digest(), 0)
 
 
-def test_breakeven_arithmetic():
-    # 2 GB/s read, 20k tokens/s prefill: a chunk loads in 4.2 ms, computes in 3.2 ms -> never worth it.
-    assert breakeven_chunks(RateModel(read_bytes_per_s=2e9, prefill_tokens_per_s=20e3), TOKENS, CHUNK, 0) is None
-    # 4 GB/s: 2.1 ms to load, 3.2 ms to compute: one chunk pays off on an idle disk ...
-    m = RateModel(read_bytes_per_s=4e9, prefill_tokens_per_s=20e3)
-    assert breakeven_chunks(m, TOKENS, CHUNK, 0) == 1
-    # ... behind 1 GB queued (250 ms), a run must save that: 250 / (3.2 - 2.1) ms = 229 chunks.
-    need = breakeven_chunks(m, TOKENS, CHUNK, 1 << 30)
-    load = m.load_seconds(need * CHUNK, 1 << 30)
-    assert load <= m.compute_seconds(need * TOKENS) and m.load_seconds((need - 1) * CHUNK, 1 << 30) > \
-        m.compute_seconds((need - 1) * TOKENS)
-    # Unknown rates: loading wins (the adapter without a model).
-    assert breakeven_chunks(RateModel(), TOKENS, CHUNK, 1 << 30) == 1
-    assert breakeven_chunks(RateModel(read_bytes_per_s=1e9), TOKENS, CHUNK, 1 << 30) == 1
-
-
-def test_rate_model_learns_from_observations():
-    m = RateModel(alpha=0.5)
-    m.observe_load(8 << 20, 0.004)
-    assert m.read_rate == pytest.approx((8 << 20) / 0.004)
-    m.observe_load(8 << 20, 0.008)
-    assert m.read_rate == pytest.approx(0.5 * (8 << 20) / 0.004 + 0.5 * (8 << 20) / 0.008)
-    fixed = RateModel(prefill_tokens_per_s=1000, fixed_prefill=True)
-    fixed.observe_prefill(10_000, 1.0)
-    assert fixed.prefill_rate == 1000  # a configured rate is the operator's word
-    assert isinstance(m, CostModel)
-
-
 def test_cost_model_from_extra_config():
-    assert cost_model_from({"cost_model": "off"}) is None
-    m = cost_model_from({"prefill_tokens_per_s": "5000", "load_bytes_per_s": 3e9})
-    assert isinstance(m, RateModel) and m.prefill_rate == 5000 and m.read_rate == 3e9 and m.fixed_prefill
+    assert cost_model_from({"cost_model": "off"}, PER_TOKEN) is None
+    m = cost_model_from({"prefill_tokens_per_s": "5000", "load_bytes_per_s": 3e9}, PER_TOKEN, chunk=8192)
+    assert isinstance(m, CostModel) and m.bytes_per_token == PER_TOKEN and m.prefill.chunk == 8192
+    assert m.read.rate == pytest.approx(3e9) and m.prefill.tokens_per_s(1000) == pytest.approx(5000)
+    assert m.read.source == "configured load_bytes_per_s"
+    # Nothing known: the model says load (what the adapter does without one).
+    unknown = cost_model_from({}, PER_TOKEN)
+    assert unknown.read.rate is None and unknown.decide(1000, 0, 1000).action == "load"
     with pytest.raises(ConfigError, match="cost_model"):
-        cost_model_from({"cost_model": "nonsense"})
+        cost_model_from({"cost_model": "nonsense"}, PER_TOKEN)
     with pytest.raises(ConfigError, match="positive"):
-        cost_model_from({"prefill_tokens_per_s": "-3"})
-    plugged = cost_model_from({"cost_model": "test_costmodel:Pluggable", "prefill_tokens_per_s": 7})
-    assert isinstance(plugged, Pluggable) and plugged.prefill_rate == 7  # by import path, from the extra config
-    with pytest.raises(ConfigError, match="lacks"):
-        cost_model_from({"cost_model": "test_costmodel:NotAModel"})
+        cost_model_from({"prefill_tokens_per_s": "-3"}, PER_TOKEN)
+    plugged = cost_model_from({"cost_model": "test_costmodel:Pluggable", "prefill_tokens_per_s": 7}, PER_TOKEN)
+    assert isinstance(plugged, Pluggable) and plugged.prefill.tokens_per_s(100) == pytest.approx(7)
+    with pytest.raises(ConfigError, match="not a hicache_gds.costmodel.CostModel"):
+        cost_model_from({"cost_model": "test_costmodel:NotAModel"}, PER_TOKEN)
 
 
-class Pluggable(RateModel):
-    """A cost model found by import path (as the core's will be), built from the extra config."""
+class Pluggable(CostModel):
+    """A cost model found by import path, built from the extra config."""
 
-    def __init__(self, extra):
-        super().__init__(prefill_tokens_per_s=float(extra["prefill_tokens_per_s"]))
+    def __init__(self, extra, bytes_per_token):
+        super().__init__(bytes_per_token)
+        self.prefill.seed_rate(float(extra["prefill_tokens_per_s"]), "test")
 
 
 class NotAModel:
-    def __init__(self, extra):
+    def __init__(self, extra, bytes_per_token):
         pass
 
 
@@ -100,47 +81,76 @@ def scan(m, req, keys):
     return out
 
 
-def test_idle_disk_and_cheap_loads_hit_at_once(gds_dir):
+def test_idle_queues_and_cheap_loads_hit_at_once(gds_dir):
+    # 4 GB/s read = 30.5k tokens/s of KV, faster than a 20k tokens/s prefill: one chunk pays.
     m = make_manager(gds_dir, load_bytes_per_s=4e9, prefill_tokens_per_s=20e3)
     stored(m, [key(i) for i in range(4)])
+    m.note_request("r", 4 * TOKENS + 10, 0)
     assert scan(m, "r", [key(i) for i in range(5)]) == [LookupResult.HIT] * 4 + [LookupResult.MISS]
+    assert m.advisor.last.action == "load"
 
 
 def test_loads_slower_than_compute_are_misses(gds_dir):
+    # 1 GB/s = 7.6k tokens/s of KV against a 20k tokens/s prefill: nothing is worth loading.
     m = make_manager(gds_dir, load_bytes_per_s=1e9, prefill_tokens_per_s=20e3)
     stored(m, [key(i) for i in range(4)])
+    m.note_request("r", 4 * TOKENS + 10, 0)
     assert scan(m, "r", [key(i) for i in range(4)]) == [LookupResult.MISS]
-    assert m.stats()["cost_misses"] == 1
+    assert m.stats()["cost_misses"] == 1 and m.advisor.last.action == "compute"
 
 
-def test_a_queue_defers_the_decision_to_the_run_found(gds_dir):
-    """Behind a queue, a run must be long enough to pay it back: the first scan keeps going (RETRY)
-    to find the run; the next scan answers from it."""
+def test_a_disk_queue_defers_the_decision_to_the_run_found(gds_dir):
+    """Behind a disk queue, a run must be long enough to pay it back: the first scan keeps going
+    (RETRY) to find the run; the next scan answers from it."""
     m = make_manager(gds_dir, load_bytes_per_s=4e9, prefill_tokens_per_s=20e3)
     stored(m, [key(i) for i in range(40)])
     # 30 chunks of another request being stored: 240 MiB queued, ~63 ms; a chunk saves ~1.1 ms.
     m.prepare_store([key(100 + i) for i in range(30)], ReqContext(req_id="other"))
-    need = breakeven_chunks(m.cost, TOKENS, m.chunk_bytes, m.stats()["inflight_bytes"])
-    assert 4 < need < 100
+    assert m.stats()["inflight_bytes"] == 30 * CHUNK
     short = [key(i) for i in range(4)] + [key(999)]
+    # A request of 4 chunks: even all of it loaded cannot pay the queue back, decided at once.
+    m.note_request("tiny", 4 * TOKENS, 0)
+    assert scan(m, "tiny", short) == [LookupResult.MISS]
+    # A request of 100 chunks could pay it back, were enough of it stored: the run is looked for ...
+    m.note_request("short", 100 * TOKENS, 0)
     assert scan(m, "short", short) == [LookupResult.RETRY] * 4 + [LookupResult.MISS]
-    assert scan(m, "short", short) == [LookupResult.MISS]  # 4 chunks cannot pay the queue back: recompute
+    assert scan(m, "short", short) == [LookupResult.MISS]  # ... and 4 chunks cannot: recompute
+    assert m.advisor.last.action == "compute"
     long = [key(i) for i in range(40)]
-    m.cost.prefill_rate = 2e3  # slower compute: a chunk saves ~30 ms, 3 chunks pay the queue back
-    assert breakeven_chunks(m.cost, TOKENS, m.chunk_bytes, m.stats()["inflight_bytes"]) == 3
+    m.note_request("long", 40 * TOKENS, 0)
+    m.cost.prefill.seed_rate(2e3, "test")  # slower compute: a chunk saves ~30 ms, 3 chunks pay the queue back
     assert scan(m, "long", long) == [LookupResult.RETRY] * 40
     assert scan(m, "long", long) == [LookupResult.HIT] * 40
-    assert m.stats()["cost_deferrals"] == 2 and m.stats()["cost_misses"] == 1
+    assert m.stats()["cost_deferrals"] == 2 and m.stats()["cost_misses"] == 2
+
+
+def test_a_busy_gpu_makes_a_slow_load_worth_it(gds_dir):
+    """Loading loses to computing alone (1 GB/s against a 20k tokens/s prefill), but not behind a
+    second of prefill queued for a request looked up first: the load runs while the GPU is busy."""
+    m = make_manager(gds_dir, load_bytes_per_s=1e9, prefill_tokens_per_s=20e3)
+    stored(m, [key(i) for i in range(4)])
+    run = [key(i) for i in range(4)]
+    m.note_request("alone", 4 * TOKENS, 0)
+    assert scan(m, "alone", run) == [LookupResult.MISS]
+    m.on_request_finished(ReqContext(req_id="alone"))
+    m.note_request("first", 20_000, 0)  # one second of prefill, not scheduled yet
+    m.note_request("second", 4 * TOKENS, 0)
+    assert scan(m, "second", run) == [LookupResult.RETRY] * 4
+    assert scan(m, "second", run) == [LookupResult.HIT] * 4
+    assert m.advisor.last.action == "load" and m.advisor.gpu_backlog("second") == pytest.approx(1.0)
+    # Once the first request's prefill is computed, nothing is queued ahead any more.
+    m.note_scheduled({"first": 20_000}, {"first": 0})
+    assert m.advisor.gpu_backlog("second") == 0.0
 
 
 def test_queue_drains_when_jobs_complete_or_reset(gds_dir):
     m = make_manager(gds_dir, load_bytes_per_s=4e9, prefill_tokens_per_s=20e3)
     out = m.prepare_store([key(i) for i in range(3)], ReqContext(req_id="a"))
-    assert m.stats()["inflight_bytes"] == 3 * m.chunk_bytes
+    assert m.stats()["inflight_bytes"] == 3 * CHUNK
     m.complete_store(out.keys_to_store, ReqContext(req_id="a"))
     assert m.stats()["inflight_bytes"] == 0
     m.prepare_load([key(0)], ReqContext(req_id="b"))
-    assert m.stats()["inflight_bytes"] == m.chunk_bytes
+    assert m.stats()["inflight_bytes"] == CHUNK
     m.reset_cache()  # vLLM drops the jobs in flight: their completions never come
     assert m.stats()["inflight_bytes"] == 0
 
@@ -153,7 +163,7 @@ def test_engine_recomputes_when_loading_would_be_slower(root_dir, gds_dir):
                                        ({"cost_model": "off"}, 1))):
         d = os.path.join(gds_dir, str(i))
         os.makedirs(d)
-        e = Engine(root_dir, d, connector="hicache", seed=71, extra={"cost_model": "rate", **cost})
+        e = Engine(root_dir, d, connector="hicache", seed=71, extra={"cost_model": "on", **cost})
         try:
             e.add("A", PROMPT)
             e.run()
@@ -168,17 +178,18 @@ def test_engine_recomputes_when_loading_would_be_slower(root_dir, gds_dir):
 
 
 def test_engine_measures_load_rate_and_prefill_rate(root_dir, gds_dir):
-    e = Engine(root_dir, gds_dir, connector="hicache", seed=72, num_blocks=160, extra={"cost_model": "rate"})
+    e = Engine(root_dir, gds_dir, connector="hicache", seed=72, num_blocks=160, extra={"cost_model": "on"})
     try:
         e.add("A", list(range(1, 1100)))  # one step of >= 1024 tokens: a prefill-rate sample
         e.run()
-        assert e.manager.cost.prefills >= 1 and e.manager.cost.prefill_rate > 0
+        assert e.manager.cost.prefill.batches >= 1 and e.manager.cost.prefill.tokens_per_s(1000) > 0
+        assert e.manager.cost.prefill.coefficients()[1].startswith("measured")
         assert e.scheduler.reset_prefix_cache()
         e.add("B", list(range(1, 1100)) + [3])
         e.run()
         assert e.load_jobs == 1 or e.manager.stats()["cost_misses"] == 1
         if e.load_jobs:
-            assert e.manager.cost.loads == 1 and e.manager.cost.read_rate > 0
+            assert e.manager.cost.read.total_gets == 1 and e.manager.cost.read.rate > 0
     finally:
         e.shutdown()
 
@@ -186,3 +197,19 @@ def test_engine_measures_load_rate_and_prefill_rate(root_dir, gds_dir):
 @pytest.fixture
 def root_dir(tmp_path):
     return str(tmp_path)
+
+
+def test_a_restarted_engine_starts_from_the_measured_estimates(root_dir, gds_dir):
+    e = Engine(root_dir, gds_dir, connector="hicache", seed=73, num_blocks=160, extra={"cost_model": "on"})
+    try:
+        e.add("A", list(range(1, 1100)))
+        e.run()
+        coef, _ = e.manager.cost.prefill.coefficients()
+    finally:
+        e.shutdown()
+    e = Engine(root_dir, gds_dir, connector="hicache", seed=73, num_blocks=160, extra={"cost_model": "on"})
+    try:
+        again, source = e.manager.cost.prefill.coefficients()
+        assert source.startswith("persisted") and again == pytest.approx(coef)
+    finally:
+        e.shutdown()

@@ -160,3 +160,37 @@ def test_two_engines_share_chunks_and_a_load_is_leased(root, gds_dir, world_size
     finally:
         a.shutdown()
         b.shutdown()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunks_of_more_regions_than_an_engine_request_takes_store_and_load(root, gds_dir, layout):
+    """An engine that takes 3 descriptors per request (GDS in cuFile compat mode takes 64; a chunk of
+    the 8B shape's per-layer views is 32 x 4): every chunk is stored and loaded, in several requests,
+    byte-exact -- the first GPU run refused every one of them. 128 KiB pages go to the engine
+    unstaged, as VRAM does."""
+    from hicache_gds.engines.faulty import Faults
+    from hicache_gds.testing.faults import set_faults
+    set_faults(Faults(max_descs=3))
+    try:
+        e = engine(root, gds_dir, layout=layout, connector="hicache", seed=21, layers=4, heads=16, head_dim=128,
+                   extra={"engine": "faulty-nixl-posix", "verify": True})
+        try:
+            st = e.worker(0).stores[0]
+            assert st.engine.capabilities.max_descs == 3 and e.worker(0).geos[0].segments == (8 if layout == "per-layer"
+                                                                                            else 2)
+            e.add("A", PROMPT)
+            e.run()
+            assert e.manager.stats()["ready"] == 4 and e.worker(0).stats["store_chunks_failed"] == 0
+            want = stored_bytes(e, "A")
+            assert e.scheduler.reset_prefix_cache()
+            e.poison()
+            e.add("B", PROMPT + [999])
+            e.run()
+            assert e.load_jobs == 1 and not e.invalid_blocks
+            assert_loaded(e, "B", want)
+            e.check_kv("B", PROMPT)
+            assert st.stats()["staged_pages"] == 0 and st.stats()["checksum_mismatches"] == 0
+        finally:
+            e.shutdown()
+    finally:
+        set_faults(None)

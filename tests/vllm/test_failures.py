@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -192,4 +193,149 @@ def test_plain_offloading_connector_reports_the_failure(root, gds_dir):
         assert e.worker(0).stats["load_jobs_failed"] == 1
     finally:
         set_faults(None)
+        e.shutdown()
+
+
+REFUSED = "an item of 128 descriptors exceeds the engine's 64 per request"
+HOLD_S = 4.0  # the hold after a refused load; the test's requests before it ends take well under a second
+
+
+def _refuse(store, what):
+    """Every `what` ("get" or "put") of `store` raises, as an engine refusing the request does (the
+    first GPU run: every load of per-layer chunks refused, again and again)."""
+    def refuse(keys, pages):
+        raise ValueError(REFUSED)
+    real = getattr(store, what)
+    setattr(store, what, refuse)
+    return lambda: setattr(store, what, real)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_load_the_engine_refuses_costs_one_retry_then_recomputes(root, gds_dir, layout):
+    """A load refused by the engine (not about the page: the same load would be refused again) is
+    recomputed once, and then the worker's chunks are not offered until a load has succeeded
+    again: no retry loop. The first GPU run retried one request 456 times."""
+    e = Engine(root, gds_dir, connector="hicache", layout=layout, seed=8,
+               extra={"engine": "bounce", "failed_load_backoff_s": HOLD_S})
+    try:
+        e.add("A", PROMPT)
+        e.run()
+        assert e.manager.stats()["ready"] == 4
+        heal = _refuse(e.worker(0).stores[0], "get")
+        assert e.scheduler.reset_prefix_cache()
+        e.poison()
+        t0 = time.monotonic()
+        e.add("B", PROMPT + [900])
+        e.run(max_steps=20)
+        assert e.load_jobs == 1  # the refused load, then a recompute: one retry
+        e.check_kv("B", PROMPT)  # what a recompute gives
+        assert e.manager.stats()["held_misses"] >= 1
+        assert e.worker(0).stores[0].exists([store_key(k) for k in list(e.manager._entries)[:1]]) == [True]
+        # Still refused, and no load is tried while the worker is held: recomputed at once.
+        assert e.scheduler.reset_prefix_cache()
+        e.poison()
+        e.add("C", PROMPT + [901])
+        e.run(max_steps=20)
+        assert e.load_jobs == 1
+        e.check_kv("C", PROMPT)
+        assert e.manager.stats()["held_ranks"] == 1
+        # The engine works again; after the hold a load is tried, succeeds, and the hold is over.
+        heal()
+        time.sleep(max(0.0, HOLD_S - (time.monotonic() - t0)) + 0.2)
+        for i, req in enumerate(("D", "E")):
+            assert e.scheduler.reset_prefix_cache()
+            e.poison()
+            e.add(req, PROMPT + [902 + i])
+            e.run(max_steps=20)
+            assert e.load_jobs == 2 + i
+            e.check_kv(req, PROMPT)
+        assert e.manager.stats()["held_ranks"] == 0
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_eio_on_every_read_costs_one_retry(root, gds_dir, world_size):
+    """A load that fails on every read (about the pages): the chunks are dropped and forgotten, and
+    a second revisit recomputes without trying again."""
+    e = stored_then_revisit(root, gds_dir, lambda e: set_faults(Faults(eio=1.0, only=Op.READ)),
+                            world_size=world_size)
+    try:
+        assert e.load_jobs == 1
+        e.check_kv("B", PROMPT)
+        assert e.scheduler.reset_prefix_cache()
+        e.poison()
+        e.add("C", PROMPT + [77])
+        e.run(max_steps=20)
+        assert e.load_jobs <= 2
+        e.check_kv("C", PROMPT)
+    finally:
+        set_faults(None)
+        e.shutdown()
+
+
+@pytest.mark.parametrize("how", ["refused", "eio"])
+def test_chunks_whose_store_failed_are_never_offered(root, gds_dir, how):
+    """A store job that failed -- refused by the engine, or EIO on write -- leaves its chunks
+    misses: lookup never offers a chunk that was not written."""
+    e = Engine(root, gds_dir, connector="hicache", seed=9, extra={"engine": "faulty-bounce"})
+    try:
+        if how == "refused":
+            heal = _refuse(e.worker(0).stores[0], "put")
+        else:
+            set_faults(Faults(eio=1.0, only=Op.WRITE))
+            heal = lambda: set_faults(None)  # noqa: E731
+        e.add("A", PROMPT)
+        e.run()
+        assert e.manager.stats()["ready"] == 0 and e.manager.stats()["failed_chunks"] == 4
+        assert e.worker(0).stores[0].stats()["pages"] == 0
+        heal()
+        assert e.scheduler.reset_prefix_cache()
+        e.poison()
+        e.add("B", PROMPT + [5])
+        e.run()
+        assert e.load_jobs == 0  # nothing to load: recomputed (and stored now)
+        e.check_kv("B", PROMPT)
+        assert e.manager.stats()["ready"] == 4
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("when", ["waiting", "after-refused-load", "mid-prefill"])
+def test_a_request_aborted_before_its_kv_was_computed_never_stops_the_engine(root, gds_dir, when):
+    """A client gives up on a request that has no KV yet (still waiting; rescheduled after a failed
+    load) or only part of it (mid-prefill): it is offloaded no further than computed -- vLLM 0.26
+    offloaded it up to all of its tokens and stopped the engine on an assertion (the first GPU run)
+    -- and the engine serves the next requests, byte-exact."""
+    from vllm.v1.request import RequestStatus
+    e = Engine(root, gds_dir, connector="hicache", seed=10, num_blocks=256,
+               extra={"engine": "bounce", "failed_load_backoff_s": 60})
+    long = list(range(1, 3001))  # two prefill steps of at most 2048 tokens
+    try:
+        heal = lambda: None  # noqa: E731
+        if when == "after-refused-load":
+            e.add("A", PROMPT)
+            e.run()
+            heal = _refuse(e.worker(0).stores[0], "get")
+            assert e.scheduler.reset_prefix_cache()
+            e.add("B", PROMPT + [900], max_tokens=50)
+            e.step()
+            assert e.scheduler.requests["B"].num_computed_tokens == 0
+        elif when == "mid-prefill":
+            e.add("B", long, max_tokens=50)
+            e.step()
+            assert 0 < e.scheduler.requests["B"].num_computed_tokens < len(long)
+        else:
+            e.add("B", long, max_tokens=50)
+        e.scheduler.finish_requests("B", RequestStatus.FINISHED_ABORTED)
+        e.run()  # the step that offloads what B finished with
+        computed = 2048 if when == "mid-prefill" else 0
+        assert e.manager.stats()["ready"] <= (4 if when == "after-refused-load" else computed // 32)
+        heal()
+        assert e.scheduler.reset_prefix_cache()
+        e.poison()
+        e.add("C", long)
+        e.run()
+        e.check_kv("C", long)  # whatever was loaded is what compute gives: nothing uncomputed was stored
+    finally:
         e.shutdown()

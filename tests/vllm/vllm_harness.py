@@ -30,6 +30,7 @@ import json
 import os
 from functools import reduce
 
+import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
@@ -63,6 +64,19 @@ def tiny_model_dir(root: str, layers: int, heads: int, head_dim: int) -> str:
                    "num_hidden_layers": layers, "intermediate_size": 256, "vocab_size": 1000,
                    "max_position_embeddings": 4096, "torch_dtype": "float16"}, f)
     return d
+
+
+def _aligned_random(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random int8 KV at a 4 KiB-aligned address, as a GPU's KV cache is (CUDA allocations are), so
+    O_DIRECT engines take large pages straight from it, unstaged, as they do from VRAM."""
+    n = 1
+    for d in shape:
+        n *= d
+    raw = np.empty(n + 4096, dtype=np.int8)
+    off = (-raw.ctypes.data) % 4096
+    kv = torch.from_numpy(raw[off:off + n]).view(shape)  # its own storage, starting there (offset 0)
+    kv.copy_(torch.randint(-128, 127, shape, dtype=torch.int8, generator=gen))
+    return kv
 
 
 class Engine:
@@ -113,14 +127,12 @@ class Engine:
             rc.parallel_config.rank = rank
             conn = conn_cls(rc, KVConnectorRole.WORKER, self.kv_cache_config)
             if layout == "per-layer":
-                kv = torch.randint(-128, 127, (layers, num_blocks, heads, BLOCK, 4 * head_dim), dtype=torch.int8,
-                                   generator=gen)
+                kv = _aligned_random((layers, num_blocks, heads, BLOCK, 4 * head_dim), gen)
                 with set_current_vllm_config(rc):
                     conn.register_kv_caches({n: kv[i].view(torch.float16) for i, n in enumerate(names)})
             else:
                 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-                kv = torch.randint(-128, 127, (num_blocks, heads, layers, BLOCK, 4 * head_dim), dtype=torch.int8,
-                                   generator=gen)
+                kv = _aligned_random((num_blocks, heads, layers, BLOCK, 4 * head_dim), gen)
                 with set_current_vllm_config(rc):
                     conn.register_cross_layers_kv_cache(kv.view(torch.float16), FlashAttentionBackend)
             self.kv.append(kv)

@@ -23,9 +23,16 @@ rest. This subclass changes nothing else:
   for the engine identity (`compat.model_dtype`);
 * it fixes the seed of vLLM's block hashes where vLLM would draw it at random
   (`compat.stable_block_hashes`), so that restarted and other engines find the chunks;
-* it measures the engine's prefill rate for the load-or-recompute decision: the wall time
-  between one step's scheduling and the next, for steps of at least `PREFILL_SAMPLE_TOKENS`
-  tokens (`manager.observe_step`).
+* it tells the load-or-recompute model (`costmodel.py`) what it needs: each request's tokens to
+  compute and GPU-cached prefix when vLLM looks it up (`manager.note_request`), the prompt tokens
+  each step computes (the GPU's queue, `manager.note_scheduled`), and the prefill cost: per step
+  of at least `PREFILL_SAMPLE_TOKENS` tokens, each request's new tokens and cached prefix and the
+  wall time until the next step is scheduled (`manager.observe_step`);
+* a finished request is offloaded only as far as its KV was computed and its blocks allocated
+  (`_cap_finished`). vLLM 0.26 offloads a finished request up to all of its tokens, so one
+  aborted before its blocks were allocated -- a client that gave up while it waited, after a
+  failed load, say -- stops the engine (`assert len(offload_keys) == len(offload_block_ids)` in
+  its scheduler, seen on the GPU machine); 0.33 stops an aborted one at its computed tokens.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from . import compat
 from .spec import HiCacheGDSOffloadingSpec
 
-__all__ = ["HiCacheGDSConnector", "PREFILL_SAMPLE_TOKENS"]
+__all__ = ["HiCacheGDSConnector", "PREFILL_SAMPLE_TOKENS", "step_requests"]
 
 log = logging.getLogger("hicache_gds_vllm")
 
@@ -65,7 +72,54 @@ class HiCacheGDSConnector(OffloadingConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None and isinstance(self.connector_worker.spec, HiCacheGDSOffloadingSpec):
             self.connector_worker.spec.recover_failed_loads = True
-        self._last_step: tuple[float, int] | None = None
+        self._last_step: tuple[float, list[int], list[int]] | None = None
+        manager = self._manager()
+        if manager is not None and manager.cost is not None and manager.cost.prefill.chunk is None:
+            manager.cost.prefill.chunk = vllm_config.scheduler_config.max_num_batched_tokens
+
+    def _manager(self) -> Any:
+        return self.connector_scheduler.manager if self.connector_scheduler is not None else None
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        # docstring inherited
+        manager = self._manager()
+        note = getattr(manager, "note_request", None)
+        if note is not None:
+            note(request.request_id, request.num_tokens - num_computed_tokens, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        # docstring inherited
+        out = super().request_finished(request, block_ids)
+        self._cap_finished(request)
+        return out
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        # docstring inherited
+        out = super().request_finished_all_groups(request, block_ids)
+        self._cap_finished(request)
+        return out
+
+    def _cap_finished(self, request: Any) -> None:
+        """Offload a finished request no further than its computed tokens and its allocated blocks
+        (`max_offload_tokens`, which vLLM's offloading scheduler honours), where less than all of its
+        tokens got blocks or it was aborted. See the module docstring."""
+        sched = self.connector_scheduler
+        state = getattr(sched, "_req_status", {}).get(request.request_id) if sched is not None else None
+        if state is None:
+            return
+        try:
+            bpc = sched.config.blocks_per_chunk
+            groups = list(zip(sched.config.kv_group_configs, state.group_states))
+            allocated = min(len(gs.block_ids) // bpc * gc.tokens_per_chunk for gc, gs in groups)
+        except (AttributeError, TypeError, ZeroDivisionError, ValueError):
+            return  # another layout of vLLM's state: its own bookkeeping decides
+        aborted = getattr(request.status, "name", "") == "FINISHED_ABORTED"
+        if not aborted and allocated >= request.num_tokens:
+            return
+        cap = min(int(request.num_computed_tokens), allocated)
+        if state.max_offload_tokens is None or cap < state.max_offload_tokens:
+            state.max_offload_tokens = cap
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU blocks whose load failed since the last call (vLLM recomputes them)."""
@@ -76,11 +130,27 @@ class HiCacheGDSConnector(OffloadingConnector):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         # docstring inherited
         now = time.monotonic()
-        if self._last_step is not None:
-            t0, tokens = self._last_step
-            manager = self.connector_scheduler.manager if self.connector_scheduler is not None else None
-            observe = getattr(manager, "observe_step", None)
-            if tokens >= PREFILL_SAMPLE_TOKENS and observe is not None:
-                observe(tokens, now - t0)
-        self._last_step = (now, int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
+        manager = self._manager()
+        if self._last_step is not None and hasattr(manager, "observe_step"):
+            t0, news, prefixes = self._last_step
+            if sum(news) >= PREFILL_SAMPLE_TOKENS:
+                manager.observe_step(news, prefixes, now - t0)
+        news, prefixes = step_requests(scheduler_output)
+        self._last_step = (now, list(news.values()), [prefixes[r] for r in news])
+        if hasattr(manager, "note_scheduled"):
+            manager.note_scheduled(news, prefixes)
         return super().build_connector_meta(scheduler_output)
+
+
+def step_requests(scheduler_output: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """Per request of a scheduled step: the tokens it computes, and the tokens it had computed
+    before (vLLM 0.26 and 0.33 spell both the same)."""
+    news = {str(r): int(n) for r, n in (getattr(scheduler_output, "num_scheduled_tokens", None) or {}).items()}
+    prefixes: dict[str, int] = {}
+    for nr in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        prefixes[nr.req_id] = int(nr.num_computed_tokens)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        for r, n in zip(cached.req_ids, cached.num_computed_tokens):
+            prefixes[r] = int(n)
+    return news, {r: prefixes.get(r, 0) for r in news}

@@ -1,136 +1,100 @@
-"""Load or recompute: does reading a prefix's chunks from disk beat computing them again?
+"""Load or recompute, for vLLM's lookup: the core's `hicache_gds.costmodel.CostModel`, the same
+model the SGLang policy asks (its docstring has the formula), fed and asked by the manager.
 
-vLLM asks the manager about one chunk at a time, in prefix order, and stops at the first MISS.
-The manager answers HIT only where loading the run of chunks it has found finishes before
-recomputing them would, given the IO already queued (`manager.py` does the asking; this module
-holds the arithmetic):
+vLLM asks the manager about one chunk at a time, in prefix order, and stops at the first MISS. The
+manager answers HIT only where loading the run of chunks found finishes before recomputing it
+would (`CostModel.decide`), given
 
-    load(k)    = latency + (queued + k * chunk_bytes) / read_rate
-    compute(k) = k * chunk_tokens / prefill_rate
+* the request: ``new`` tokens to prefill after the ``prefix`` the GPU holds (`HiCacheGDSConnector`
+  notes both when vLLM looks the request up; without it, the run found is taken as the whole
+  request);
+* the disk's queue: the bytes of this engine's loads and stores in flight, in seconds at the read
+  rate (``disk_backlog``);
+* the GPU's queue: the prefill tokens of requests looked up before this one and not computed yet,
+  in seconds of prefill (``gpu_backlog``): while the GPU is busy with them a load costs nothing.
 
-`breakeven_chunks` is the smallest k with load(k) <= compute(k): 1 when the disk is idle and
-loading a chunk is cheaper than computing it; more when a queue must be waited out first; None
-when a chunk reads slower than it computes (then nothing is worth loading). Rates that are not
-known yet (no load measured, no prefill rate given or measured) count as "loading wins", the
-adapter's behaviour without a model.
-
-`CostModel` is the seam: anything with these four methods can answer (the core's cost model for
-SGLang, once it exists, can be pointed at with the extra-config key
-``cost_model: "package.module:Class"``). `RateModel` is the minimal one: an exponentially
-weighted read rate measured from this engine's own loads, and a prefill rate measured from its
-steps (through `HiCacheGDSConnector`) or given (`prefill_tokens_per_s`).
+The rates are measured in the running engine: the read rate from this engine's loads (bytes and
+service time, `ReadRate`), the prefill cost from its steps (per request new tokens and cached
+prefix, and the step's wall time, `PrefillModel`; `HiCacheGDSConnector` times them). Before a
+first measurement, `load_bytes_per_s` / `prefill_tokens_per_s` seed them; with neither, the model
+answers "load" (the adapter's behaviour without a model). `cost_model`: "on" (default; "rate" is
+the same), "off" (every chunk found is a hit), or "package.module:Class", a `CostModel` subclass
+built as ``Class(extra_config, bytes_per_token)``.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
-from typing import Any, Mapping, Protocol, runtime_checkable
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
 
-from hicache_gds import ConfigError
+from hicache_gds import ConfigError, CostModel, Decision, PrefillModel, ReadRate
 
-__all__ = ["CostModel", "RateModel", "breakeven_chunks", "cost_model_from"]
+__all__ = ["KEYS", "CostModel", "Decision", "cost_model_from", "RunJudge", "Advisor"]
 
 # Extra-config keys this module reads (the spec ignores them when building hicache-gds' Config).
-KEYS = ("cost_model", "prefill_tokens_per_s", "load_bytes_per_s", "load_latency_s")
+KEYS = ("cost_model", "prefill_tokens_per_s", "load_bytes_per_s")
 
 
-@runtime_checkable
-class CostModel(Protocol):
-    """What the manager asks. Seconds are predictions; None means "not known yet"."""
-
-    def load_seconds(self, nbytes: int, queued_bytes: int) -> float | None:
-        """Time until `nbytes` are read, behind `queued_bytes` of IO already queued."""
-
-    def compute_seconds(self, tokens: int) -> float | None:
-        """Time to prefill `tokens` tokens."""
-
-    def observe_load(self, nbytes: int, seconds: float) -> None:
-        """A load of `nbytes` took `seconds` of service (queueing excluded)."""
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """An engine step computed `tokens` prompt tokens in `seconds`."""
-
-
-class RateModel:
-    """Rates as exponentially weighted means of what was observed (`alpha` per sample), starting
-    from the given values (None: unknown until the first observation)."""
-
-    def __init__(self, *, read_bytes_per_s: float | None = None, prefill_tokens_per_s: float | None = None,
-                 latency_s: float = 0.0, alpha: float = 0.3, fixed_prefill: bool = False) -> None:
-        self.read_rate = read_bytes_per_s
-        self.prefill_rate = prefill_tokens_per_s
-        self.latency_s = latency_s
-        self.alpha = alpha
-        self.fixed_prefill = fixed_prefill  # a configured prefill rate is not overridden by measurements
-        self.loads = 0
-        self.prefills = 0
-
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
-
-    def load_seconds(self, nbytes: int, queued_bytes: int) -> float | None:
-        if not self.read_rate:
-            return None
-        return self.latency_s + (queued_bytes + nbytes) / self.read_rate
-
-    def compute_seconds(self, tokens: int) -> float | None:
-        if not self.prefill_rate:
-            return None
-        return tokens / self.prefill_rate
-
-    def observe_load(self, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            self.read_rate = self._mix(self.read_rate, nbytes / seconds)
-            self.loads += 1
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0 and not self.fixed_prefill:
-            self.prefill_rate = self._mix(self.prefill_rate, tokens / seconds)
-            self.prefills += 1
-
-    def __repr__(self) -> str:
-        rr = f"{self.read_rate / 1e9:.2f} GB/s" if self.read_rate else "unknown"
-        pr = f"{self.prefill_rate:.0f} tok/s" if self.prefill_rate else "unknown"
-        return f"RateModel(read {rr} from {self.loads} loads, prefill {pr} from {self.prefills} steps)"
-
-
-def breakeven_chunks(model: CostModel, chunk_tokens: int, chunk_bytes: int, queued_bytes: int,
-                     limit: int = 1 << 20) -> int | None:
-    """Fewest chunks whose load finishes no later than their recompute; None: never (a chunk reads
-    slower than it computes). 1 where a rate is unknown."""
-    one_load = model.load_seconds(chunk_bytes, 0)
-    one_compute = model.compute_seconds(chunk_tokens)
-    if one_load is None or one_compute is None:
-        return 1
-    fixed = model.load_seconds(0, queued_bytes)  # latency + the queue, paid once
-    per_load = one_load - model.load_seconds(0, 0)
-    gain = one_compute - per_load  # what each further chunk saves
-    if gain <= 0:
-        return None
-    return max(1, min(limit, math.ceil(fixed / gain - 1e-12)))
-
-
-def cost_model_from(extra: Mapping[str, Any]) -> CostModel | None:
-    """The cost model `kv_connector_extra_config` asks for: `cost_model` "rate" (default),
-    "off" (every present chunk is a hit), or "package.module:Class" (built with the extra config)."""
-    name = str(extra.get("cost_model", "rate"))
+def cost_model_from(extra: Mapping[str, Any], bytes_per_token: float, chunk: int | None = None) -> CostModel | None:
+    """The cost model `kv_connector_extra_config` asks for (module docstring). `bytes_per_token`:
+    KV bytes of one token over every rank; `chunk`: the engine's most tokens per step."""
+    name = str(extra.get("cost_model", "on"))
     if name == "off":
         return None
-    if name == "rate":
-        given = extra.get("prefill_tokens_per_s")
-        return RateModel(read_bytes_per_s=_num(extra.get("load_bytes_per_s")), prefill_tokens_per_s=_num(given),
-                         latency_s=_num(extra.get("load_latency_s")) or 0.0, fixed_prefill=given is not None)
+    if name in ("on", "rate"):
+        read = ReadRate(_num(extra.get("load_bytes_per_s"), "load_bytes_per_s"), "configured load_bytes_per_s")
+        prefill = PrefillModel(_num(extra.get("prefill_tokens_per_s"), "prefill_tokens_per_s"),
+                               "configured prefill_tokens_per_s", chunk=chunk)
+        return CostModel(bytes_per_token, read=read, prefill=prefill)
     mod, _, cls = name.partition(":")
     if not mod or not cls:
-        raise ConfigError(f"cost_model: {name!r} is not 'rate', 'off' or 'package.module:Class'")
-    model = getattr(importlib.import_module(mod), cls)(extra)
+        raise ConfigError(f"cost_model: {name!r} is not 'on', 'off' or 'package.module:Class'")
+    model = getattr(importlib.import_module(mod), cls)(extra, bytes_per_token)
     if not isinstance(model, CostModel):
-        raise ConfigError(f"cost_model: {name} lacks load_seconds / compute_seconds / observe_load / observe_prefill")
+        raise ConfigError(f"cost_model: {name} is not a hicache_gds.costmodel.CostModel")
     return model
 
 
-def _num(v: Any) -> float | None:
+@dataclass
+class RunJudge:
+    """One request's present chunks in one scheduler step, and the answer for them.
+
+    vLLM scans a request's chunks in prefix order and stops at the first MISS, so a run must be
+    found before it can be judged. On a first scan: HIT at once where the first chunk already pays
+    with both queues empty (the compute a run saves per token grows with the run, its load per
+    token does not: a longer run pays too); MISS where not even every remaining token in the store
+    would pay; else RETRY for every present chunk (vLLM keeps scanning, and asks again next step),
+    and the next scan answers from the run found: HIT for all of it, or MISS at its first chunk."""
+
+    step: int
+    seen: int | None = None  # chunks the previous step's scan found; None: a first scan
+    run: int = 0  # present chunks found in this step's scan
+    answer: str = ""  # "hit", "miss" or "defer", once decided for this scan
+    decision: Decision | None = None
+
+    def judge(self, model: CostModel, *, new: int, prefix: int, chunk_tokens: int, gpu_backlog: float,
+              disk_backlog: float) -> str:
+        """"hit", "miss" or "defer" for the chunk just found (the `run`-th of this scan)."""
+        if self.answer:
+            return self.answer
+        kw = {"gpu_backlog": gpu_backlog, "disk_backlog": disk_backlog}
+        if self.seen is not None:
+            self.decision = model.decide(new, prefix, min(self.seen * chunk_tokens, new), **kw)
+            self.answer = "hit" if self.decision.load else "miss"
+            return self.answer
+        one = model.decide(new, prefix, min(chunk_tokens, new), **kw)
+        if one.load and disk_backlog <= 0.0 and gpu_backlog <= 0.0:
+            self.decision, self.answer = one, "hit"
+            return self.answer
+        best = model.decide(new, prefix, new, **kw)
+        self.decision = best
+        self.answer = "defer" if best.load else "miss"
+        return self.answer
+
+
+def _num(v: Any, name: str) -> float | None:
     if v is None or v == "":
         return None
     try:
@@ -138,5 +102,125 @@ def _num(v: Any) -> float | None:
     except (TypeError, ValueError):
         x = float("nan")
     if not x > 0:
-        raise ConfigError(f"cost model: expected a positive number, got {v!r}")
+        raise ConfigError(f"{name}: expected a positive number, got {v!r}")
     return x
+
+
+@dataclass
+class _Flight:
+    """Bytes of a job this engine has in flight, and since when (loads: for the read rate)."""
+    nbytes: int
+    t0: float
+    load: bool
+
+
+class Advisor:
+    """What the manager keeps for the model, and asks it: this engine's jobs in flight (the disk's
+    queue; a finished load is a read-rate sample), the prefill each request looked up still needs
+    (the GPU's queue, in lookup order), and each request's scan of this step (`RunJudge`).
+
+    `chunk_bytes`: one chunk over every rank; `chunk_tokens`: tokens of a chunk per vLLM group id;
+    `flight_ttl`: a job older than this is taken as gone (its request aborted mid-flight, say)."""
+
+    def __init__(self, model: CostModel, chunk_bytes: int, chunk_tokens: Mapping[int, int], flight_ttl: float) -> None:
+        self.model = model
+        self.chunk_bytes = chunk_bytes
+        self.chunk_tokens = dict(chunk_tokens)
+        self.flight_ttl = flight_ttl
+        self._flights: dict[frozenset, _Flight] = {}
+        self.inflight_bytes = 0
+        self._last_done = 0.0
+        self._requests: dict[str, tuple[int, int]] = {}  # req id -> (new tokens, GPU prefix) at lookup
+        self._prefill_left: dict[str, int] = {}  # req id -> prompt tokens not computed yet, in lookup order
+        self._scans: dict[str, RunJudge] = {}
+        self.step = 0
+        self.misses = 0  # requests answered MISS because recomputing was faster
+        self.deferrals = 0  # first scans deferred to judge the run found
+        self.last: Decision | None = None
+
+    # -- the request and the queues --------------------------------------------------------
+    def note_request(self, req_id: str, new: int, prefix: int) -> None:
+        """vLLM looks `req_id` up: `new` tokens to compute after the `prefix` the GPU holds."""
+        self._requests[req_id] = (max(0, int(new)), max(0, int(prefix)))
+        self._prefill_left.setdefault(req_id, max(0, int(new)))
+
+    def note_scheduled(self, req_id: str, tokens: int, prefix: int) -> None:
+        """A step computes `tokens` of `req_id` after the `prefix` it had (loaded ones included)."""
+        if req_id not in self._prefill_left:
+            return
+        new, noted = self._requests.get(req_id, (0, 0))
+        left = new + noted - int(prefix) - int(tokens)
+        if left > 0:
+            self._prefill_left[req_id] = left
+        else:
+            del self._prefill_left[req_id]
+
+    def forget(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+        self._prefill_left.pop(req_id, None)
+        self._scans.pop(req_id, None)
+
+    def gpu_backlog(self, req_id: str) -> float:
+        """Seconds of prefill the requests looked up before `req_id` still need."""
+        ahead = 0
+        for r, left in self._prefill_left.items():
+            if r == req_id:
+                break
+            ahead += left
+        return (self.model.predict_compute(ahead) or 0.0) if ahead else 0.0
+
+    def disk_backlog(self) -> float:
+        return (self.model.predict_load(self.inflight_bytes) or 0.0) if self.inflight_bytes else 0.0
+
+    def fly(self, nchunks: int, keys: frozenset, load: bool) -> None:
+        now = time.monotonic()
+        for k in [k for k, f in self._flights.items() if now - f.t0 > self.flight_ttl]:
+            self.inflight_bytes -= self._flights.pop(k).nbytes
+        f = _Flight(nchunks * self.chunk_bytes, now, load)
+        old = self._flights.pop(keys, None)
+        self.inflight_bytes += f.nbytes - (old.nbytes if old is not None else 0)
+        self._flights[keys] = f
+
+    def land(self, keys: frozenset) -> None:
+        """A job finished: its bytes leave the queue; a load's service time (from when the IO before
+        it was done, or from its start) is a read-rate sample."""
+        f = self._flights.pop(keys, None)
+        if f is None:
+            return
+        self.inflight_bytes -= f.nbytes
+        now = time.monotonic()
+        if f.load:
+            self.model.observe_load(f.nbytes, now - max(f.t0, self._last_done))
+        self._last_done = now
+
+    def reset(self) -> None:
+        """vLLM dropped every job in flight (a cache reset): their completions never come."""
+        self._flights.clear()
+        self.inflight_bytes = 0
+        self._scans.clear()
+
+    # -- the question ------------------------------------------------------------------------
+    def judge(self, req_id: str, group: int) -> str:
+        """"hit", "miss" or "defer" for the next present chunk of `req_id`'s scan (`RunJudge`)."""
+        s = self._scans.get(req_id)
+        if s is None or s.step != self.step:  # the first lookup of this request in this step
+            s = self._scans[req_id] = RunJudge(self.step, s.run if s is not None else None)
+        s.run += 1
+        ct = self.chunk_tokens.get(group, 1)
+        # Without the connector's note the request's length is unknown: the run found is taken as
+        # the whole request (the chunk a first scan can judge alone does not depend on it).
+        new, prefix = self._requests.get(req_id, (s.seen * ct if s.seen is not None else 1 << 20, 0))
+        first = not s.answer
+        answer = s.judge(self.model, new=max(new, ct), prefix=prefix, chunk_tokens=ct,
+                         gpu_backlog=self.gpu_backlog(req_id), disk_backlog=self.disk_backlog())
+        if first:
+            self.last = s.decision
+            if answer == "miss":
+                self.misses += 1
+            elif answer == "defer":
+                self.deferrals += 1
+        return answer
+
+    def loading(self, req_id: str) -> None:
+        """The request's chunks are being loaded: its next scan starts afresh."""
+        self._scans.pop(req_id, None)

@@ -27,18 +27,24 @@ the chunks this engine stores, and consults the workers' shared indexes for the 
   nothing (a chunk it evicts may be another engine's hit). `reset_cache` clears the shared
   namespaces -- for every engine sharing them.
 
-* a load that fails on some rank (EIO, a checksum mismatch, a timeout) is logged by that rank's
-  worker (failure log, before it reports the job) and dropped from its store; `complete_load`
-  forgets those chunks, so they are MISSes until stored again. The request itself is recomputed
-  by vLLM (`connector.py`).
+* a load that fails on some rank is recomputed by vLLM (`connector.py`) and must not be tried
+  again and again (vLLM reschedules the request and asks `lookup` again). Where pages failed (EIO,
+  a checksum mismatch, a timeout, a page gone) that rank's worker logs them (failure log, before
+  it reports the job) and drops them from its store; `complete_load` forgets them, so they are
+  MISSes until stored again. Where the load failed as a whole -- the engine refused it, which
+  says nothing about the pages and would happen again -- the worker logs a fault instead, and
+  every present chunk is a MISS while that rank is *held*: `failed_load_backoff_s` (30 s),
+  doubling with each fault in a row, after which loads are tried again; the first load of that
+  rank that succeeds ends the hold. So a failed load costs its request one retry at most.
 
 Load or recompute: `lookup` answers HIT for a present chunk only where loading the run of chunks
-found so far beats recomputing them, given the IO this engine has queued (`costmodel.py`). vLLM
-scans a request's chunks in prefix order and stops at the first MISS, so a run must be known
-before it can be judged: when the queue makes short runs not worth loading, the first scan
-answers RETRY for present chunks (vLLM keeps scanning and asks again next step) and the next scan
-answers from the run found -- HIT for all of it, or MISS at its first chunk. With an idle disk a
-single chunk pays off and the first scan answers at once.
+found beats recomputing it, given the disk's and the GPU's queues (`costmodel.py`: the core's
+`hicache_gds.costmodel.CostModel`, the SGLang policy's model). vLLM scans a request's chunks in
+prefix order and stops at the first MISS, so a run must be known before it can be judged: the
+first scan answers at once where it can (one chunk pays with both queues empty: HIT; not even
+the whole request would pay: MISS), else RETRY for the present chunks (vLLM keeps scanning and
+asks again next step), and the next scan answers from the run found -- HIT for all of it, or MISS
+at its first chunk.
 
 At start a background thread rebuilds READY chunks from the workers' durable indexes (read-only;
 a chunk counts only if every rank holds it) and the manager answers RETRY for unknown keys until
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -58,12 +65,14 @@ from typing import Collection, Iterable
 from vllm.v1.kv_offload.base import (LookupResult, OffloadingEvent, OffloadingManager, OffloadKey, PrepareStoreOutput,
                                      ReqContext, RequestOffloadingContext, ScheduleEndContext, get_offload_group_idx)
 
-from hicache_gds import Lease, Store, open_store
+from hicache_gds import COST_STATE_FILE as STATE_FILE
+from hicache_gds import ConfigError, load_state, save_state
 
 from . import compat
-from .costmodel import CostModel, breakeven_chunks, cost_model_from
-from .sidecar import FailureLog, read_store_keys
+from .costmodel import Advisor, CostModel, cost_model_from
+from .sidecar import FAULT, LOAD_OK, FailureLog, read_store_keys
 from .shared import HiCacheLoadSpec, HiCacheStoreSpec, SpecView, store_key
+from .shared_index import SharedIndex
 
 __all__ = ["HiCacheGDSManager", "ChunkState"]
 
@@ -84,101 +93,23 @@ class _Entry:
 
 
 @dataclass
-class _Scan:
-    """One request's lookups in one scheduler step: present chunks found (`run`), and the run the
-    previous step's scan found (`seen`, None on a first scan)."""
-    step: int
-    run: int = 0
-    seen: int | None = None
+class _Hold:
+    """A rank whose loads failed as a whole: how many in a row, and until when none is tried."""
+    faults: int = 0
+    until: float = 0.0
 
 
-@dataclass
-class _Flight:
-    """Bytes of a job this engine has in flight, and since when (loads: for the read rate)."""
-    nbytes: int
-    t0: float
-    load: bool
+_MAX_BACKOFF_S = 600.0
 
 
-class SharedIndex:
-    """The workers' namespaces as this scheduler sees them: one store per (rank, group position),
-    joined for lookups and leases only (`open_store(namespace_dir=...)`: never a reservation),
-    opened once the worker has written where its store is (`sidecar.write_stores`), tried again at
-    most once a second until then."""
-
-    RETRY_S = 1.0
-
-    def __init__(self, spec: HiCacheGDSOffloadingSpec) -> None:
-        self.spec = spec
-        self.world = spec.config.parallel.world_size
-        self._ix: dict[tuple[int, int], Store] = {}
-        self._next_try: dict[tuple[int, int], float] = {}
-
-    def _index(self, rank: int, pos: int) -> Store | None:
-        ix = self._ix.get((rank, pos))
-        if ix is not None:
-            return ix
-        now = time.monotonic()
-        if now < self._next_try.get((rank, pos), 0.0):
-            return None
-        self._next_try[(rank, pos)] = now + self.RETRY_S
-        d = self.spec.sidecar.read_stores(rank, self.spec.config.engine_id).get(pos)
-        if not d:
-            return None
-        try:
-            ix = self._ix[(rank, pos)] = open_store(namespace_dir=d)
-        except (OSError, ValueError) as exc:  # not created yet, or unreadable: our own map decides
-            log.debug("hicache-gds-vllm: rank %d group %d namespace %s not readable yet: %s", rank, pos, d, exc)
-            return None
-        return ix
-
-    def indexes(self, pos: int) -> list[Store] | None:
-        """Every rank's store of group position `pos`, or None while one cannot be seen."""
-        out = []
-        for r in range(self.world):
-            ix = self._index(r, pos)
-            if ix is None:
-                return None
-            out.append(ix)
-        return out
-
-    def present(self, sk: str, pos: int) -> bool | None:
-        """Does every rank hold chunk `sk`? None: the workers' namespaces cannot be seen."""
-        ixs = self.indexes(pos)
-        if ixs is None:
-            return None
-        return all(ix.exists([sk])[0] for ix in ixs)
-
-    def lease(self, sks: list[str], pos: int) -> tuple[list[list[tuple[Lease, int]]], int]:
-        """Lease chunks `sks` on every rank: per chunk its (lease, position) holds; and how many
-        chunks some rank did not hold (their load will fail)."""
-        out: list[list[tuple[Lease, int]]] = [[] for _ in sks]
-        ixs = self.indexes(pos)
-        if ixs is None:
-            return out, 0
-        missing: set[int] = set()
-        for ix in ixs:
-            try:
-                lease = ix.lease(sks)
-            except OSError as exc:
-                log.warning("hicache-gds-vllm: could not lease %d chunks in %s: %s", len(sks), ix.namespace, exc)
-                continue
-            for i, present in enumerate(lease.present.tolist()):
-                if not present:
-                    missing.add(i)
-                else:
-                    out[i].append((lease, i))
-        return out, len(missing)
-
-    @staticmethod
-    def release(leases: list[tuple[Lease, int]]) -> None:
-        for lease, i in leases:
-            lease.release([i])
-
-    def close(self) -> None:
-        for ix in self._ix.values():
-            ix.close()
-        self._ix.clear()
+def _positive(v: object, name: str) -> float:
+    try:
+        x = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        x = float("nan")
+    if not x > 0:
+        raise ConfigError(f"{name}: expected a positive number of seconds, got {v!r}")
+    return x
 
 
 class HiCacheGDSManager(OffloadingManager):
@@ -210,21 +141,28 @@ class HiCacheGDSManager(OffloadingManager):
         self._warm: threading.Thread | None = None
         self._warm_result: tuple[dict[int, list[str]], bool] | None = None
         self._warm_cancelled = False
-        # Load or recompute (costmodel.py): bytes and tokens of one chunk over every rank, the jobs
-        # in flight (the IO a new load waits behind), and per-request scans of this step.
-        self.cost: CostModel | None = cost_model_from(spec.config.extra_config)
-        self.chunk_bytes = spec.config.worker_kv_bytes_per_block * spec.blocks_per_chunk * self.world_size
-        self.chunk_tokens = {compat.group_id(g, i): g.tokens_per_block * spec.blocks_per_chunk
-                             for i, g in enumerate(spec.config.groups)}
-        self._flights: dict[frozenset, _Flight] = {}
-        self._flight_ttl = max(60.0, 4 * spec.hicache.io_timeout)
-        self._inflight_bytes = 0
-        self._last_done = 0.0
-        self._step = 0
-        self._scans: dict[str, _Scan] = {}
-        self.cost_misses = 0  # requests answered MISS because recomputing was faster
-        self.cost_deferrals = 0  # first scans deferred to judge the run found
+        # Load or recompute (costmodel.py): the model, and what it is asked with (chunk sizes over
+        # every rank, the jobs in flight, the requests' prefill left, per-request scans).
+        chunk_bytes = spec.config.worker_kv_bytes_per_block * spec.blocks_per_chunk * self.world_size
+        chunk_tokens = {compat.group_id(g, i): g.tokens_per_block * spec.blocks_per_chunk
+                        for i, g in enumerate(spec.config.groups)}
+        per_token = chunk_bytes / max(1, min(chunk_tokens.values(), default=1))
+        model = cost_model_from(spec.config.extra_config, per_token)
+        self.advisor = Advisor(model, chunk_bytes, chunk_tokens, max(60.0, 4 * spec.hicache.io_timeout)) \
+            if model is not None else None
+        self._state_path = os.path.join(spec.sidecar.path, STATE_FILE)
+        if model is not None:
+            seeded = model.seed_from_state(load_state(self._state_path) or {},
+                                           read="load_bytes_per_s" not in spec.config.extra_config,
+                                           prefill="prefill_tokens_per_s" not in spec.config.extra_config)
+            if seeded:
+                log.info("hicache-gds-vllm: load-or-recompute model seeded with %s", ", ".join(seeded))
         self.failed_loads = 0  # chunks whose load failed on some rank
+        # Ranks whose loads failed as a whole (FAULT in their failure log), until a load succeeds.
+        self.backoff_s = _positive(spec.config.extra_config.get("failed_load_backoff_s", 30.0),
+                                   "failed_load_backoff_s")
+        self._holds: dict[int, _Hold] = {}
+        self.held_misses = 0  # present chunks answered MISS because a rank is held
         if warm_start:
             self._warm = threading.Thread(target=self._warm_start, name="hicache-gds-vllm-warm", daemon=True)
             self._warm.start()
@@ -239,6 +177,9 @@ class HiCacheGDSManager(OffloadingManager):
         # docstring inherited
         found = self._find(key)
         if found is LookupResult.HIT or found is LookupResult.HIT_PENDING:
+            if self._holding():
+                self.held_misses += 1
+                return LookupResult.MISS  # a rank's loads fail as a whole: recompute meanwhile
             return self._judge(found, key, req_context)
         return found
 
@@ -266,29 +207,21 @@ class HiCacheGDSManager(OffloadingManager):
     def _judge(self, found: LookupResult, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """`found` (a present chunk) if loading the run it belongs to beats recomputing it; see the
         module docstring for the two-scan rule."""
-        if self.cost is None:
+        if self.advisor is None:
             return found
-        s = self._scans.get(ctx.req_id)
-        if s is None or s.step != self._step:  # the first lookup of this request in this step
-            s = self._scans[ctx.req_id] = _Scan(self._step, 0, s.run if s is not None else None)
-        s.run += 1
-        need = breakeven_chunks(self.cost, self.chunk_tokens.get(get_offload_group_idx(key), 1), self.chunk_bytes,
-                                self._inflight_bytes)
-        if need is None or (s.seen is not None and s.seen < need):
-            if s.run == 1:
-                self.cost_misses += 1
+        answer = self.advisor.judge(ctx.req_id, get_offload_group_idx(key))
+        if answer == "hit":
+            return found
+        if answer == "miss":
             return LookupResult.MISS  # recomputing is faster: the scan stops here
-        if s.seen is not None or need <= 1:
-            return found
-        if s.run == 1:
-            self.cost_deferrals += 1
         return LookupResult.RETRY  # keep scanning: judged on the next step's scan, from the run found
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> HiCacheLoadSpec:
         # docstring inherited
         out = []
         keys = list(keys)
-        self._scans.pop(req_context.req_id, None)
+        if self.advisor is not None:
+            self.advisor.loading(req_context.req_id)
         self._fly(keys, load=True)
         for k in keys:
             e = self._entries[k]
@@ -412,7 +345,8 @@ class HiCacheGDSManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         # docstring inherited
-        self._scans.pop(req_context.req_id, None)
+        if self.advisor is not None:
+            self.advisor.forget(req_context.req_id)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         # docstring inherited
@@ -424,13 +358,32 @@ class HiCacheGDSManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # docstring inherited
         self._apply_warm()
-        self._step += 1
+        if self.advisor is not None:
+            self.advisor.step += 1
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """An engine step computed `tokens` prompt tokens in `seconds` (the prefill rate's samples;
-        `HiCacheGDSConnector` measures them)."""
-        if self.cost is not None:
-            self.cost.observe_prefill(tokens, seconds)
+    # -- what HiCacheGDSConnector tells the model (costmodel.py) --------------------------------
+    def note_request(self, req_id: str, new: int, prefix: int) -> None:
+        """vLLM looks `req_id` up: `new` tokens to compute after the `prefix` its GPU holds."""
+        if self.advisor is not None:
+            self.advisor.note_request(req_id, new, prefix)
+
+    def note_scheduled(self, news: dict[str, int], prefixes: dict[str, int]) -> None:
+        """A step computes `news[r]` tokens of each request `r` after its `prefixes[r]` (the GPU's
+        queue goes down)."""
+        if self.advisor is not None:
+            for req_id, n in news.items():
+                self.advisor.note_scheduled(req_id, n, prefixes.get(req_id, 0))
+
+    def observe_step(self, news: list[int], prefixes: list[int], seconds: float) -> None:
+        """A step computed `news[i]` tokens after `prefixes[i]` cached ones per request, in `seconds`
+        (the prefill cost's samples; `HiCacheGDSConnector` times them)."""
+        if self.advisor is not None:
+            self.advisor.model.observe_prefill(news, prefixes, seconds)
+
+    @property
+    def cost(self) -> CostModel | None:
+        """The load-or-recompute model, None when it is off."""
+        return self.advisor.model if self.advisor is not None else None
 
     def has_pending_work(self) -> bool:
         # docstring inherited
@@ -449,9 +402,8 @@ class HiCacheGDSManager(OffloadingManager):
                 self.shared.release(held)
         self._entries.clear()
         self._used.clear()
-        self._scans.clear()
-        self._flights.clear()  # vLLM drops the jobs in flight at a reset: their completions never come
-        self._inflight_bytes = 0
+        if self.advisor is not None:
+            self.advisor.reset()  # vLLM drops the jobs in flight at a reset: their completions never come
         self._clear = True  # the shared namespaces: every engine sharing them loses their chunks
         self._clearing = set()
         self._poll_failures()
@@ -460,6 +412,8 @@ class HiCacheGDSManager(OffloadingManager):
     def shutdown(self) -> None:
         # docstring inherited
         self.wait_warm_start()
+        if self.advisor is not None:  # the next engine of this identity starts from these estimates
+            save_state(self._state_path, self.advisor.model.state())
         self.shared.close()  # returns the leases of loads still in flight
 
     def wait_warm_start(self, timeout: float = 30.0) -> None:
@@ -512,34 +466,36 @@ class HiCacheGDSManager(OffloadingManager):
         self._event([k], removed=False)
 
     def _fly(self, keys: Collection[OffloadKey], load: bool) -> None:
-        if not keys:
-            return
-        now = time.monotonic()
-        # A job whose completion never came (its request aborted mid-flight, say) leaves the queue
-        # once it is older than any IO may take.
-        stale = [k for k, f in self._flights.items() if now - f.t0 > self._flight_ttl]
-        for k in stale:
-            self._inflight_bytes -= self._flights.pop(k).nbytes
-        f = _Flight(len(keys) * self.chunk_bytes, now, load)
-        old = self._flights.pop(frozenset(keys), None)
-        self._inflight_bytes += f.nbytes - (old.nbytes if old is not None else 0)
-        self._flights[frozenset(keys)] = f
+        if keys and self.advisor is not None:
+            self.advisor.fly(len(keys), frozenset(keys), load)
 
     def _land(self, keys: Collection[OffloadKey]) -> None:
-        """A job finished: its bytes leave the queue; a load's service time (from when the IO before
-        it was done, or from its start) is a read-rate sample."""
-        f = self._flights.pop(frozenset(keys), None)
-        if f is None:
-            return
-        self._inflight_bytes -= f.nbytes
-        now = time.monotonic()
-        if f.load and self.cost is not None:
-            self.cost.observe_load(f.nbytes, now - max(f.t0, self._last_done))
-        self._last_done = now
+        if self.advisor is not None:
+            self.advisor.land(frozenset(keys))
 
     def _poll_failures(self) -> None:
-        for fl in self._logs:
-            self._failed.update(fl.poll())
+        for rank, fl in enumerate(self._logs):
+            for line in fl.poll():
+                if not line.startswith("!"):
+                    self._failed.add(line)
+                elif line.startswith(FAULT):
+                    h = self._holds.setdefault(rank, _Hold())
+                    h.faults += 1
+                    wait = min(self.backoff_s * 2 ** (h.faults - 1), max(self.backoff_s, _MAX_BACKOFF_S))
+                    h.until = time.monotonic() + wait
+                    log.warning("hicache-gds-vllm: rank %d's load failed as a whole (%s; %d in a row): its chunks "
+                                "are recomputed for %.0f s, then a load is tried again", rank,
+                                line[len(FAULT):].strip(), h.faults, wait)
+                elif line == LOAD_OK and self._holds.pop(rank, None) is not None:
+                    log.info("hicache-gds-vllm: rank %d loads again", rank)
+
+    def _holding(self) -> bool:
+        """Is some rank held (its last load failed as a whole, and its backoff has not run out)?"""
+        if not self._holds:
+            return False
+        self._poll_failures()
+        now = time.monotonic()
+        return any(h.until > now for h in self._holds.values())
 
     def _event(self, keys: list[OffloadKey], removed: bool) -> None:
         if self._events is not None:
@@ -548,12 +504,14 @@ class HiCacheGDSManager(OffloadingManager):
     def stats(self) -> dict[str, int]:
         """Chunk counts for logs and tests (call with `lock` held)."""
         self._apply_warm()
+        adv = self.advisor
         ready = sum(e.state is ChunkState.READY for e in self._entries.values())
         return {"ready": ready, "pending": len(self._entries) - ready, "capacity_per_group": self.capacity,
                 "pinned": sum(e.pins > 0 for e in self._entries.values()), "evictions": self.evictions,
                 "failed_chunks": self.failed_chunks, "vanished": self.vanished, "adopted": self.adopted,
-                "failed_loads": self.failed_loads, "cost_misses": self.cost_misses,
-                "cost_deferrals": self.cost_deferrals, "inflight_bytes": self._inflight_bytes}
+                "failed_loads": self.failed_loads, "cost_misses": adv.misses if adv else 0,
+                "cost_deferrals": adv.deferrals if adv else 0, "inflight_bytes": adv.inflight_bytes if adv else 0,
+                "held_ranks": len(self._holds), "held_misses": self.held_misses}
 
     # -- warm start ----------------------------------------------------------------------------
     def _warm_start(self) -> None:

@@ -11,9 +11,12 @@ goes through this directory, which only this adapter writes:
   one running engine, which its own manager reads first: two engines of one identity whose
   workers were handed different KV layouts (0.26 with two attention backends, say) open different
   namespaces, and each manager must consult its own workers' (removed at the worker's shutdown).
-* `failed-<engine_id>-r<rank>.log` — keys whose store failed on that rank, appended *before* the
-  worker reports the job finished. The manager reads them in `complete_store`, before it makes a
-  chunk loadable; vLLM itself accepts only success for a job.
+* `failed-<engine_id>-r<rank>.log` — keys whose store or load failed on that rank, appended
+  *before* the worker reports the job finished. The manager reads them in `complete_store`, before
+  it makes a chunk loadable, and in `complete_load`; vLLM itself accepts only success for a job.
+  Two events travel the same way: `FAULT <reason>`, a load that failed as a whole (the engine
+  refused it: it would fail again), after which the manager holds that rank's chunks back, and
+  `LOAD_OK`, the first load of that rank to succeed after one.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from typing import Iterable, Mapping
 
 from hicache_gds import prepare_root, private_dir, read_keys
 
-__all__ = ["SideDir", "FailureLog", "read_store_keys"]
+__all__ = ["SideDir", "FailureLog", "read_store_keys", "FAULT", "LOAD_OK"]
 
 log = logging.getLogger("hicache_gds_vllm")
+
+FAULT = "!fault"  # a failure log line starting so: a load of that rank failed as a whole (the reason follows)
+LOAD_OK = "!load-ok"  # ... and this one: a load of that rank succeeded after one (keys are hex: never "!")
 
 
 class SideDir:

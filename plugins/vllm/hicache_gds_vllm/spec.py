@@ -42,9 +42,10 @@ VLLM_KEYS = (
     "eviction_policy", "cache_policy_module_path", "store_threshold", "max_tracker_size", "secondary_tiers",
     "tier_poll_interval_s", "backpressure", "kv_load_tiers",
 )
-# Keys of this adapter that are not hicache-gds settings: the cost model's (`costmodel.py`), and the
-# model's dtype as `HiCacheGDSConnector` resolved it where vLLM 0.26 says "auto".
-ADAPTER_KEYS = costmodel.KEYS + ("model_dtype",)
+# Keys of this adapter that are not hicache-gds settings: the cost model's (`costmodel.py`), the
+# model's dtype as `HiCacheGDSConnector` resolved it where vLLM 0.26 says "auto", and how long a
+# rank whose loads fail as a whole is not offered (`manager.py`).
+ADAPTER_KEYS = costmodel.KEYS + ("model_dtype", "failed_load_backoff_s")
 _ENV_SPELLINGS = {"ENABLE_GDS": "enable_gds", "GDS_PATH": "gds_path"}
 ADAPTER_FORMAT = "vllm-offloading/2"  # bump when the page layout below changes
 

@@ -48,7 +48,7 @@ from hicache_gds import HostBuffer, MemKind, Pages, Store, align_up, open_store
 
 from . import compat
 from .regions import GroupGeometry, chunk_blocks, chunks_for, coalesce, plan_group, scratch_bytes_needed
-from .sidecar import FailureLog
+from .sidecar import FAULT, LOAD_OK, FailureLog
 from .shared import HiCacheLoadSpec, HiCacheStoreSpec, SpecView
 
 __all__ = ["HiCacheGDSWorker"]
@@ -136,6 +136,7 @@ class HiCacheGDSWorker(OffloadingWorker):
         self._pending: dict[int, _Job] = {}
         self._results: deque[TransferResult] = deque()
         self._load_errors: set[int] = set()  # GPU blocks of failed loads, for the connector
+        self._held = False  # a load failed as a whole (FAULT logged) and none has succeeded since
         self._closing = False
         self.stats = {"load_jobs_failed": 0, "load_chunks_failed": 0, "store_chunks_failed": 0,
                       "fence_timeouts": 0, "cancelled": 0}
@@ -147,6 +148,13 @@ class HiCacheGDSWorker(OffloadingWorker):
         log.info("hicache-gds-vllm rank %d: %d group store(s), %d chunks each, pages of %s bytes, KV handed %s; %s",
                  self.rank, len(self.stores), spec.capacity_chunks, [g.page_bytes for g in self.geos],
                  ",".join(self.handed), self.stores[0].engine_reason)
+        if self.handed == ["per-layer"] and compat.KV_HANDOFF.startswith("cross-layer"):
+            # vLLM 0.26 allocates one cross-layer tensor only in its V1 model runner; the V2 runner,
+            # its default for dense models, registers per-layer views (a TODO in vLLM).
+            log.warning("hicache-gds-vllm rank %d: vLLM handed per-layer KV views: a chunk is %d regions (layers x "
+                        "blocks) where one cross-layer region per block would do. On vLLM 0.26 set "
+                        "VLLM_USE_V2_MODEL_RUNNER=0: its V1 model runner hands a single-group model on FlashAttention "
+                        "one cross-layer tensor", self.rank, self.geos[0].segments)
 
     # -- OffloadingWorker ----------------------------------------------------------------------
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -283,6 +291,7 @@ class HiCacheGDSWorker(OffloadingWorker):
         while (job := q.get()) is not None:
             t0 = time.perf_counter()
             bad_blocks: set[int] = set()
+            fault = None
             try:
                 if self._closing:
                     self.stats["cancelled"] += 1
@@ -294,20 +303,36 @@ class HiCacheGDSWorker(OffloadingWorker):
                           "store" if job.store else "load", job.job_id, type(exc).__name__, exc)
                 nbytes, failed, unreadable = 0, list(job.keys), False  # the pages themselves may be fine
                 bad_blocks = {int(b) for b in np.asarray(job.gpu.block_ids).tolist()}
-            ok = self._settle(job, failed, bad_blocks, unreadable)
+                fault = f"{type(exc).__name__}: {exc}"
+            ok = self._settle(job, failed, bad_blocks, unreadable, fault)
             res = TransferResult(job.job_id, ok, nbytes, time.perf_counter() - t0)
             with self._mu:
                 self._results.append(res)
                 del self._pending[job.job_id]
             job.done.set()
 
-    def _settle(self, job: _Job, failed: list[str], bad_blocks: set[int], unreadable: bool) -> bool:
+    def _settle(self, job: _Job, failed: list[str], bad_blocks: set[int], unreadable: bool,
+                fault: str | None = None) -> bool:
         """Record a job's failed chunks where the manager and the connector look, before the job is
         reported; return the success vLLM is told. `unreadable`: the store could not read them (drop
-        them) -- not a job that never got to read (a fence timeout, shutdown)."""
+        them) -- not a job that never got to read. `fault`: the job failed as a whole (the engine
+        refused it, a fence timed out, shutdown): a load failing so says nothing about its pages, and
+        would fail again, so the manager holds this rank's chunks back (`FAULT`) until a load of
+        this rank succeeds again (`LOAD_OK`)."""
         if not failed:
+            if not job.store and self._held:
+                self._held = False
+                self._failures.append([LOAD_OK])
+                log.info("hicache-gds-vllm rank %d: load job %d succeeded: this rank's chunks are offered again",
+                         self.rank, job.job_id)
             return True
-        self._failures.append(failed)  # read by the manager before it commits (stores) or keeps (loads) them
+        if not job.store and fault is not None:
+            self._held = True
+            self._failures.append(failed + [FAULT + " " + " ".join(fault.split())[:200]])
+            log.warning("hicache-gds-vllm rank %d: load job %d failed as a whole (%s); this rank's chunks are held "
+                        "back (recomputed) until a load succeeds again", self.rank, job.job_id, fault)
+        else:
+            self._failures.append(failed)  # read by the manager before it commits (stores) or keeps (loads) them
         if job.store:
             self.stats["store_chunks_failed"] += len(failed)
             log.warning("hicache-gds-vllm rank %d: store job %d: %d of %d chunks not written",
