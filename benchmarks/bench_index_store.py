@@ -289,7 +289,7 @@ def multi(cls, d: str, rows: int, procs: int, seconds: float) -> dict:
 
 def _real_loop(d: str, c: int, seconds: float, io_ms: float, q) -> None:
     from hicache_gds.index import Index
-    from hicache_gds.owners import Membership
+    from hicache_gds.slabs.owners import Membership
     m = Membership(d)
     ix = Index(os.path.join(d, "index.sqlite3"), 1 << 20, {"bench": "index"}, member=m, first=False)
     lat, n, t_end = [], 0, time.perf_counter() + seconds
@@ -312,7 +312,7 @@ def _real_loop(d: str, c: int, seconds: float, io_ms: float, q) -> None:
 
 def real_index(root: str, procs: int, seconds: float, io_ms: float) -> dict:
     from hicache_gds.index import Index
-    from hicache_gds.owners import Membership
+    from hicache_gds.slabs.owners import Membership
     d = os.path.join(root, f"real-{procs}")
     os.mkdir(d)
     m = Membership(d)

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from hicache_gds.remote import RemoteTier
-    from hicache_gds.store import PageStore
+    from hicache_gds import PageStore
 
     os.makedirs(args.dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-remote-")

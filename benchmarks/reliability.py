@@ -448,7 +448,7 @@ def render(R: dict, command: str) -> str:
     for c in lock:
         L.append(f"\nOne namespace, two openers ({c['target']}): {_md(c['outcome'])} -- {_verdict(c)}. Any "
                  "number of processes open one namespace read+write; each reads what the other wrote, and "
-                 "`hicache_gds.owners.holders` lists their pids. Other identities (model, layout, TP rank, ...) "
+                 "`hicache_gds.slabs.owners.holders` lists their pids. Other identities (model, layout, TP rank, ...) "
                  "or HICACHE_GDS_NAMESPACE keep namespaces apart.")
     L.append("")
     table("5. Hostile input and fuzz", hos + fz, "Every entry point: keys of the wrong type, empty, huge, with "

@@ -20,22 +20,22 @@ __all__ = ["main", "SUBCOMMANDS"]
 
 
 def _doctor(argv: Sequence[str]) -> int:
-    from .doctor import main as doctor_main
+    from .tools.doctor import main as doctor_main
     return doctor_main(argv)
 
 
 def _ls(argv: Sequence[str]) -> int:
-    from .admin import ls_main
+    from .tools.admin import ls_main
     return ls_main(argv)
 
 
 def _verify(argv: Sequence[str]) -> int:
-    from .admin import verify_main
+    from .tools.admin import verify_main
     return verify_main(argv)
 
 
 def _clear(argv: Sequence[str]) -> int:
-    from .admin import clear_main
+    from .tools.admin import clear_main
     return clear_main(argv)
 
 

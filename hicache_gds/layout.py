@@ -125,7 +125,7 @@ class NamespaceLocation(NamedTuple):
     @property
     def index_meta(self) -> dict[str, str]:
         """The settings the index records, so that a namespace reopened differently is never misread."""
-        from .ondisk import FORMAT, FORMAT_KEY
+        from .slabs.ondisk import FORMAT, FORMAT_KEY
         return {"slot_bytes": str(self.slot_bytes), "page_bytes": self.identity["page_bytes"],
                 "ndirs": str(len(self.dirs)), FORMAT_KEY: str(FORMAT)}
 

@@ -19,7 +19,7 @@ import numpy as np
 from hicache_gds import PageStore, Pages
 from hicache_gds.cli import main
 from hicache_gds.memory import HostBuffer
-from hicache_gds.namespaces import find, open_by
+from hicache_gds.slabs.namespaces import find, open_by
 
 PAGE = 64 << 10
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -249,7 +249,7 @@ def test_verify_while_another_process_writes_and_evicts_reports_nothing_false(gd
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONHASHSEED="0")
     p = subprocess.Popen([sys.executable, "-c", _WRITER, str(PAGE), gds_dir, "300"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env)
-    from hicache_gds.namespaces import verify
+    from hicache_gds.slabs.namespaces import verify
     reports = []
     try:
         ns_dir = p.stdout.readline().strip()
@@ -348,7 +348,7 @@ def test_clear_never_follows_or_removes_anything_outside(tmp_path, capsys):
     assert rc == 0 and [r["namespace"] for r in out["reports"]] == [os.path.basename(ns)]
     assert not os.path.exists(ns) and os.path.islink(gds / "ns-0123456789abcdef0123")
     # ... and removing it by name directly refuses through the descriptor it opens without following
-    from hicache_gds.removal import remove
+    from hicache_gds.slabs.removal import remove
     rep = remove([str(gds)], "ns-0123456789abcdef0123", force=True)
     assert not rep.removed and "symbolic link" in rep.reason
     assert _tree(str(outside)) == before and (outside / "precious").read_bytes() == b"keep me"

@@ -1,4 +1,4 @@
-"""When L3 pays (`hicache_gds.breakeven`): the measured read rate of GDS_PATH, a model's KV per token,
+"""When L3 pays (`hicache_gds.tools.breakeven`): the measured read rate of GDS_PATH, a model's KV per token,
 and `hicache-gds doctor`'s section on it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from hicache_gds import cli
-from hicache_gds.breakeven import kv_bytes_per_token, probe_read_rate, render, section
+from hicache_gds.tools.breakeven import kv_bytes_per_token, probe_read_rate, render, section
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

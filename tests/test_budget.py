@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 
 from hicache_gds import PageStore, Pages, StoreFullError
-from hicache_gds.capacity import dir_space
+from hicache_gds.slabs.capacity import dir_space
 from hicache_gds.cli import main
 from hicache_gds.memory import HostBuffer
-from hicache_gds.namespaces import find
-from hicache_gds.removal import remove
-from hicache_gds.owners import LOCK_FILE, setup_lock
+from hicache_gds.slabs.namespaces import find
+from hicache_gds.slabs.removal import remove
+from hicache_gds.slabs.owners import LOCK_FILE, setup_lock
 from hicache_gds.testing.faults import small_tmpfs
 
 MiB = 1 << 20
@@ -292,7 +292,7 @@ def test_an_open_that_waited_while_its_namespace_was_removed_starts_it_empty(tmp
     t.start()
     time.sleep(0.5)
     assert t.is_alive()  # waiting on the lock
-    from hicache_gds.removal import RemoveReport, _remove_dirs
+    from hicache_gds.slabs.removal import RemoveReport, _remove_dirs
     rep = _remove_dirs([gds], os.path.basename(ns_dir), RemoveReport(os.path.basename(ns_dir)))
     assert rep.removed and not os.path.exists(ns_dir)
     os.close(fd)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hicache_gds import PageStore, Pages, StoreFullError
-from hicache_gds.capacity import default_budget, dir_space
+from hicache_gds.slabs.capacity import default_budget, dir_space
 from hicache_gds.memory import HostBuffer
 from hicache_gds.testing.faults import small_tmpfs
 
@@ -130,7 +130,7 @@ def test_striped_directories_get_the_smaller_ones_share(tmp_path):
 
 
 def test_doctor_shows_what_a_namespace_would_get(tmpfs):
-    from hicache_gds.doctor import collect, render_text
+    from hicache_gds.tools.doctor import collect, render_text
     with _open(tmpfs, "first"):
         rep = collect(tmpfs)
         want = default_budget([tmpfs], 0.5, 0.9).total  # while open: closing checkpoints the index's WAL

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from hicache_gds import cli
-from hicache_gds.doctor import _cufile_mode, collect, fs_info, main, o_direct_ok, render_text
+from hicache_gds.tools.doctor import _cufile_mode, collect, fs_info, main, o_direct_ok, render_text
 from hicache_gds.engines.cufile_env import gpu_present
 
 no_gpu = pytest.mark.skipif(gpu_present(), reason="expects a machine without a GPU (the CPU machine)")

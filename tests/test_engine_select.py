@@ -158,7 +158,7 @@ def test_auto_refuses_plugin_engines_by_their_declared_traits(plugins, gds_dir):
 
 @no_gpu
 def test_doctor_lists_and_probes_plugin_engines_by_their_traits(plugins, gds_dir, monkeypatch):
-    from hicache_gds.doctor import collect, render_text
+    from hicache_gds.tools.doctor import collect, render_text
     monkeypatch.setenv("HICACHE_GDS_CAPACITY", "64M")  # sized: the default depends on how full the disk is
     rep = collect(gds_dir)
     eng = rep["engines"]

@@ -72,7 +72,7 @@ def test_lookups_and_puts_served_while_loading(gds_dir, slow_load):
     with open_store(gds_dir) as s:
         assert slow_load.entered.wait(60)
         idx = s.index
-        assert idx._load_error is None
+        assert idx.keymap.load_error is None
         assert idx.loaded_s is None and idx.recovery_s < 3 and s.stats()["index_loaded_s"] is None
         ks = keys()
         # answered from SQLite, before the map is in place
@@ -126,7 +126,7 @@ def test_kill9_during_background_load_leaves_index_intact(gds_dir, tmp_path):
         s.register_memory(dst.addr, dst.nbytes)
         ok = s.get(["k00000", "k00001"], Pages.contiguous(dst.addr, {P}, [0, 1]))  # pins, touches
         assert ok == [True, True] and s.index.loaded_s is None, ok
-        assert held.wait(60) and s.index._load_error is None
+        assert held.wait(60) and s.index.keymap.load_error is None
         open({str(ready)!r}, "w").close()
         time.sleep(600)
     """)
@@ -153,7 +153,7 @@ def test_close_during_background_load(gds_dir, monkeypatch):
     fill(gds_dir)
 
     def hook(index):  # hold the loader until close() has begun
-        while not index._closing:
+        while not index.keymap.closing:
             time.sleep(0.005)
 
     monkeypatch.setattr(Index, "BACKGROUND_ROWS", 1)
@@ -161,7 +161,7 @@ def test_close_during_background_load(gds_dir, monkeypatch):
     s = open_store(gds_dir)
     assert s.exists(keys()[:1]) == [True]
     s.close()
-    assert s.index.loaded_s is None and s.index._load_error is None
+    assert s.index.loaded_s is None and s.index.keymap.load_error is None
     monkeypatch.setattr(Index, "_load_hook", None)
     with open_store(gds_dir) as s:
         assert s.index.wait_loaded(60) and s.exists(keys()) == [True] * N
@@ -240,6 +240,7 @@ def test_select_entries_answers_the_same_with_and_without_sqlite_json(tmp_path, 
     import sqlite3
 
     from hicache_gds import index as index_mod
+    from hicache_gds.index import schema
     idx = index_mod.Index(str(tmp_path / "index.sqlite3"), 2000, {"t": "1"})
     rng = np.random.default_rng(7)
     keys = [f"k{i}-{rng.integers(1 << 60):x}" for i in range(1200)] + ["ключ\n🙂"]
@@ -249,7 +250,7 @@ def test_select_entries_answers_the_same_with_and_without_sqlite_json(tmp_path, 
     db = sqlite3.connect(idx.db_path)
     try:
         with_json = index_mod.select_entries(db, asked)
-        monkeypatch.setattr(index_mod, "_HAS_JSON", False)
+        monkeypatch.setattr(schema, "HAS_JSON", False)
         without = index_mod.select_entries(db, asked)
     finally:
         db.close()

@@ -2,6 +2,9 @@
 
 * the core (`hicache_gds`) never imports an engine adapter or the engine it adapts to
   (`hicache_gds_sglang`, `hicache_gds_vllm`, `sglang`, `vllm`): adapters sit on top;
+* an adapter (`hicache_gds_sglang`, `hicache_gds_vllm`) imports of the core only its public
+  namespace `hicache_gds` (what its `__all__` lists) and the conformance helpers
+  `hicache_gds.testing`: the store's internals (its index, slabs, engine) are the store's;
 * no import circles, except the ones listed in `KNOWN_CIRCLES` (each with its owner's reason).
 
 Imports under ``if TYPE_CHECKING:`` count too: a circle that exists only for the type checker is
@@ -107,6 +110,43 @@ def test_the_core_never_imports_an_adapter_or_its_engine(graph):
     assert not bad, f"core modules importing adapters or SGLang/vLLM: {bad}"
 
 
+def _adapter_imports_of_the_core(path: str) -> list[tuple[int, str]]:
+    """(line, what) for every import in `path` of the core beyond `hicache_gds` and `hicache_gds.testing`,
+    names taken from `hicache_gds` outside its `__all__` included."""
+    import hicache_gds
+    public = set(hicache_gds.__all__)
+    bad = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+            bad += [(node.lineno, n) for n in names if n.split(".")[0] == "hicache_gds" and n != "hicache_gds"
+                    and not (n + ".").startswith("hicache_gds.testing.")]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "hicache_gds":
+            mod = node.module or ""
+            if mod == "hicache_gds":
+                bad += [(node.lineno, f"hicache_gds.{a.name}") for a in node.names if a.name not in public]
+            elif not (mod + ".").startswith("hicache_gds.testing."):
+                bad.append((node.lineno, mod))
+    return sorted(bad)
+
+
+def test_adapters_import_only_the_public_package_and_its_testing_helpers():
+    mods = _modules()
+    bad = {p: b for m, p in mods.items() if m.split(".")[0] in ("hicache_gds_sglang", "hicache_gds_vllm")
+           for b in [_adapter_imports_of_the_core(p)] if b}
+    assert not bad, f"adapters reaching past the public API (`hicache_gds` and `hicache_gds.testing`): {bad}"
+
+
+def test_the_adapter_rule_catches_a_reach_around(tmp_path):
+    p = tmp_path / "adapter.py"
+    p.write_text("import hicache_gds\nfrom hicache_gds import PageStore, open_store\n"
+                 "from hicache_gds.testing.cases import Case\n"
+                 "def f():\n    from hicache_gds.index import Index\n    import hicache_gds.slabs.capacity\n"
+                 "from hicache_gds import _nixl\n")
+    assert [w for _, w in _adapter_imports_of_the_core(str(p))] == ["hicache_gds.index", "hicache_gds.slabs.capacity",
+                                                                    "hicache_gds._nixl"]
+
+
 def test_no_import_circles_but_the_known_ones(graph):
     circles = _circles(graph)
     unknown = [sorted(c) for c in circles if c not in KNOWN_CIRCLES]
@@ -126,7 +166,7 @@ def test_the_graph_sees_lazy_and_relative_imports(graph):
     assert "hicache_gds.bench.jobs" in graph["hicache_gds.bench.runner"]  # `from .jobs import ...` in a method
 
 
-@pytest.mark.parametrize("module", ["hicache_gds/engines/select.py", "hicache_gds/doctor.py",
+@pytest.mark.parametrize("module", ["hicache_gds/engines/select.py", "hicache_gds/tools/doctor.py",
                                     "hicache_gds/engines/diagnose.py",
                                     "hicache_gds/bench/runner.py", "hicache_gds/bench/cli.py"])
 def test_engine_choice_and_diagnosis_never_name_an_engine(module):

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from hicache_gds import PageStore
-from hicache_gds.owners import holders
+from hicache_gds.slabs.owners import holders
 from hicache_gds.testing.clients import Client
 from hicache_gds.testing.invariants import index_problems
 from hicache_gds.testing.peer import Peer

@@ -426,7 +426,7 @@ def test_checksums_run_in_parallel_and_survive_fork(gds_dir):
     must get its own pool, not the parent's copied one whose threads do not exist there."""
     import time
 
-    from hicache_gds import store as store_mod
+    from hicache_gds.store import mover as store_mod
     for d in ("parent", "child"):
         os.makedirs(os.path.join(gds_dir, d), mode=0o700)
     with open_store(os.path.join(gds_dir, "parent")) as s:

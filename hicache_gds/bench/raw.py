@@ -247,7 +247,7 @@ def run_phase(nthreads: int, plan: Plan, do_io: Callable[[int, int], Outcome],
 def scratch_root() -> str:
     """A directory on a real disk for a temporary GDS_PATH: $TMPDIR, the current directory or
     /var/tmp, the first whose file system is not in memory and accepts O_DIRECT."""
-    from ..doctor import fs_info, o_direct_ok
+    from ..tools.doctor import fs_info, o_direct_ok
     tried = []
     for cand in (os.environ.get("TMPDIR", ""), os.getcwd(), "/var/tmp"):
         if not cand or not os.path.isdir(cand) or not os.access(cand, os.W_OK):

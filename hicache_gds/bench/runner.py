@@ -34,20 +34,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import xxhash
 
 from ..config import Config
 from ..engines import engine_class
 from ..engines.base import MemKind
 from ..engines.cufile_env import gpu_present
 from ..errors import ConfigError, EngineUnavailable
-from ..layout import Pages
-from ..memory import HostBuffer, align_up, view
+from ..memory import align_up
 from ..store import PageStore
-from .options import JobOptions, OptionError, PageGeometry
-from .raw import (Bars, Measured, Outcome, Plan, RawFile, drive, drop_caches, fill_random, has_reads, run_fio,
-                  run_phase, run_raw, scratch_root)
+from .options import JobOptions, OptionError
+from .raw import (Bars, Measured, Plan, RawFile, drive, drop_caches, has_reads, run_fio, run_phase, run_raw,
+                  scratch_root)
 from .report import JobResult
+from .workload import Buffers, Workload
 
 __all__ = ["Session", "DEFAULT_SIZE"]
 
@@ -72,130 +71,6 @@ class _Entry:
     next_gen: int = 0
     expected: dict[int, np.ndarray] = field(default_factory=dict)   # gen -> xxh3 per key
 
-
-class _Buffers:
-    """Source (random bytes) and destination pages of one job run, registered with the store."""
-
-    def __init__(self, store: PageStore, mem: str, geometry: PageGeometry, nbuf: int, seed: int,
-                 dst: bool = True) -> None:
-        self.nbuf, self.geometry = nbuf, geometry
-        self.seg = np.asarray(geometry.segments, dtype=np.uint64)
-        planes = self.seg * np.uint64(nbuf)
-        self.plane_off = np.cumsum(planes) - planes
-        self.nbytes = nbuf * geometry.page_bytes
-        self.kind = MemKind.VRAM if mem == "vram" else MemKind.DRAM
-        self._store, self._keep = store, {}
-        if self.kind is MemKind.VRAM:
-            import torch
-            g = torch.Generator(device="cuda").manual_seed(seed)
-            self._keep = {"src": torch.randint(0, 256, (self.nbytes,), dtype=torch.uint8, device="cuda",
-                                               generator=g)}
-            if dst:
-                self._keep["dst"] = torch.full((self.nbytes,), 0xEE, dtype=torch.uint8, device="cuda")
-            self.base = {k: t.data_ptr() for k, t in self._keep.items()}
-        else:
-            self._keep = {k: HostBuffer(self.nbytes, pinned=mem == "pinned") for k in ("src", "dst")[:1 + dst]}
-            fill_random(self._keep["src"].addr, self.nbytes, seed)
-            if dst:                        # touch every page before timing
-                self._keep["dst"].numpy().fill(0xEE)
-            self.base = {k: b.addr for k, b in self._keep.items()}
-        for addr in self.base.values():
-            store.register_memory(addr, self.nbytes, self.kind)
-        self._src_hash: np.ndarray | None = None
-
-    def pages(self, which: str, idx: np.ndarray) -> Pages:
-        """Pages `idx` of the source or destination buffer."""
-        idx = np.asarray(idx, dtype=np.uint64).reshape(-1, 1)
-        addrs = np.uint64(self.base[which]) + self.plane_off.reshape(1, -1) + idx * self.seg.reshape(1, -1)
-        return Pages(addrs, np.broadcast_to(self.seg, addrs.shape).copy(), self.kind)
-
-    def page_hash(self, which: str, p: int) -> int:
-        h = xxhash.xxh3_64()
-        pages = self.pages(which, np.array([p]))
-        for addr, n in zip(pages.addrs[0].tolist(), pages.lens[0].tolist()):
-            if self.kind is MemKind.VRAM:
-                t = self._keep[which]
-                off = addr - self.base[which]
-                h.update(t[off:off + n].cpu().numpy().tobytes())
-            else:
-                h.update(view(addr, n))
-        return h.intdigest()
-
-    def src_hashes(self) -> np.ndarray:
-        if self._src_hash is None:
-            self._src_hash = np.array([self.page_hash("src", p) for p in range(self.nbuf)], dtype=np.uint64)
-        return self._src_hash
-
-    def close(self) -> None:
-        for addr in self.base.values():
-            self._store.deregister_memory(addr)
-        for b in self._keep.values():
-            if isinstance(b, HostBuffer):
-                b.close()
-        self._keep = {}
-
-
-class _Workload:
-    """Which keys and buffer pages IO number j moves (see the module docstring)."""
-
-    def __init__(self, opts: JobOptions, store: PageStore, bufs: _Buffers, npages: int,
-                 gen_write: int, gen_read: int | None, seed: int, job: int | None = None) -> None:
-        """`job`: only that job's IOs (a job process of `--numjobs`); None: every job's."""
-        self.opts, self.store, self.bufs, self.npages = opts, store, bufs, npages
-        self.job = job
-        self.batch, self.njobs = min(opts.batch_size, npages), opts.numjobs if job is None else 1
-        self.nb = math.ceil(npages / self.batch)
-        self.nios = self.nb * self.njobs
-        self.gen_write, self.gen_read = gen_write, gen_read
-        self.page_bytes = bufs.geometry.page_bytes
-        self.random = opts.rw.startswith("rand")
-        rng = np.random.default_rng(seed)
-        self.order = rng.permutation(npages) if self.random else np.arange(npages)
-        total = npages * opts.numjobs  # drawn alike in every job process: the same bytes per key
-        self.src_page = (rng.integers(0, bufs.nbuf, total) if self.random
-                         else np.arange(total) % bufs.nbuf)
-        self.is_read = (rng.random(self.nios) * 100 < opts.rwmixread if opts.rw == "randrw"
-                        else np.full(self.nios, "read" in opts.rw))
-        nthreads = opts.iodepth * self.njobs
-        self.rngs = [np.random.default_rng([seed, t]) for t in range(nthreads)]
-
-    def where(self, j: int) -> tuple[int, int, np.ndarray]:
-        """(job, pass, page indices) of IO number j."""
-        k, c = divmod(j, self.njobs)
-        loop, b = divmod(k, self.nb)
-        return c if self.job is None else self.job, loop, self.order[b * self.batch:(b + 1) * self.batch]
-
-    @staticmethod
-    def keys(c: int, gen: int, idx: np.ndarray) -> list[str]:
-        return [f"c{c}.g{gen}.{i}" for i in idx.tolist()]
-
-    def expected(self) -> np.ndarray:
-        """xxh3 of every key this workload writes, by global page index."""
-        return self.bufs.src_hashes()[self.src_page]
-
-    def io(self, j: int, t: int) -> Outcome:
-        t0 = time.perf_counter_ns()
-        c, loop, idx = self.where(j)
-        n = len(idx)
-        if self.is_read[j % self.nios]:
-            keys = self.keys(c, self.gen_read, idx)
-            # Thread t owns pages t, t+T, t+2T, ...: concurrent reads never share a destination
-            # page (the store hashes a page after reading it). Random: its pages in random order,
-            # scattered over the whole buffer; sequential: a contiguous region of its own.
-            nthreads = len(self.rngs)
-            dst = (self.rngs[t].permutation(self.batch)[:n] * nthreads + t if self.random
-                   else t * self.batch + np.arange(n))
-            pages = self.bufs.pages("dst", dst)
-            t1 = time.perf_counter_ns()
-            ok = self.store.get(keys, pages)
-            ddir = "read"
-        else:
-            keys = self.keys(c, self.gen_write + loop, idx)
-            pages = self.bufs.pages("src", self.src_page[c * self.npages + idx])
-            t1 = time.perf_counter_ns()
-            ok = self.store.put(keys, pages)
-            ddir = "write"
-        return Outcome(ddir, n * self.page_bytes, t1 - t0, time.perf_counter_ns() - t1, n - sum(ok))
 
 
 class Session:
@@ -222,7 +97,7 @@ class Session:
         """Temporary directories (one per root) of `opts.directory`, GDS_PATH or a scratch disk."""
         spec = opts.directory
         if spec not in self._dirs:
-            from ..doctor import o_direct_ok
+            from ..tools.doctor import o_direct_ok
             if spec:
                 roots = [r for r in spec.replace(",", ":").split(":") if r]
             else:
@@ -334,7 +209,7 @@ class Session:
         store = entry.store
         seed = opts.randseed if opts.randseed is not None else 0x5EED
         nbuf = opts.iodepth * min(batch, npages)  # per job: each job process has its own
-        bufs = _Buffers(store, opts.mem, opts.geometry, nbuf, seed, dst=has_reads(opts.rw) or bool(opts.verify))
+        bufs = Buffers(store, opts.mem, opts.geometry, nbuf, seed, dst=has_reads(opts.rw) or bool(opts.verify))
         label = f"{opts.name} {engine}"
         try:
             prefilled, cache = False, None
@@ -342,7 +217,7 @@ class Session:
             if has_reads(opts.rw) and not known:
                 gen = entry.next_gen
                 entry.next_gen += 1
-                fill = _Workload(dataclasses.replace(opts, rw="write"), store, bufs, npages, gen, None, seed)
+                fill = Workload(dataclasses.replace(opts, rw="write"), store, bufs, npages, gen, None, seed)
                 pm = run_phase(threads, Plan(fill.nios), fill.io, self.bars, f"{label} prefill",
                                total * fill.page_bytes)
                 if pm.failed["write"]:
@@ -353,7 +228,7 @@ class Session:
                     entry.expected[gen] = fill.expected()
             if has_reads(opts.rw) and opts.drop_caches:
                 cache = self._cold(list(store.slabs.paths))
-            work = _Workload(opts, store, bufs, npages, entry.next_gen, entry.dataset, seed)
+            work = Workload(opts, store, bufs, npages, entry.next_gen, entry.dataset, seed)
             os.sync()                      # earlier jobs' dirty pages must not flush during this one
             s0, t_start = store.stats(), time.time()
             if nj == 1:
@@ -380,12 +255,12 @@ class Session:
         return self._result(opts, engine, multi, m, s0, s1, t_start, prefilled, cache, verify, dirs,
                             threads, work)
 
-    def _run_processes(self, opts: JobOptions, entry: _Entry, bufs: _Buffers, npages: int, work: _Workload,
+    def _run_processes(self, opts: JobOptions, entry: _Entry, bufs: Buffers, npages: int, work: Workload,
                        seed: int, label: str) -> tuple[Measured, dict, list[int]]:
         """The measured phase as `numjobs` processes on the namespace (`jobs.run_jobs`): job 0 here."""
         from .jobs import run_jobs
         store = entry.store
-        mine = _Workload(opts, store, bufs, npages, work.gen_write, work.gen_read, seed, job=0)
+        mine = Workload(opts, store, bufs, npages, work.gen_write, work.gen_read, seed, job=0)
         spec = dict(entry.spec, opts=opts, nbuf=bufs.nbuf, seed=seed, dst="dst" in bufs.base, npages=npages,
                     gen_write=work.gen_write, gen_read=work.gen_read, counters=_COUNTERS + ("evictions",))
         limit = (opts.ramp_time or 0) + (opts.runtime or 0) + 3600
@@ -397,11 +272,11 @@ class Session:
             s1[k] = s1.get(k, 0) + v
         return m, s1, issued
 
-    def _verify(self, opts: JobOptions, entry: _Entry, work: _Workload, per_job: list[int],
+    def _verify(self, opts: JobOptions, entry: _Entry, work: Workload, per_job: list[int],
                 before_verify: Callable[[PageStore, list[str]], None] | None) -> dict[str, Any]:
         """Re-read what the job wrote (writes) or read (reads) and compare with the expected xxh3."""
         if opts.rw in ("write", "randwrite"):
-            # Each job's last pass: job c's i-th IO is IO number i * numjobs + c (`_Workload.where`).
+            # Each job's last pass: job c's i-th IO is IO number i * numjobs + c (`Workload.where`).
             nj = work.njobs
             todo = []
             for c, issued in enumerate(per_job):
@@ -440,7 +315,7 @@ class Session:
 
     def _result(self, opts: JobOptions, engine: str, multi: bool, m: Measured, s0: dict, s1: dict,
                 t_start: float, prefilled: bool, cache: str | None, verify: dict | None,
-                dirs: list[str], threads: int, work: _Workload) -> JobResult:
+                dirs: list[str], threads: int, work: Workload) -> JobResult:
         delta = {k: s1.get(k, 0) - s0.get(k, 0) for k in _COUNTERS}
         delta["evictions"] = s1.get("evictions", 0) - s0.get("evictions", 0)
         err, why = 0, []
@@ -537,8 +412,8 @@ def _job_main(spec: dict[str, Any], job: int, barrier: Any, q: Any) -> None:
         opts = spec["opts"]
         store = PageStore(spec["page_bytes"], spec["identity"], config=spec["config"],
                           mem_kinds=tuple(MemKind(k) for k in spec["kinds"]))
-        bufs = _Buffers(store, opts.mem, opts.geometry, spec["nbuf"], spec["seed"], dst=spec["dst"])
-        work = _Workload(opts, store, bufs, spec["npages"], spec["gen_write"], spec["gen_read"], spec["seed"], job=job)
+        bufs = Buffers(store, opts.mem, opts.geometry, spec["nbuf"], spec["seed"], dst=spec["dst"])
+        work = Workload(opts, store, bufs, spec["npages"], spec["gen_write"], spec["gen_read"], spec["seed"], job=job)
         s0 = store.stats()
         barrier.wait(START_TIMEOUT_S)
         m = drive(opts.iodepth, Plan.of(opts, work.nios), work.io)

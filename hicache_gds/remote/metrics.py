@@ -22,6 +22,8 @@ from __future__ import annotations
 import time
 from typing import Any, Iterator
 
+from ..stats import prometheus_families
+
 __all__ = ["ServerCollector", "start_metrics"]
 
 
@@ -35,7 +37,7 @@ class ServerCollector:
         return []  # unchecked collector: families are built at scrape time
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+        from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
         s = self.server
         info = InfoMetricFamily("hicache_gds_server", "The page server", labels=["name"])
         info.add_metric([s.name], {"epoch": s.epoch or ""})
@@ -53,13 +55,9 @@ class ServerCollector:
                 ("heartbeat_age_seconds", "Seconds since the last heartbeat Redis answered",
                  time.monotonic() - s.last_beat if s.last_beat else float("nan"))):
             yield GaugeMetricFamily(f"hicache_gds_server_{name}", doc, value=float(value))
-        for name, doc, value in (
-                ("evictions", "Pages evicted to keep the low-water mark free (this epoch)",
-                 s.last_state.get("evictions", 0)),
-                ("heartbeats", "Heartbeats Redis answered", s.counts["heartbeats"]),
-                ("heartbeat_failures", "Heartbeats that found Redis unreachable", s.counts["heartbeat_failures"]),
-                ("registrations", "Registrations in Redis (each a new epoch)", s.counts["registrations"])):
-            yield CounterMetricFamily(f"hicache_gds_server_{name}", doc, value=float(value))
+        # The counters, as `hicache_gds.stats.METRICS` defines them (names and help text).
+        counts = {**s.counts.snapshot(), "server_evictions": s.last_state.get("evictions", 0)}
+        yield from prometheus_families(counts, "hicache_gds_server_", rename={"server_evictions": "evictions"})
 
 
 def start_metrics(server: Any, port: int, addr: str = "127.0.0.1") -> Any:

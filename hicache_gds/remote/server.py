@@ -33,6 +33,8 @@ import time
 import uuid
 from typing import Sequence
 
+from ..stats import Counters
+
 __all__ = ["PageServer", "main"]
 
 log = logging.getLogger("hicache_gds.remote.server")
@@ -69,7 +71,7 @@ class PageServer:
         self.registered = False
         self.last_state: dict[str, int] = {}
         self.last_beat = 0.0  # monotonic time of the last heartbeat Redis answered
-        self.counts = {"heartbeats": 0, "heartbeat_failures": 0, "registrations": 0}
+        self.counts = Counters(("heartbeats", "heartbeat_failures", "registrations"))
         self._stop = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -85,7 +87,7 @@ class PageServer:
         self.epoch = uuid.uuid4().hex[:12]
         self.dir.register_server(self._info(), self.ttl)
         self.registered = True
-        self.counts["registrations"] += 1
+        self.counts.add(registrations=1)
         self.last_state = {"free": self.nslots, "used": 0, "pending": 0, "evictions": 0}
         self.last_beat = time.monotonic()
         log.info("hicache-gds serve %s: registered epoch %s, %d slots of %d bytes", self.name, self.epoch,
@@ -105,10 +107,10 @@ class PageServer:
                 self.register()
             else:
                 self.last_state = state
-                self.counts["heartbeats"] += 1
+                self.counts.add(heartbeats=1)
                 self.last_beat = time.monotonic()
         except DirectoryUnavailable as exc:
-            self.counts["heartbeat_failures"] += 1
+            self.counts.add(heartbeat_failures=1)
             # Keep serving: once Redis answers, the heartbeat tells whether the registration
             # survived (same epoch) or must be made again (new epoch, older pages dropped).
             log.warning("hicache-gds serve %s: %s", self.name, exc)

@@ -96,9 +96,7 @@ class RemoteTier:
         self._lock = threading.RLock()
         self._refreshed = -1e9
         self._warned: dict[str, float] = {}
-        self._stats = StoreStats()
-        for k in _EXTRA:
-            self._stats.c.setdefault(k, 0)
+        self._stats = StoreStats(extra=_EXTRA)
         self._closed = False
         try:
             self._refresh()

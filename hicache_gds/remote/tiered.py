@@ -28,11 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
+from .. import checksum
 from ..config import Config
-from ..engines.base import MemKind
+from ..engines.base import MemKind, TransferEngine
 from ..layout import Pages
-from ..memory import HostBuffer
-from ..store import PageStore
+from ..memory import HostBuffer, align_up
+from ..stats import Counters
+from ..store.pagestore import PageStore
+from ..store.protocol import Lease, Store
 from .options import REMOTE_KEYS, RemoteOptions
 from .tier import RemoteTier
 
@@ -51,8 +56,8 @@ def _setting(key: str, given: str | None, cfg: Config, over: Mapping[str, Any], 
     return str(val)
 
 
-class TieredStore:
-    """Same API as `PageStore` (`exists`, `prefix`, `put`, `get`, `delete`, `clear`, `stats`, `close`).
+class TieredStore(Store):
+    """The tiered `Store`: local NVMe (a `PageStore`) and the page servers' memory (`RemoteTier`).
 
     Parameters
     ----------
@@ -66,6 +71,8 @@ class TieredStore:
         Write remote hits to local NVMe during `get` (mode "both").
     local, remote:
         Stores to use instead of opening them from `config` (tests, benchmarks).
+    mem_kinds, engine:
+        As for `PageStore` (the local tier's).
     writeback_pages:
         Most pages queued for write-back; more are dropped from the remote copy (counted).
     """
@@ -73,27 +80,32 @@ class TieredStore:
     def __init__(self, page_bytes: int, identity: Mapping[str, Any] | None = None, *,
                  config: Config | Mapping[str, Any] | None = None, mode: str | None = None, write: str | None = None,
                  promote: bool = True, local: PageStore | None = None, remote: RemoteTier | None = None,
-                 writeback_pages: int = 4096) -> None:
+                 writeback_pages: int = 4096, mem_kinds: Sequence[MemKind] = (MemKind.DRAM,),
+                 engine: TransferEngine | None = None) -> None:
         over: Mapping[str, Any] = {} if isinstance(config, Config) else dict(config or {})
         cfg = config if isinstance(config, Config) else Config.load(over, ignore=tuple(REMOTE_KEYS) + tuple(TIER_KEYS))
         self.mode = _setting("tier_mode", mode, cfg, over, "both")
         self.write = _setting("tier_write", write, cfg, over, "through")
         self.page_bytes = page_bytes
+        self.config = cfg
+        self.namespace = ""
         self.promote = promote and self.mode == "both"
         self.local: PageStore | None = None
         self.remote: RemoteTier | None = None
         try:
             if self.mode in ("local", "both"):
-                self.local = local or PageStore(page_bytes, identity, config=cfg)
+                self.local = local or PageStore(page_bytes, identity, config=cfg, mem_kinds=mem_kinds, engine=engine)
             if self.mode in ("remote", "both"):
                 self.remote = remote or RemoteTier(page_bytes, identity, config=cfg,
                                                    options=RemoteOptions.from_config(cfg, over))
         except BaseException:
             self.close()
             raise
-        self._counts = {"promoted": 0, "writeback_queued": 0, "writeback_done": 0, "writeback_dropped": 0,
-                        "writeback_failed": 0}
-        self._clock = threading.Lock()
+        self.namespace = str((self.local or self.remote).stats().get("namespace", ""))  # type: ignore[union-attr]
+        self.slot_bytes = self.local.slot_bytes if self.local is not None else align_up(page_bytes)
+        self.dirs = list(self.local.dirs) if self.local is not None else []
+        self._counts = Counters(("promoted", "writeback_queued", "writeback_done", "writeback_dropped",
+                                 "writeback_failed"))
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="hicache-gds-tier") if self.mode == "both" else None
         self._wb_q: queue.Queue[str] = queue.Queue(maxsize=writeback_pages)
         self._wb_thread: threading.Thread | None = None
@@ -113,9 +125,7 @@ class TieredStore:
         return o.io_timeout + 8 * o.redis_timeout + 5.0
 
     def _count(self, **kw: int) -> None:
-        with self._clock:
-            for k, v in kw.items():
-                self._counts[k] += v
+        self._counts.add(**kw)
 
     # -- API -------------------------------------------------------------------------------------
     def register_memory(self, addr: int, nbytes: int, kind: MemKind = MemKind.DRAM) -> None:
@@ -126,6 +136,35 @@ class TieredStore:
     def register_tensor(self, tensor: Any) -> None:
         self.register_memory(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
                              MemKind.VRAM if tensor.is_cuda else MemKind.DRAM)
+
+    def deregister_memory(self, addr: int) -> None:
+        # docstring inherited
+        for s in (self.local, self.remote):
+            if s is not None and hasattr(s, "deregister_memory"):
+                s.deregister_memory(addr)
+
+    @property
+    def capabilities(self) -> Any:
+        """The local tier's engine's (None without a local tier)."""
+        return self.local.capabilities if self.local is not None else None
+
+    def page_checksums(self, pages: Pages) -> Any:
+        # docstring inherited
+        if self.local is None:
+            return np.array([checksum.host_checksum(zip(pages.addrs[j].tolist(), pages.lens[j].tolist()),
+                                                    self.page_bytes) for j in range(len(pages))], dtype=np.int64)
+        return self.local.page_checksums(pages)
+
+    def lease(self, keys: Sequence[str]) -> Lease:
+        """The local tier's lease (GPU-direct reads come from NVMe); pages only in the remote tier
+        are absent from it (read them with `get`)."""
+        if self.local is None:
+            n = len(keys)
+            z = np.zeros(n, dtype=np.uint64)
+            return Lease(list(keys), np.zeros(n, dtype=bool), z, z.copy(), np.zeros(n, dtype=np.int64),
+                         np.zeros(n, dtype=np.int64), slots=np.zeros(n, dtype=np.int64),
+                         post=lambda *a: [], unpin=None, drop=None, protected=True)
+        return self.local.lease(keys)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Per key: present in either tier."""
@@ -211,8 +250,7 @@ class TieredStore:
             return self._wb_cv.wait_for(lambda: self._wb_pending == 0, timeout)
 
     def stats(self) -> dict[str, Any]:
-        with self._clock:
-            out: dict[str, Any] = dict(self._counts)
+        out: dict[str, Any] = self._counts.snapshot()
         names = [s.engine.name for s in (self.local, self.remote) if s is not None]
         ns = (self.local or self.remote).stats().get("namespace", "")  # type: ignore[union-attr]
         out.update(engine="tiered", mode=self.mode, write=self.write, promote=self.promote,

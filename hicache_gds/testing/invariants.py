@@ -27,7 +27,7 @@ def index_problems(index: Any, *, at_rest: bool = True, check_db: bool = True) -
     map with the database (at rest only)."""
     problems: list[str] = []
     if not index.wait_loaded(600):  # a background load: check the map once it is in place
-        return [f"the index map did not load: {index._load_error}"]
+        return [f"the index map did not load: {index.keymap.load_error}"]
     with index._rlock:
         db = index._rdb
         if db is None:  # closed meanwhile (a watchdog's last look): nothing left to check
@@ -41,7 +41,7 @@ def index_problems(index: Any, *, at_rest: bool = True, check_db: bool = True) -
             rows = dict(db.execute("SELECT key, slot FROM pages")) if check_db else None
         finally:
             db.execute("COMMIT")
-        index._dv = None  # make the next sync look again, rather than trust this connection's state
+        index.keymap.dv = None  # make the next sync look again, rather than trust this connection's state
     n = index.nslots
     if top > n:
         problems.append(f"top {top} beyond the {n} slots")
@@ -89,10 +89,10 @@ def index_problems(index: Any, *, at_rest: bool = True, check_db: bool = True) -
                 problems.append("the database names one slot for two keys")
             with index._rlock:
                 mem = rows
-                if index._ready:
-                    index._sync()
-                    if index._seq == seq:  # else another process wrote meanwhile: nothing to compare
-                        mem = {k: e.slot for k, e in index._map.items()}
+                if index.keymap.ready:
+                    index.keymap.sync(db)
+                    if index.keymap.seq == seq:  # else another process wrote meanwhile: nothing to compare
+                        mem = {k: e.slot for k, e in index.keymap.map.items()}
             if rows != mem:
                 only_db = len(rows.keys() - mem.keys())
                 only_mem = len(mem.keys() - rows.keys())

@@ -358,7 +358,7 @@ def two_processes(root: str, target: str = "store", *, seconds: float = 10.0) ->
 def same_namespace_shared(root: str, target: str = "store") -> Case:
     """A second opener of one namespace shares it: another process, and this process twice. Each
     reads what the other wrote, byte-exact, and the namespace's holders are both listed."""
-    from hicache_gds.owners import holders
+    from hicache_gds.slabs.owners import holders
     case = Case("concurrency", "second opener of one namespace", target)
     ident = {"model": "stress", "rank": 0}
     sgl = {"tp_rank": 0, "tp_size": 2}

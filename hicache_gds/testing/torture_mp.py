@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .clients import Client, expected
-from .torture import _fork, _Lines, _preload, fork_call
+from .forking import _fork, _Lines, _preload, fork_call
 
 __all__ = ["MPPlan", "run_mp_torture"]
 

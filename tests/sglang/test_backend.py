@@ -502,7 +502,7 @@ def test_pools_we_cannot_serve_are_refused_at_attach(gds_dir, pool, match):
 
 
 def test_default_capacity_is_split_between_writer_ranks_and_kept_on_restart(gds_dir):
-    from hicache_gds.capacity import default_budget
+    from hicache_gds.slabs.capacity import default_budget
     # max_fill 1: the split is tested here, not the fill ceiling (a shared disk may be above 90 % used)
     extra = {"gds_path": gds_dir, "preallocate": False, "capacity": 0, "max_fill": 1.0}
     want = default_budget([gds_dir], 0.5, 1.0).total / 4
@@ -556,7 +556,7 @@ def test_models_served_one_after_another_each_get_the_default_share(tmp_path, ca
     # open removes them (least recently used first); every model opens, the mount stays <= 90 %.
     import logging
 
-    from hicache_gds.capacity import dir_space
+    from hicache_gds.slabs.capacity import dir_space
     from hicache_gds.testing.faults import small_tmpfs
     caplog.set_level(logging.INFO, logger="hicache_gds.capacity")
     with small_tmpfs(str(tmp_path / "mnt"), "64m") as mnt:

@@ -590,3 +590,21 @@ def test_without_decision_points_sglangs_policies_are_all_there_is(monkeypatch, 
     with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):
         plugin._register_policy(reg, HookType)
     assert registered == [] and plugin._policy_ready is False and "SGLang's own prefetch policies run" in caplog.text
+
+
+def test_store_counters_reach_prometheus_under_their_defined_names(gds_dir):
+    """SGLang's metrics read the same counters as `stats()` (`hicache_gds.stats.METRICS`), per pool."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from hicache_gds import metric_values
+    b, _ = open_backend(gds_dir, policy_read_gbps=1.25)
+    try:
+        hooks._last_publish[0] = 0.0
+        b.get_stats()
+        want = {m.name: v for m, v in metric_values(b.stats()["kv"])}
+        assert want["slots"] > 0 and "pages_written" in want
+        reg = prometheus_client.REGISTRY
+        for name, v in want.items():
+            if name not in ("free_slots", "leased_slots_all", "reserved_slots_all"):  # may move between reads
+                assert reg.get_sample_value(f"hicache_gds:{name}", {"pool": "kv"}) == v, name
+    finally:
+        b.close()

@@ -43,11 +43,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, PoolHitPolicy,
                                                   PoolName, PoolTransfer, PoolTransferResult)
 
-from hicache_gds import ConfigError, PageReader, PageStore, namespace_location
-from hicache_gds.capacity import default_budget
-from hicache_gds.costmodel import STATE_FILE, ReadRate, load_state, save_state
-from hicache_gds.memory import align_up
-from hicache_gds.slabs import SlabSet
+from hicache_gds import COST_STATE_FILE as STATE_FILE
+from hicache_gds import (ConfigError, ReadRate, align_up, default_budget, load_state, namespace_created,
+                         namespace_location, open_store, save_state)
 
 from .naming import KeyScheme, load_config, namespace_identity
 from .policy import PolicyConfig
@@ -157,24 +155,24 @@ class HiCacheGDS(HiCacheStorage):
     # -- attach (scheduler thread) ----------------------------------------------------------------
     def _store_config(self, name: str, ident: dict, page_bytes: int):
         """Capacity when none is configured: this server's writer ranks split the core's default
-        budget (`hicache_gds.capacity.default_budget`: `capacity_fraction` of the space available
+        budget (`hicache_gds.slabs.capacity.default_budget`: `capacity_fraction` of the space available
         plus what hicache-gds namespaces hold, never past `max_fill`) evenly, so every rank gets the
         same share whichever opens first; a sidecar gets as many slots as KV within that share. An
         existing namespace keeps the size chosen when it was created (the core's rule)."""
         cfg = self.config
         if cfg.capacity:
             return cfg
-        loc = namespace_location(page_bytes, ident, cfg)
-        if os.path.exists(os.path.join(loc.dirs[0], SlabSet.FILE_NAME)):
+        if namespace_created(page_bytes, ident, cfg):
             return cfg
-        budget = default_budget(cfg.gds_path, cfg.capacity_fraction, cfg.max_fill, exclude=loc.namespace)
+        budget = default_budget(cfg.gds_path, cfg.capacity_fraction, cfg.max_fill,
+                                exclude=namespace_location(page_bytes, ident, cfg).namespace)
         sc = self.storage_config
         writers = sc.pp_size * sc.attn_cp_size * sc.tp_size if name == "mamba" else self._writers  # per-rank state
         share = budget.total // writers
         how = f"SGLang: 1/{writers} of the {budget.how}"
         kv = self._bindings.get("kv")
-        if name != "kv" and kv is not None and isinstance(kv.store, PageStore) and not kv.read_only:
-            kv_bytes = int(kv.store.stats()["slots"]) * align_up(page_bytes)
+        if name != "kv" and kv is not None and not kv.read_only and "slots" in (kv_st := kv.store.stats()):
+            kv_bytes = int(kv_st["slots"]) * align_up(page_bytes)
             if kv_bytes < share:
                 share, how = kv_bytes, f"SGLang: as many slots as the KV namespace ({how})"
         if share < align_up(page_bytes) * len(cfg.gds_path):
@@ -184,14 +182,10 @@ class HiCacheGDS(HiCacheStorage):
     def _bind(self, name: str, pool: Any) -> PoolBinding:
         geo = describe_pool(pool, name)
         ident = namespace_identity(self.scheme, name, geo.identity)
-        if self.is_mla and not self.is_writer and name != "mamba":
-            store: Any = PageReader(geo.page_bytes, ident, config=self.config)
-        elif self.config.remote_url:
-            # A remote memory tier is configured: NVMe and page servers' DRAM behind one API.
-            from hicache_gds.remote import TieredStore
-            store = TieredStore(geo.page_bytes, ident, config=self._store_config(name, ident, geo.page_bytes))
-        else:
-            store = PageStore(geo.page_bytes, ident, config=self._store_config(name, ident, geo.page_bytes))
+        if self.is_mla and not self.is_writer and name != "mamba":  # the MLA storage writer is another rank
+            store = open_store(geo.page_bytes, ident, config=self.config, read_only=True)
+        else:  # with remote_url configured: NVMe and page servers' DRAM behind one API
+            store = open_store(geo.page_bytes, ident, config=self._store_config(name, ident, geo.page_bytes))
         try:
             binding = PoolBinding(name, pool, geo, store, self.scheme)
         except BaseException:

@@ -58,10 +58,8 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from hicache_gds import ConfigError, MemKind, Op, PageStore, Pages, TransferTimeout
-from hicache_gds.config import parse_size
-from hicache_gds.engines.base import split_batches, split_rows
-from hicache_gds.memory import align_up
+from hicache_gds import (ConfigError, Counters, Lease, MemKind, Op, Pages, TransferTimeout, align_up, open_store,
+                         parse_size)
 
 from .gather import (ALIGN, GATHER_BELOW, READ_RUN, DevicePages, choose_impl, gather_pages, page_layout_identity, plan_io,
                      scatter_pages)
@@ -160,7 +158,7 @@ class GDSLinker(UnifiedCacheLinker):
         self.store_page_bytes = align_up(page_bytes, ALIGN)
         if self.store_page_bytes != page_bytes:
             ident["padded"] = "1"
-        self.store = PageStore(self.store_page_bytes, ident, config=cfg, mem_kinds=(self.kind,))
+        self.store = open_store(self.store_page_bytes, ident, config=cfg, mem_kinds=(self.kind,))
         try:
             self._setup()
         except BaseException:
@@ -185,8 +183,7 @@ class GDSLinker(UnifiedCacheLinker):
                  st["engine_reason"], st["namespace"])
 
     def _setup(self) -> None:
-        engine = self.store.engine
-        caps = engine.capabilities
+        caps = self.store.capabilities
         self.plan = plan_io(self.dev.table, self.dev.bases, gather_below=self.gather_below,
                             align=max(caps.alignment, 1), max_descs=caps.max_descs, read_run=self.read_run)
         if self.plan.mode == "direct":
@@ -196,14 +193,13 @@ class GDSLinker(UnifiedCacheLinker):
                 if st.data_ptr() not in seen:
                     seen.add(st.data_ptr())
                     self.store.register_memory(st.data_ptr(), st.nbytes(), self.kind)
-        self._fids = np.asarray(getattr(self.store, "file_ids", None) or self.store._fids, dtype=np.uint64)
         self._stages: dict[str, torch.Tensor] = {}
         self._putter = ThreadPoolExecutor(self.depth, thread_name_prefix="hicache-gds-linker-put")
         self._graveyard: list[torch.Tensor] = []  # staging a timed-out read may still write: never reused
         self._streams = {n: torch.cuda.Stream(self.dev.device) if self.kind is MemKind.VRAM else None
                          for n in ("load", "offload")}
-        self._stats = {"load_batches": 0, "load_pages": 0, "load_failures": 0, "offloads": 0, "offload_pages": 0,
-                       "offload_failures": 0, "load_bytes": 0, "offload_bytes": 0, "checksum_mismatches": 0}
+        self._stats = Counters(("load_batches", "load_pages", "load_failures", "offloads", "offload_pages",
+                                "offload_failures", "load_bytes", "offload_bytes", "checksum_mismatches"))
         self._lat = {"load": deque(maxlen=4096), "offload": deque(maxlen=4096)}
         self._lock = threading.Lock()
         self.copy_impl = "torch"
@@ -295,7 +291,7 @@ class GDSLinker(UnifiedCacheLinker):
     def stats(self) -> dict[str, Any]:
         """Counters, p50/p99 latencies (ms), the IO plan and the engine path that ran."""
         with self._lock:
-            out: dict[str, Any] = dict(self._stats)
+            out: dict[str, Any] = self._stats.snapshot()
             for op, lat in self._lat.items():
                 if lat:
                     v = np.sort(np.fromiter(lat, dtype=np.float64)) * 1e3
@@ -337,22 +333,6 @@ class GDSLinker(UnifiedCacheLinker):
             self._stages[name] = buf
         return buf
 
-    def _post(self, op: Op, mem: np.ndarray, fil: np.ndarray) -> list:
-        """Submit (addr, nbytes) x (file id, offset) rows in requests within the engine's limits."""
-        caps = self.store.engine.capabilities
-        a, ln, off, pieces = split_rows(mem[:, 0], mem[:, 1], fil[:, 1], caps.max_desc_bytes)
-        mem, fil = np.stack([a, ln], axis=1), np.stack([np.repeat(fil[:, 0], pieces), off], axis=1)
-        out = []
-        try:
-            for bt in split_batches(np.ones(len(mem)), mem[:, 1], caps,
-                                    self.store.config.max_request_bytes or 64 << 20):
-                out.append(self.store.engine.submit(op, self.kind, mem[bt.row_start:bt.row_stop],
-                                                    fil[bt.row_start:bt.row_stop]))
-        except BaseException:
-            self._wait(out, time.monotonic() + self.store.config.io_timeout, quiet=True)
-            raise
-        return out
-
     def _wait(self, transfers: list, deadline: float, quiet: bool = False) -> None:
         """Wait for every transfer (never past `deadline`); raise the first error unless `quiet`."""
         first: BaseException | None = None
@@ -369,7 +349,7 @@ class GDSLinker(UnifiedCacheLinker):
     def _load_batch(self, index: int, batch: list[_Load], ready: Any) -> None:
         t0 = time.perf_counter()
         keys = [k for ld in batch for k in ld.keys]
-        pinned: list[int] = []
+        lease: Lease | None = None
         # Steps in flight: a ring of `depth`, step k reusing step k - depth's staging buffer, so that
         # step is finished (its bytes scattered) before step k is posted. A step leaves the ring
         # before it is finished; `_finish_read` waits for and releases its transfers either way.
@@ -378,13 +358,10 @@ class GDSLinker(UnifiedCacheLinker):
             if ready is not None:
                 ready.synchronize()
             starts = torch.cat([self.dev.starts(ld.indices) for ld in batch])
-            entries = self.store.index.lookup_pin(keys)
-            pinned = [e.slot for e in entries if e is not None]
-            missing = sum(e is None or e.nbytes != self.store_page_bytes for e in entries)
+            lease = self.store.lease(keys)
+            missing = int((~lease.present | (lease.nbytes != self.store_page_bytes)).sum())
             if missing:
                 raise LookupError(f"{missing} of {len(keys)} pages are no longer stored (evicted after lookup)")
-            fidx, base = self.store.slabs.place(np.array([e.slot for e in entries], dtype=np.int64))
-            fids = self._fids[fidx]
             n, steps = len(keys), []
             for g, grp in enumerate(self.plan.groups):
                 per = max(1, (self.staging_bytes // self.depth) // max(grp.stage_bytes, 1))
@@ -392,16 +369,15 @@ class GDSLinker(UnifiedCacheLinker):
 
             def landed() -> None:  # before the last layers complete: a caller of finish() sees the stats
                 with self._lock:
-                    self._stats["load_batches"] += 1
-                    self._stats["load_pages"] += n
-                    self._stats["load_bytes"] += n * self.dev.table.page_bytes
+                    self._stats.add(load_batches=1, load_pages=n, load_bytes=n * self.dev.table.page_bytes)
                     self._lat["load"].append(time.perf_counter() - t0)
 
             for k, step in enumerate(steps):
                 if len(ring) == self.depth:
                     self._finish_read(index, *ring.popleft(), starts, n)
-                ring.append((step, k % self.depth, self._post_read(step, k % self.depth, starts, fids, base)))
-            verify = (lambda: self._verify_loaded(keys, entries, starts)) if self.store.config.verify else None
+                ring.append((step, k % self.depth, self._post_read(step, k % self.depth, starts, lease)))
+            verify = ((lambda: self._verify_loaded(lease, starts)) if self.store.config.verify or not lease.protected
+                      else None)
             while ring:
                 done = ring.popleft()
                 self._finish_read(index, *done, starts, n, *((None, None) if ring else (landed, verify)))
@@ -412,14 +388,15 @@ class GDSLinker(UnifiedCacheLinker):
             if timed_out:  # the IO may still land in staging: retire it (still registered, never freed)
                 self._graveyard += [self._stages.pop(f"load{i}") for i in range(self.depth) if f"load{i}" in self._stages]
             with self._lock:
-                self._stats["load_failures"] += 1
+                self._stats.add(load_failures=1)
             log.warning("hicache-gds linker: load of %d pages for %s failed: %s: %s", len(keys),
                         ",".join(ld.rid for ld in batch)[:200], type(exc).__name__, exc)
             self.layer_done_counter.fail(index, exc)
         finally:
-            self.store.index.unpin(pinned)
+            if lease is not None:
+                lease.release()
 
-    def _verify_loaded(self, keys: list[str], entries: list, starts: torch.Tensor) -> None:
+    def _verify_loaded(self, lease: Lease, starts: torch.Tensor) -> None:
         """Check every page of a load where it landed against its checksum (on the GPU for device
         pools; `PageStore.page_checksums`), before the batch's last layers are reported. A page that
         fails is dropped from the store and the load fails, so SGLang aborts its requests before
@@ -429,21 +406,20 @@ class GDSLinker(UnifiedCacheLinker):
         addrs = self.dev.seg_addrs(starts, segs)
         lens = np.broadcast_to(np.array(self.dev.table.seg_bytes, dtype=np.uint64), addrs.shape).copy()
         got = self.store.page_checksums(Pages(addrs, lens, self.kind))
-        expect = np.array([e.csum for e in entries], dtype=np.int64)
+        expect = lease.checksums
         bad = np.flatnonzero((got != expect) & (expect != 0))
         if not bad.size:
             return
         with self._lock:
-            self._stats["checksum_mismatches"] += int(bad.size)
+            self._stats.add(checksum_mismatches=int(bad.size))
         try:
-            self.store.index.drop([keys[i] for i in bad], [entries[i].slot for i in bad])
+            lease.reject(bad)
         except OSError as exc:
             log.warning("hicache-gds linker: %s", exc)
-        raise LookupError(f"{bad.size} of {len(keys)} loaded pages failed their checksum where they landed "
+        raise LookupError(f"{bad.size} of {len(lease)} loaded pages failed their checksum where they landed "
                           f"(dropped from the store)")
 
-    def _post_read(self, step: tuple[int, int, int], slot: int, starts: torch.Tensor, fids: np.ndarray,
-                   base: np.ndarray) -> list:
+    def _post_read(self, step: tuple[int, int, int], slot: int, starts: torch.Tensor, lease: Lease) -> list:
         g, a, b = step
         grp = self.plan.groups[g]
         if self.plan.mode == "direct":
@@ -458,10 +434,10 @@ class GDSLinker(UnifiedCacheLinker):
             addrs = np.uint64(stage.data_ptr()) + row + pos
             lens = np.broadcast_to(np.array([n for _, n in grp.runs], dtype=np.uint64), addrs.shape)
             offs = np.array([o for o, _ in grp.runs], dtype=np.uint64)
-        foff = base[a:b].reshape(-1, 1) + offs
+        foff = lease.offsets[a:b].reshape(-1, 1) + offs
         mem = np.stack([addrs.ravel(), np.ascontiguousarray(lens).ravel()], axis=1)
-        fil = np.stack([np.repeat(fids[a:b], addrs.shape[1]), foff.ravel()], axis=1)
-        return self._post(Op.READ, mem, fil)
+        fil = np.stack([np.repeat(lease.file_ids[a:b], addrs.shape[1]), foff.ravel()], axis=1)
+        return lease.post(Op.READ, self.kind, mem, fil)
 
     def _finish_read(self, index: int, step: tuple[int, int, int], slot: int, transfers: list,
                      starts: torch.Tensor, n: int, landed: Any = None, verify: Any = None) -> None:
@@ -538,15 +514,13 @@ class GDSLinker(UnifiedCacheLinker):
             elif todo:
                 ok = self._offload_staged(keys, starts, todo)
             with self._lock:
-                self._stats["offloads"] += 1
-                self._stats["offload_pages"] += len(todo)
-                self._stats["offload_bytes"] += len(todo) * table.page_bytes
-                self._stats["offload_failures"] += not ok
+                self._stats.add(offloads=1, offload_pages=len(todo), offload_bytes=len(todo) * table.page_bytes,
+                                offload_failures=int(not ok))
                 self._lat["offload"].append(time.perf_counter() - t0)
         except BaseException as exc:  # noqa: BLE001 -- reported as a failed offload
             ok = False
             with self._lock:
-                self._stats["offload_failures"] += 1
+                self._stats.add(offload_failures=1)
             log.warning("hicache-gds linker: offload of %d pages failed: %s: %s", len(keys), type(exc).__name__, exc)
         finally:
             self._results.put(ok)

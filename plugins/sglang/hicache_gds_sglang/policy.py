@@ -43,9 +43,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hicache_gds import ConfigError
-from hicache_gds.config import parse_size
-from hicache_gds.costmodel import CostModel, PrefillModel
+from hicache_gds import ConfigError, CostModel, PrefillModel, parse_size
 
 __all__ = ["POLICY", "SGLANG_POLICIES", "POLICY_KEYS", "PolicyConfig", "LoadOrCompute", "policy_of", "process_policies"]
 

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Any
 
+from hicache_gds import METRICS, metric_values
+
 from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _backend, _once, policy_of,  # noqa: F401
                      process_policies)
 
@@ -44,6 +46,8 @@ def _gauges() -> dict[str, Any]:
             breakeven=gauge("hicache_gds:breakeven_prefill_tokens_per_second",
                             "Loading a prefix beats recomputing it when prefill is slower than this"),
             decisions=gauge("hicache_gds:prefetch_decisions", "compute_or_load decisions so far", ("decision",)))
+        # The stores' counters per pool, named and described as `hicache_gds.stats.METRICS` defines them.
+        _GAUGES.update({f"store:{m.name}": gauge(f"hicache_gds:{m.name}", m.doc, ("pool",)) for m in METRICS.values()})
     return _GAUGES
 
 
@@ -62,6 +66,10 @@ def publish_metrics(backend: Any) -> None:
                 g[name].set(float(st[key]))
         for decision, n in (st.get("decisions") or {}).items():
             g["decisions"].labels(decision=decision).set(n)
+        for pool, pst in backend.stats().items():
+            if pool != "policy":
+                for m, v in metric_values({**pst.get("local", {}), **pst}):
+                    g[f"store:{m.name}"].labels(pool=pool).set(v)
     except Exception as exc:  # noqa: BLE001 -- metrics must never break the scheduler
         _once("metrics", "hicache-gds: policy metrics not published (%s: %s)", type(exc).__name__, exc)
 

@@ -40,8 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from hicache_gds import ConfigError, Pages
-from hicache_gds.memory import HostBuffer, align_up, view
+from hicache_gds import ConfigError, HostBuffer, Pages, align_up, view
 
 __all__ = ["PoolGeometry", "describe_pool", "PoolBinding"]
 

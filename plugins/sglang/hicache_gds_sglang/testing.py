@@ -178,7 +178,7 @@ class AdapterClient:
     def __init__(self, gds_path: str, *, slots: int, pages: int, shape: int, identity: Any = None,
                  extra: dict | None = None, options: dict | None = None) -> None:
         """`identity` is not used: SGLang names the namespace from its storage config (`options`)."""
-        from hicache_gds.memory import align_up
+        from hicache_gds import align_up
         sh = POOL_SHAPES[shape % len(POOL_SHAPES)]
         self.pool = pool_for_shape(sh, pages)
         self.page = flat_page_nbytes(self.pool)

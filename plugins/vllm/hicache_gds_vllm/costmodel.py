@@ -29,8 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hicache_gds import ConfigError
-from hicache_gds.costmodel import CostModel, Decision, PrefillModel, ReadRate
+from hicache_gds import ConfigError, CostModel, Decision, PrefillModel, ReadRate
 
 __all__ = ["KEYS", "CostModel", "Decision", "cost_model_from", "RunJudge", "Advisor"]
 

@@ -15,11 +15,11 @@ the chunks this engine stores, and consults the workers' shared indexes for the 
   the job (vLLM asserts success) but first appends the keys to its failure log (`sidecar.py`),
   and `complete_store` leaves those chunks un-committed;
 * `lookup` answers from the shared indexes whenever the workers' namespaces can be seen (one
-  read-only `Index` per (rank, group), kept in step with the database at each lookup): a chunk
+  lookups-and-leases store per (rank, group), `open_store(namespace_dir=...)`): a chunk
   is a HIT when every rank's namespace holds it -- whichever engine stored it -- and a READY
   chunk that some rank no longer holds (evicted by the store for another engine's chunks) is
   forgotten and a MISS. Before the workers have opened their stores it answers from its own map;
-* `prepare_load` leases the chunk's slots in every rank's namespace (`Index.lookup_pin`) until
+* `prepare_load` leases the chunk's slots in every rank's namespace (`Store.lease`) until
   `complete_load`: no process evicts a leased slot, so a chunk handed out for loading is never
   evicted by another engine meanwhile. (Between `lookup` and `prepare_load`, within one
   scheduler step, a chunk is not leased yet.) The manager's LRU and capacity bound what it
@@ -65,8 +65,8 @@ from typing import Collection, Iterable
 from vllm.v1.kv_offload.base import (LookupResult, OffloadingEvent, OffloadingManager, OffloadKey, PrepareStoreOutput,
                                      ReqContext, RequestOffloadingContext, ScheduleEndContext, get_offload_group_idx)
 
-from hicache_gds import ConfigError
-from hicache_gds.costmodel import STATE_FILE, load_state, save_state
+from hicache_gds import COST_STATE_FILE as STATE_FILE
+from hicache_gds import ConfigError, load_state, save_state
 
 from . import compat
 from .costmodel import Advisor, CostModel, cost_model_from
@@ -89,7 +89,7 @@ class _Entry:
     state: ChunkState
     group: int
     pins: int = 0
-    leases: list = field(default_factory=list)  # per load in flight: [(Index, slot), ...] over the ranks
+    leases: list = field(default_factory=list)  # per load in flight: [(Lease, position), ...] over the ranks
 
 
 @dataclass

@@ -26,8 +26,7 @@ import logging
 import os
 from typing import Iterable, Mapping
 
-from hicache_gds.index_reader import read_keys
-from hicache_gds.slabs import prepare_root, private_dir
+from hicache_gds import prepare_root, private_dir, read_keys
 
 __all__ = ["SideDir", "FailureLog", "read_store_keys", "FAULT", "LOAD_OK"]
 

@@ -26,9 +26,7 @@ from typing import Any, Mapping
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from hicache_gds import Config, ConfigError, namespace_id
-from hicache_gds.capacity import default_budget
-from hicache_gds.memory import align_up
+from hicache_gds import Config, ConfigError, align_up, default_budget, namespace_id
 
 from . import compat, costmodel
 from .shared import HiCacheLoadSpec, HiCacheStoreSpec, store_key
@@ -94,7 +92,7 @@ def _proposed_capacity(cfg: Config, config: OffloadingConfig) -> int:
     """Chunks per (rank, group) namespace.
 
     `capacity` is read as bytes per rank (all groups); 0 means the core's default budget under
-    `GDS_PATH` (`hicache_gds.capacity.default_budget`: `capacity_fraction` of the space available
+    `GDS_PATH` (`hicache_gds.slabs.capacity.default_budget`: `capacity_fraction` of the space available
     plus what hicache-gds namespaces hold, never past `max_fill`), shared by `world_size` ranks. A
     chunk is counted at vLLM's padded per-block size, an upper bound of the un-padded page each
     worker stores.

@@ -44,8 +44,7 @@ import numpy as np
 from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker,
                                      TransferResult)
 
-from hicache_gds import MemKind, Pages, PageStore
-from hicache_gds.memory import HostBuffer, align_up
+from hicache_gds import HostBuffer, MemKind, Pages, Store, align_up, open_store
 
 from . import compat
 from .regions import GroupGeometry, chunk_blocks, chunks_for, coalesce, plan_group, scratch_bytes_needed
@@ -113,7 +112,7 @@ class HiCacheGDSWorker(OffloadingWorker):
             self.handed.append(compat.handed_layout(len(refs), len(g.layer_names)))
         scratch = sum(scratch_bytes_needed(g) for g in self.geos)
         self._scratch = {name: _Scratch(scratch, self.kind, self.device) for name in ("main", "expedited")}
-        self.stores: list[PageStore] = []
+        self.stores: list[Store] = []
         try:
             for pos, geo in enumerate(self.geos):
                 # The layout handed over is part of the namespace: 0.26's cross-layer blocks and per-layer
@@ -123,7 +122,7 @@ class HiCacheGDSWorker(OffloadingWorker):
                 cfg = spec.hicache.replace(capacity=spec.capacity_chunks * align_up(geo.page_bytes),
                                            source=f"vLLM: {spec.capacity_chunks} chunks per rank and group, as the "
                                                   f"scheduler and every worker agreed")
-                store = PageStore(geo.page_bytes, ident, config=cfg, mem_kinds=(self.kind,))
+                store = open_store(geo.page_bytes, ident, config=cfg, mem_kinds=(self.kind,))
                 self.stores.append(store)
                 for addr, nbytes in self._regions(tensors):
                     store.register_memory(addr, nbytes, self.kind)

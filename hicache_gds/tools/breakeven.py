@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from .costmodel import breakeven_prefill_rate
+from ..costmodel import breakeven_prefill_rate
 
 __all__ = ["probe_read_rate", "kv_bytes_per_token", "section", "render"]
 

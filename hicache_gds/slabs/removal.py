@@ -17,11 +17,11 @@ import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from .errors import ConfigError
-from .layout import NAMESPACE_RE
+from ..errors import ConfigError
+from ..layout import NAMESPACE_RE
 from .namespaces import is_real_dir, open_by, real_roots
 from .owners import PROCS_DIR, setup_lock_if_free
-from .slabs import META_FILE
+from .slabset import META_FILE
 
 __all__ = ["RemoveReport", "remove"]
 

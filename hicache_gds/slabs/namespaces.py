@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from . import ondisk
-from .errors import ConfigError
-from .index import INDEX_FILE, remove_pages
-from .index_reader import IndexReader
-from .layout import NAMESPACE_RE
+from ..errors import ConfigError
+from ..index import INDEX_FILE, IndexReader, remove_pages
+from ..layout import NAMESPACE_RE
 from .owners import LOCK_FILE, procs_state, read_use
-from .slabs import META_FILE, SlabSet
+from .slabset import META_FILE, SlabSet
+from ..stats import metric_values
 
 __all__ = ["LOCK_FILE", "META_FILE", "Namespace", "VerifyReport", "open_by", "find", "scan", "resolve", "verify",
            "real_roots", "is_real_dir"]
@@ -110,6 +110,8 @@ class Namespace:
         for k in ("last_use", "idle_since", "opened", "closed"):
             d[f"{k}_iso"] = _iso(getattr(self, k))
         d["idle"] = self.idle
+        # The index's metrics under the names `stats()` and Prometheus use (`hicache_gds.stats.METRICS`).
+        d["metrics"] = {m.name: int(v) for m, v in metric_values(d)}
         return d
 
 

@@ -1,8 +1,7 @@
 """`IndexReader`: the index of a namespace other processes write, read without writing anything.
 
-The writers' side is `index.Index` (the schema, `SCHEMA` and `INDEX_FILE` live there); this is
-the read half for `PageReader` and tools (`read_keys`). This module imports `index`, never the
-other way round.
+The writers' side is `index.Index`; the schema, `SCHEMA` and `INDEX_FILE` live in `schema`. This
+is the read half for `PageReader` and tools (`read_keys`); it imports `schema` only.
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from .errors import ConfigError
-from .index import INDEX_FILE, SCHEMA, Entry, select_entries
-from .ondisk import FORMAT_KEY
+from ..errors import ConfigError
+from ..slabs.ondisk import FORMAT_KEY
+from .schema import INDEX_FILE, SCHEMA, Entry, select_entries
 
 __all__ = ["IndexReader", "read_keys"]
 

@@ -45,12 +45,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .errors import StoreFullError, StoreLockedError
-from .layout import NAMESPACE_RE
+from ..errors import StoreFullError, StoreLockedError
+from ..layout import NAMESPACE_RE
 from .namespaces import Namespace, scan
 from .removal import remove
 from .owners import CLOSED_FILE, SETUP_WAIT_S
-from .slabs import SlabSet
+from .slabset import SlabSet
 
 __all__ = ["DirSpace", "Budget", "Sizing", "dir_space", "default_budget", "size_namespace", "budget_lock",
            "evictable", "gib"]

@@ -100,7 +100,7 @@ def o_direct_ok(directory: str) -> tuple[bool, str]:
 
 
 def _gpus() -> dict[str, Any]:
-    from .engines.cufile_env import gpu_present
+    from ..engines.cufile_env import gpu_present
     out: dict[str, Any] = {"visible": gpu_present(), "devices": [], "driver": None, "source": None}
     smi = shutil.which("nvidia-smi")
     if smi:
@@ -143,7 +143,7 @@ def _nvidia_fs() -> dict[str, Any]:
 
 
 def _cufile(cfg: Any) -> dict[str, Any]:
-    from .engines.cufile_env import cufile_bounce_pool
+    from ..engines.cufile_env import cufile_bounce_pool
     env = os.environ.get("CUFILE_ENV_PATH_JSON", "")
     out: dict[str, Any] = {}
     if env and os.path.isfile(env):
@@ -206,7 +206,7 @@ def _directory(path: str, gpu: bool, nvfs: bool) -> dict[str, Any]:
 
 
 def _nixl() -> dict[str, Any]:
-    from ._nixl import loadable_plugins, nixl_info
+    from .._nixl import loadable_plugins, nixl_info
     out: dict[str, Any] = nixl_info()
     out["version"] = out.get("version") or "not installed"
     out["plugins"] = {}
@@ -220,7 +220,7 @@ def _nixl() -> dict[str, Any]:
 
 def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
     """The capacity a new namespace would get on `roots`, and what the file systems look like."""
-    from .capacity import default_budget
+    from ..slabs.capacity import default_budget
     if cfg is None or not roots:
         return {}
     b = default_budget(roots, cfg.capacity_fraction, cfg.max_fill, detail=True)
@@ -259,9 +259,9 @@ def _cuda_mismatch(nixl: dict[str, Any], gpu: dict[str, Any]) -> list[str]:
 
 
 def _auto(cfg: Any, probe_root: str, kinds: Sequence[str]) -> dict[str, Any]:
-    from .engines.base import MemKind
-    from .engines.select import choose_engine
-    from .errors import HiCacheGDSError
+    from ..engines.base import MemKind
+    from ..engines.select import choose_engine
+    from ..errors import HiCacheGDSError
     tmp = tempfile.mkdtemp(prefix=".hicache-gds-doctor.", dir=probe_root)
     try:
         choice = choose_engine(cfg, tmp, frozenset(MemKind(k) for k in kinds))
@@ -278,9 +278,9 @@ def _auto(cfg: Any, probe_root: str, kinds: Sequence[str]) -> dict[str, Any]:
 
 def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[str, Any]:
     """Everything `doctor` reports, as plain JSON types; `problems` non-empty means exit 1."""
-    from . import __version__
-    from .config import Config
-    from .errors import ConfigError
+    from .. import __version__
+    from ..config import Config
+    from ..errors import ConfigError
     problems: list[str] = []
     warnings: list[str] = []
     overrides = {"gds_path": gds_path} if gds_path else {}
@@ -321,7 +321,7 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
         problems.append(rep["capacity"]["problem"])
     probe_root = usable[0] if usable else tempfile.gettempdir()
     rep["nixl"] = _nixl()
-    from .engines.diagnose import check_engines
+    from ..engines.diagnose import check_engines
     rep["engines"] = check_engines(cfg, probe_root, gpu["visible"], probe_timeout)
     if rep["nixl"].get("error"):
         warnings.append(f"NIXL: {rep['nixl']['error']}")
@@ -350,7 +350,7 @@ def _size(n: int) -> str:
 
 
 def _gib(n: int) -> str:
-    from .capacity import gib
+    from ..slabs.capacity import gib
     return gib(n)
 
 
@@ -437,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rep = collect(args.path, args.probe_timeout)
     text = render_text(rep)
-    from .breakeven import render, section  # when L3 pays: a section of its own
+    from .breakeven import render, section
     configured = set((rep.get("config") or {}).get("gds_path") or [])  # never the current directory
     rep["l3_pays"] = section([d["path"] for d in rep["gds_path"] if d.get("writable") and d["path"] in configured],
                              args.read_probe_mib, args.kv_bytes_per_token, args.model)

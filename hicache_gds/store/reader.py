@@ -46,26 +46,26 @@ from typing import Any
 
 import numpy as np
 
-from . import checksum, ondisk
-from .config import Config
-from .engines.base import MemKind, Op, TransferEngine
-from .engines.select import choose_engine
-from .errors import ConfigError, ReadOnlyError, RegionError
-from .gate import CallGate, gated
-from .index import INDEX_FILE
-from .index_reader import IndexReader
-from .layout import Pages, namespace_location
-from .slabs import SlabSet, prepare_root
-from .stats import StoreStats
-from .store import _BADSUM, _FAIL, _MAX_SINGLE_RETRIES, _OK, _TIMEOUT, PageStore, _Staging, _checked_config
+from ..slabs import ondisk
+from ..config import Config
+from ..engines.base import MemKind, Op, TransferEngine
+from ..engines.select import choose_engine
+from ..errors import ConfigError, ReadOnlyError, RegionError
+from ..gate import gated
+from ..index import INDEX_FILE, IndexReader
+from ..layout import Pages, namespace_location
+from ..slabs.slabset import SlabSet, prepare_root
+from .mover import BADSUM, FAIL, MAX_SINGLE_RETRIES, OK, TIMEOUT, PageMover, post_rows
+from .namespace import checked_config
+from .protocol import Lease, Store
 
 __all__ = ["PageReader"]
 
 log = logging.getLogger("hicache_gds.reader")
 
 
-class PageReader(PageStore):
-    """The read half of `PageStore` over a namespace another process writes (module docstring).
+class PageReader(PageMover, Store):
+    """The read-only `Store` over a namespace another process writes (module docstring).
 
     Takes the writer's `page_bytes`, `identity` and `config` (the same values name the same
     namespace); `engine` as for `PageStore`. Thread-safe. `file_ids` is empty until the first
@@ -76,13 +76,12 @@ class PageReader(PageStore):
 
     def __init__(self, page_bytes: int, identity: Mapping[str, Any] | None = None, *,
                  config: Config | Mapping[str, Any] | None = None, engine: TransferEngine | None = None) -> None:
-        # PageStore.__init__ is not called: it locks, creates and sizes the namespace.
-        cfg = _checked_config(page_bytes, config)
+        cfg = checked_config(page_bytes, config)
         roots = [prepare_root(p, writable=False) for p in cfg.gds_path]
         loc = namespace_location(page_bytes, identity, cfg)
-        self.config = cfg
-        self.page_bytes = page_bytes
-        self.identity, self.namespace, self.dirs, self.slot_bytes = loc
+        super().__init__(cfg, page_bytes, loc.identity, loc.namespace, loc.slot_bytes, "page reader of")
+        self.dirs = list(loc.dirs)
+        self._member = None
         # The writer's recorded directory order, where the namespace exists (`ondisk`); a namespace
         # not created yet, or being created right now, keeps GDS_PATH's order until its files appear.
         self._ordered = False
@@ -90,13 +89,6 @@ class PageReader(PageStore):
             self._order_dirs()
         except ConfigError:  # a link or a missing directory: refused by the first call, as the rest is
             pass
-        self._member = None
-        self._gate = CallGate(f"page reader of {self.namespace}")
-        self._lost_io: list = []
-        self._lost_lock = threading.Lock()
-        self._device_sums = checksum.device_checksums
-        self._sync_fds: list[int] = []
-        self._fids: list[int] = []
         self._slab_ids: list[tuple[int, int, int]] = []  # (st_dev, st_ino, st_size) of the files `_fids` are open on
         self._opens = 0  # times the slab files were (re)opened
         self._slab_gen = -1  # `index.generation` the slab files were last checked at
@@ -104,16 +96,14 @@ class PageReader(PageStore):
         self._files_lock = threading.Lock()
         if engine is None:
             choice = choose_engine(cfg, roots[0], frozenset({MemKind.DRAM}))
-            engine, self.engine_reason = choice.engine, choice.reason
+            engine, reason = choice.engine, choice.reason
         else:
-            self.engine_reason = f"{engine.name}: given by the caller"
-        self.engine = engine
+            reason = f"{engine.name}: given by the caller"
         self._index_meta = loc.index_meta
         self._old_indexes: list[IndexReader] = []
         self.slabs = SlabSet(self.dirs, self.slot_bytes, 0, create=False)
         self.index = IndexReader(os.path.join(self.dirs[0], INDEX_FILE), loc.index_meta)
-        self._staging = _Staging(engine)
-        self._stats = StoreStats()
+        self._attach(engine, reason)
         log.info("hicache-gds reader of %s (%s, read-only); engine %s", self.namespace, ",".join(self.dirs),
                  self.engine_reason)
 
@@ -135,8 +125,6 @@ class PageReader(PageStore):
         raise self._refuse("clear")
 
     # -- reads -----------------------------------------------------------------------------------
-    # exists / prefix: inherited, answered by `IndexReader` from the writer's database.
-
     def _order_dirs(self) -> bool:
         """Put `dirs` in the writer's recorded order once it is complete (at construction, and
         before each call until then); True when it is. The index and the slab files follow."""
@@ -186,7 +174,7 @@ class PageReader(PageStore):
         hits = [i for i, e in enumerate(entries) if e is not None]
         # csum 0 (never written by format 2; format 1 left it on pages from VRAM): cannot be verified.
         todo = [i for i in hits if entries[i].csum and entries[i].nbytes == self.page_bytes]
-        status = np.full(len(todo), _FAIL, dtype=np.int8)
+        status = np.full(len(todo), FAIL, dtype=np.int8)
         if todo and self._open_files():
             slots = np.array([entries[i].slot for i in todo], dtype=np.int64)
             expect = np.array([entries[i].csum for i in todo], dtype=np.int64)
@@ -195,14 +183,14 @@ class PageReader(PageStore):
             self._recover(todo_pages, slots, expect, status)
         result = [False] * len(keys)
         for j, i in enumerate(todo):
-            result[i] = bool(status[j] == _OK)
-        nr, bad = sum(result), int((status == _BADSUM).sum())
+            result[i] = bool(status[j] == OK)
+        nr, bad = sum(result), int((status == BADSUM).sum())
         if bad:
             log.debug("hicache-gds: %d page(s) of %s changed while read (evicted by the writer): misses", bad,
                       self.namespace)
         self._stats.add(hits=len(hits), misses=len(keys) - len(hits), pages_read=nr, bytes_read=nr * self.page_bytes,
                         get_failed=len(hits) - nr - bad, checksum_mismatches=bad,
-                        timeouts=int((status == _TIMEOUT).sum()))
+                        timeouts=int((status == TIMEOUT).sum()))
         self._stats.batch(False, time.perf_counter_ns() - t0)
         return result
 
@@ -213,7 +201,7 @@ class PageReader(PageStore):
         the store, a reader never extends the writer's file); the others are re-read one request
         each when some pages succeeded or the files changed (engines without per-descriptor
         results fail a whole request for one bad slot)."""
-        fail = np.flatnonzero(status == _FAIL)
+        fail = np.flatnonzero(status == FAIL)
         if not fail.size:
             return
         opened = self._opens
@@ -223,7 +211,7 @@ class PageReader(PageStore):
         ends = np.asarray([size for _, _, size in self._slab_ids], dtype=np.uint64)[fidx]
         retry = fail[off + np.uint64(self.slot_bytes) <= ends]
         if self._opens != opened or len(retry) < len(status):
-            for j in retry[:_MAX_SINGLE_RETRIES].tolist():
+            for j in retry[:MAX_SINGLE_RETRIES].tolist():
                 st, _ = self._io(Op.READ, pages.select([j]), slots[j:j + 1], expect[j:j + 1])
                 status[j] = st[0]
 
@@ -261,6 +249,28 @@ class PageReader(PageStore):
             self._slab_gen = gen
             return True
 
+    @gated
+    def lease(self, keys: Sequence[str]) -> Lease:
+        """The present pages of `keys` as the writer's index names them now, unprotected (a reader
+        writes no lease: `protected` is False, so the caller checks every page against
+        `checksums` where it lands); `reject` drops nothing. Releasing it is free."""
+        self._order_dirs()
+        keys = self._check_keys(keys)
+        entries = self.index.lookup(keys)
+        present = np.array([e is not None and bool(e.csum) for e in entries], dtype=bool)
+        if present.any() and not self._open_files():
+            present[:] = False
+        slots = np.array([e.slot if e is not None else 0 for e in entries], dtype=np.int64)
+        fidx, base = self.slabs.place(slots)
+        fids = np.asarray(self._fids or [0] * len(self.dirs), dtype=np.uint64)[fidx]
+        fids[~present] = 0
+        base = np.where(present, base, np.uint64(0)).astype(np.uint64)
+        nbytes = np.array([e.nbytes if e is not None else 0 for e in entries], dtype=np.int64)
+        sums = np.array([e.csum if e is not None else 0 for e in entries], dtype=np.int64)
+        return Lease(keys, present, fids, base, nbytes, sums, slots=slots, protected=False,
+                     post=lambda op, kind, mem, fil: post_rows(self.engine, self.config, op, kind, mem, fil),
+                     unpin=None, drop=None)
+
     # -- the rest --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters, latency histograms, the engine and the path that ran, and the writer's page count now."""
@@ -270,11 +280,6 @@ class PageReader(PageStore):
                    page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, read_only=True)
         out.update(self.index.stats())
         return out
-
-    def close(self) -> None:
-        """Release files, buffers and the index connection, once the calls in flight returned
-        (as `PageStore.close`). Idempotent."""
-        super().close()
 
     def _teardown(self) -> None:
         try:
@@ -286,4 +291,7 @@ class PageReader(PageStore):
             for ix in old:
                 ix.close()
         finally:
-            super()._teardown()
+            try:
+                self._release_io()
+            finally:
+                self.index.close()

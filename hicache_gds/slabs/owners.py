@@ -43,8 +43,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .errors import ConfigError, StoreLockedError
-from .slabs import private_dir
+from ..errors import ConfigError, StoreLockedError
+from .slabset import private_dir
 
 __all__ = ["Membership", "Use", "holders", "procs_state", "setup_lock", "setup_lock_if_free", "record_close",
            "read_use", "LOCK_FILE", "PROCS_DIR", "CLOSED_FILE", "SETUP_WAIT_S"]

@@ -20,8 +20,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-from .capacity import gib
-from .errors import ConfigError
+from ..slabs.capacity import gib
+from ..errors import ConfigError
 
 __all__ = ["ls_main", "verify_main", "clear_main"]
 
@@ -37,7 +37,7 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 
 def _roots(path: str | None) -> list[str]:
-    from .config import Config
+    from ..config import Config
     cfg = Config.load({"gds_path": path} if path else {})
     if not cfg.gds_path:
         raise ConfigError("GDS_PATH is not set: give the store's directories in GDS_PATH or --path")
@@ -74,7 +74,7 @@ def ls_main(argv: Sequence[str] | None = None) -> int:
                        "the pids that have it open, or since when it is idle (idle namespaces are removed, least "
                        "recently used first, when a new namespace needs their room).")
     args = ap.parse_args(argv)
-    from .namespaces import find
+    from ..slabs.namespaces import find
     try:
         roots = _roots(args.path)
         found = find(roots)
@@ -111,7 +111,7 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-drop", action="store_true", help="report bad pages, but leave them in the index")
     ap.add_argument("--keys", action="store_true", help="name the bad pages' keys (prompt-derived; off by default)")
     args = ap.parse_args(argv)
-    from .namespaces import find, resolve, verify
+    from ..slabs.namespaces import find, resolve, verify
     try:
         roots = _roots(args.path)
         found = find(roots)
@@ -154,8 +154,8 @@ def clear_main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if bool(args.namespaces) == bool(args.all):
         return _fail("clear", ConfigError("name the namespaces to remove, or give --all (not both)"))
-    from .namespaces import find, resolve
-    from .removal import RemoveReport, remove
+    from ..slabs.namespaces import find, resolve
+    from ..slabs.removal import RemoveReport, remove
     try:
         roots = _roots(args.path)
         found = {n.name: n for n in find(roots)}

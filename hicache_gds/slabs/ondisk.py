@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import checksum
-from .errors import ConfigError
+from .. import checksum
+from ..errors import ConfigError
 
 __all__ = ["FORMAT", "FORMAT_KEY", "place", "stripe_order", "ensure_stripe", "page_checksum",
            "legacy_format"]

@@ -14,7 +14,7 @@ import stat
 
 import numpy as np
 
-from .errors import ConfigError, StoreFullError
+from ..errors import ConfigError, StoreFullError
 from .ondisk import place
 
 __all__ = ["META_FILE", "SlabSet", "prepare_root", "private_dir"]

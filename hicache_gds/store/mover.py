@@ -1,0 +1,453 @@
+"""`PageMover`: moving pages between memory and slab slots, the part every store shares.
+
+A request is prepared (`_prepare`: staging lent and filled where pages must be staged), posted in
+requests within the engine's limits (`_run`: descriptors cut to ``max_desc_bytes``, batches of
+about an eighth of the call so checksums of one overlap the IO of the next), waited for (never
+past ``io_timeout``) and checksummed (`hicache_gds.checksum`: one definition for host and device
+pages). Once anything is posted nothing raises: a failure is a page's status (`TIMEOUT` where its
+IO may still land, and the staging it used is held until it finishes).
+
+`PageStore` and `PageReader` are page movers over their own index; `post_rows` is the same
+posting for GPU-direct paths that build their own descriptors (the SGLang linker, through
+`Lease.post`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .. import checksum
+from ..config import Config
+from ..engines.base import MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
+from ..errors import RegionError, StoreClosedError, TransferError, TransferTimeout
+from ..gate import CallGate, gated
+from ..layout import Pages
+from ..memory import HostBuffer
+from ..stats import StoreStats
+from .staging import MAX_HELD_STAGING, Prepared, Staging, finished, gather, scatter
+
+__all__ = ["PageMover", "MAX_KEY_BYTES", "OK", "FAIL", "TIMEOUT", "BADSUM", "MAX_SINGLE_RETRIES", "post_rows"]
+
+log = logging.getLogger("hicache_gds.store")
+MAX_KEY_BYTES = 1024
+# A batch is cut into about this many requests, all posted at once, so checksums of request k
+# overlap the IO of the later ones and only the last one's checksum is exposed.
+_PIPELINE_PARTS = 8
+_PIPELINE_MIN_BYTES = 8 << 20
+_MIN_DIRECT_SEGMENT = 128 << 10  # smaller segments are gathered into one aligned IO per page
+OK, FAIL, TIMEOUT, BADSUM = 1, 0, 2, 3  # a page's status after a request
+MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at most
+
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def _hash_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
+def _hasher() -> ThreadPoolExecutor | None:
+    """Threads that checksum a request's pages in parallel (numpy releases the GIL), or None on one core.
+
+    Requests of a batch are all posted at once and the disk serves them interleaved, so most of
+    them complete near the end of the batch: hashing them one by one on the caller's thread was
+    exposed, not overlapped (about 9% of get throughput on the H100 VM with verification on)."""
+    global _hash_pool
+    workers = _hash_threads()
+    if workers < 2:
+        return None
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(workers, thread_name_prefix="hicache-gds-checksum")
+        return _hash_pool
+
+
+def _forget_hasher_in_child() -> None:
+    # A forked child has none of the parent's threads: a copied pool would queue work forever.
+    global _hash_pool, _hash_pool_lock
+    _hash_pool, _hash_pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_hasher_in_child)
+
+
+def post_rows(engine: TransferEngine, config: Config, op: Op, kind: MemKind, mem: np.ndarray,
+              fil: np.ndarray) -> list[Transfer]:
+    """Submit (addr, nbytes) x (file id, file offset) rows in requests within the engine's limits
+    (descriptors cut to ``max_desc_bytes``, requests to ``max_request_bytes`` or 64 MiB). On a
+    failure to submit, what was posted is waited for (never past ``io_timeout``) and the error raised."""
+    caps = engine.capabilities
+    a, ln, off, pieces = split_rows(mem[:, 0], mem[:, 1], fil[:, 1], caps.max_desc_bytes)
+    mem, fil = np.stack([a, ln], axis=1), np.stack([np.repeat(fil[:, 0], pieces), off], axis=1)
+    out: list[Transfer] = []
+    try:
+        for bt in split_batches(np.ones(len(mem)), mem[:, 1], caps, config.max_request_bytes or 64 << 20):
+            out.append(engine.submit(op, kind, mem[bt.row_start:bt.row_stop], fil[bt.row_start:bt.row_stop]))
+    except BaseException:
+        deadline = time.monotonic() + config.io_timeout
+        for t in out:
+            try:
+                t.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 -- the submit error is the one to raise
+                pass
+            finally:
+                t.release()
+        raise
+    return out
+
+
+class PageMover:
+    """What `PageStore` and `PageReader` share: key and page checks, memory registration, the
+    request path (module docstring), page checksums, and close. Subclasses call `__init__`, set
+    `slabs` and their index, and `_attach` an engine."""
+
+    read_only = False
+
+    def __init__(self, config: Config, page_bytes: int, identity: Mapping[str, Any], namespace: str,
+                 slot_bytes: int, what: str) -> None:
+        self.config = config
+        self.page_bytes = page_bytes
+        self.identity, self.namespace, self.slot_bytes = dict(identity), namespace, slot_bytes
+        self._gate = CallGate(f"{what} {namespace}")
+        self._lost_io: list[tuple[list[int], list[Transfer]]] = []  # slots whose write may still land, and its IO
+        self._lost_lock = threading.Lock()
+        self._fids: list[int] = []
+        self._sync_fds: list[int] = []
+        self._stats = StoreStats()
+        self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
+
+    def _attach(self, engine: TransferEngine, reason: str) -> None:
+        self.engine, self.engine_reason = engine, reason
+        self._staging = Staging(engine)
+
+    @property
+    def capabilities(self) -> Any:
+        """The engine's declared capabilities (`engines.base.Capabilities`): alignment, limits, memory kinds."""
+        return self.engine.capabilities
+
+    # -- validation ------------------------------------------------------------------------------
+    @staticmethod
+    def _check_keys(keys: Sequence[str]) -> list[str]:
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+            raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
+        for i, k in enumerate(keys):
+            if not isinstance(k, str):
+                raise TypeError(f"key {i} is {type(k).__name__}, not str")
+            if not k or len(k) > MAX_KEY_BYTES or "\x00" in k:
+                raise ValueError(f"key {i} is empty, longer than {MAX_KEY_BYTES} characters, or contains NUL")
+            try:
+                k.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"key {i} is not UTF-8 text (it holds a lone surrogate)") from None
+        return list(keys)
+
+    def _check_pages(self, keys: list[str], pages: Pages) -> None:
+        if not isinstance(pages, Pages):
+            raise TypeError(f"pages must be hicache_gds.Pages, got {type(pages).__name__}")
+        if len(pages) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
+        sizes = pages.page_nbytes
+        bad = np.flatnonzero(sizes != self.page_bytes)
+        if bad.size:
+            i = int(bad[0])
+            raise RegionError(f"page {i} has {int(sizes[i])} bytes; pages of this store have {self.page_bytes}")
+        if len(pages):
+            mem = np.stack([pages.addrs.ravel(), pages.lens.ravel()], axis=1)
+            self.engine.check_regions(pages.kind, mem)
+
+    def _check_open(self) -> None:
+        if self._gate.closed:
+            raise StoreClosedError(f"page store {self.namespace} is closed")
+
+    @property
+    def _closed(self) -> bool:
+        return self._gate.closed
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    @gated
+    def register_memory(self, addr: int, nbytes: int, kind: MemKind = MemKind.DRAM) -> None:
+        """Register a buffer that pages will point into (once, before put/get)."""
+        self.engine.register_memory(addr, nbytes, MemKind(kind))
+        if MemKind(kind) is MemKind.VRAM and self._device_sums is checksum.device_checksums:
+            checksum.warm_up(checksum.device_of(addr))  # the checksum kernel compiles now, not in a request
+
+    @property
+    def file_ids(self) -> list[int]:
+        """Engine file ids of the slab files, in `slabs.paths` order (for reads of page ranges)."""
+        return list(self._fids)
+
+    @gated
+    def deregister_memory(self, addr: int) -> None:
+        """Forget a buffer registered with `register_memory` (before freeing it)."""
+        self.engine.deregister_memory(addr)
+
+    def register_tensor(self, tensor: Any) -> None:
+        self.register_memory(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                             MemKind.VRAM if tensor.is_cuda else MemKind.DRAM)
+
+    # -- put / get -------------------------------------------------------------------------------
+
+    # -- the request path ------------------------------------------------------------------------
+    def _io(self, op: Op, pages: Pages, slots: np.ndarray, expect: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Move pages to/from slots. Returns (status per page, checksum per page for writes)."""
+        prep = self._prepare(op, pages)
+        if prep is None:
+            return np.full(len(pages), FAIL, dtype=np.int8), np.zeros(len(pages), dtype=np.int64)
+        try:
+            return self._run(prep, slots, expect)
+        finally:
+            self._finish(prep)
+
+    def _prepare(self, op: Op, pages: Pages) -> Prepared | None:
+        """The memory side of a request, before any slot is chosen: staging lent (and, for a write,
+        filled) where pages must be staged, device writes waited for. Raises (an engine that cannot
+        register staging, a misaligned device page) before any IO; None when staging is held by
+        timed-out requests beyond `MAX_HELD_STAGING` (every page fails)."""
+        n = len(pages)
+        caps = self.engine.capabilities
+        lens = pages.lens
+        stage = n > 0 and pages.kind is MemKind.DRAM and (
+            (caps.alignment > 1 and bool(((pages.addrs % np.uint64(caps.alignment)) | (lens % np.uint64(caps.alignment))).any()))
+            or float(lens.mean()) < _MIN_DIRECT_SEGMENT and lens.shape[1] > 1)
+        if not stage and pages.kind is MemKind.VRAM and caps.alignment > 1 and bool(
+                ((pages.addrs % np.uint64(caps.alignment)) | (lens % np.uint64(caps.alignment))).any()):
+            raise RegionError(f"{self.engine.name}: device pages must be {caps.alignment}-byte aligned")
+        if stage and self._staging.held_bytes() > MAX_HELD_STAGING:
+            log.error("hicache-gds: %s of %d pages failed at once: staging buffers of requests that timed out "
+                      "and never finished hold over %d bytes", op.value, n, MAX_HELD_STAGING)
+            return None
+        if n and pages.kind is MemKind.VRAM and op is Op.WRITE and self._device_sums is checksum.device_checksums:
+            checksum.wait_for_current_stream(checksum.device_of(int(pages.addrs[0, 0])))
+        buf = self._staging.acquire(n * self.slot_bytes) if stage else None
+        if buf is None:
+            return Prepared(op, pages, None, pages.addrs, lens)
+        try:
+            # One aligned descriptor per page: the whole slot, staged in host memory.
+            src_addrs = np.uint64(buf.addr) + np.arange(n, dtype=np.uint64) * np.uint64(self.slot_bytes)
+            if op is Op.WRITE:
+                self._gather(pages, src_addrs)
+        except BaseException:
+            self._staging.release(buf)
+            raise
+        self._stats.add(staged_pages=n)
+        return Prepared(op, pages, buf, src_addrs.reshape(n, 1), np.full((n, 1), self.slot_bytes, dtype=np.uint64))
+
+    def _finish(self, prep: Prepared) -> list[Transfer]:
+        """Return the request's staging (held instead while IO that timed out may still land in it);
+        returns that IO."""
+        late = [t for _, t in prep.transfers if t is not None and not finished(t)]
+        buf, prep.buf = prep.buf, None
+        if buf is not None:
+            if late:
+                self._staging.hold(buf, late)
+            else:
+                self._staging.release(buf)
+        return late
+
+    def _run(self, prep: Prepared, slots: np.ndarray, expect: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Post the first len(slots) pages of `prep` to/from `slots`, wait for them (never past
+        ``io_timeout``), checksum them; (status, checksums of written pages). Once anything is posted
+        nothing raises: a failure is a page's status (`TIMEOUT` where the IO may still land)."""
+        op, pages = prep.op, prep.pages
+        n = len(slots)
+        status = np.full(n, FAIL, dtype=np.int8)
+        sums = np.zeros(n, dtype=np.int64)
+        if n == 0:
+            return status, sums
+        if n < len(pages):
+            pages = pages.select(np.arange(n))
+        caps = self.engine.capabilities
+        fidx, base = self.slabs.place(slots)
+        fids = np.asarray(self._fids, dtype=np.uint64)[fidx]
+        buf = prep.buf
+        mem_a, mem_l = prep.mem_a[:n], prep.mem_l[:n]
+        seg_off = np.cumsum(mem_l, axis=1) - mem_l
+        file_off = base.reshape(n, 1) + seg_off
+        mem_a, mem_l, file_off, per_page = self._cut(mem_a, mem_l, file_off, caps.max_desc_bytes)
+        rows = np.concatenate([[0], np.cumsum(per_page)])
+        mem = np.stack([mem_a, mem_l], axis=1)
+        fil = np.stack([np.repeat(fids, per_page), file_off], axis=1)
+        pipeline = max(_PIPELINE_MIN_BYTES, n * self.slot_bytes // _PIPELINE_PARTS)
+        plan = list(split_batches(per_page, np.full(n, self.slot_bytes), caps,
+                                  self.config.max_request_bytes or pipeline, row_bytes=mem_l))
+        deadline = time.monotonic() + self.config.io_timeout
+        kind = MemKind.DRAM if buf is not None else pages.kind
+        for bt in plan:
+            try:
+                t = self.engine.submit(op, kind, mem[bt.row_start:bt.row_stop], fil[bt.row_start:bt.row_stop])
+            except (TransferError, OSError, ValueError) as exc:
+                log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, bt.stop - bt.start, exc)
+                t = None
+            prep.transfers.append((bt, t))
+            prep.posted = prep.posted or t is not None
+        hashed = True
+        if op is Op.WRITE:  # overlaps the IO in flight
+            try:
+                sums[:] = self._page_sums(pages, buf, range(n))
+            except Exception as exc:  # noqa: BLE001 -- no checksum, no page: the writes still finish below
+                log.error("hicache-gds: checksums of %d written pages failed (%s: %s); not published", n,
+                          type(exc).__name__, exc)
+                hashed = False
+        # A page is done once every request holding its rows is (a page may span several: more rows
+        # than one request takes); its status is the worst of theirs: a timeout (the IO may still
+        # land) over a failure over success. Reads are scattered and verified (`_finish_read`: the
+        # one checksum for host and device pages) only then, after the page's last request.
+        left = np.zeros(n, dtype=np.int32)
+        worst = np.zeros(n, dtype=np.int8)  # 0 ok, 1 failed, 2 timed out
+        for bt, _ in prep.transfers:
+            left[bt.start:bt.stop] += 1
+        for bt, t in prep.transfers:
+            a, b = bt.start, bt.stop
+            got = np.zeros(b - a, dtype=np.int8)
+            if t is None:
+                got[:] = 1
+            else:
+                try:
+                    t.wait(max(0.0, deadline - time.monotonic()))
+                except TransferTimeout as exc:
+                    log.error("hicache-gds: %s", exc)
+                    got[:] = 2
+                except TransferError as exc:
+                    log.warning("hicache-gds: %s", exc)
+                    got[:] = 1
+                    ok_rows = getattr(t, "ok_mask", lambda: None)()
+                    if ok_rows is not None:  # the engine knows which descriptors landed
+                        for j in range(a, b):
+                            r0, r1 = max(int(rows[j]), bt.row_start), min(int(rows[j + 1]), bt.row_stop)
+                            if ok_rows[r0 - bt.row_start:r1 - bt.row_start].all():
+                                got[j - a] = 0
+                except Exception as exc:  # noqa: BLE001 -- the engine's state is unknown: the IO may still land
+                    log.error("hicache-gds: waiting for %s of %d pages failed: %s: %s", op.value, b - a,
+                              type(exc).__name__, exc)
+                    got[:] = 2
+                finally:
+                    t.release()
+            np.maximum(worst[a:b], got, out=worst[a:b])
+            left[a:b] -= 1
+            done = np.flatnonzero(left[a:b] == 0) + a
+            if not len(done):
+                continue
+            status[done] = np.where(worst[done] == 2, TIMEOUT, np.where(worst[done] == 1, FAIL, OK))
+            if op is Op.READ:
+                ok = done[worst[done] == 0]
+                for run in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1) if len(ok) else ():
+                    self._finish_read(pages, buf, expect, status, int(run[0]), int(run[-1]) + 1)
+        if not hashed:
+            status[status == OK] = FAIL
+        return status, sums
+
+    def _finish_read(self, pages: Pages, buf: HostBuffer | None, expect: np.ndarray | None,
+                     status: np.ndarray, a: int, b: int) -> None:
+        """Scatter staged pages a..b and check their checksums (`BADSUM` per mismatch); a failure
+        of either fails the pages, without judging them."""
+        try:
+            if buf is not None:
+                self._scatter(pages, buf, a, b)
+            if expect is not None:
+                todo = [j for j in range(a, b) if expect[j]]
+                for j, got in zip(todo, self._page_sums(pages, None, todo)):
+                    if got != expect[j]:
+                        status[j] = BADSUM
+        except Exception as exc:  # noqa: BLE001 -- such pages are failed reads, not bad pages
+            log.error("hicache-gds: finishing a read of %d pages failed: %s: %s", b - a, type(exc).__name__, exc)
+            status[a:b][status[a:b] == OK] = FAIL
+
+    @staticmethod
+    def _cut(mem_a: np.ndarray, mem_l: np.ndarray, file_off: np.ndarray, limit: int):
+        """Flatten (P, S) descriptors to rows, splitting any longer than `limit`; rows per page."""
+        n = mem_a.shape[0]
+        a, l, f, pieces = split_rows(mem_a.ravel(), mem_l.ravel(), file_off.ravel(), limit)
+        return a, l, f, pieces.reshape(n, mem_a.shape[1]).sum(axis=1)
+
+    def _gather(self, pages: Pages, dst: np.ndarray) -> None:
+        gather(pages, dst, self.page_bytes)
+
+    def _scatter(self, pages: Pages, buf: HostBuffer, a: int, b: int) -> None:
+        scatter(pages, buf, a, b, self.slot_bytes, self.page_bytes)
+
+    def page_checksums(self, pages: Pages) -> np.ndarray:
+        """The checksum each page would be stored with (int64 per page; `hicache_gds.checksum`): for
+        GPU-direct paths that move a store's pages themselves and check them where they land (pages
+        shorter than `page_bytes` count as zero-padded). Device pages are summed on their GPU, after
+        the work queued on this thread's stream of it."""
+        if len(pages) and int(pages.page_nbytes.max()) > self.page_bytes:
+            raise RegionError(f"pages of {int(pages.page_nbytes.max())} bytes exceed this store's {self.page_bytes}")
+        if pages.kind is MemKind.VRAM:
+            return np.asarray(self._device_sums(pages.addrs, pages.lens, self.page_bytes), dtype=np.int64)
+        return np.array([checksum.host_checksum(zip(pages.addrs[j].tolist(), pages.lens[j].tolist()),
+                                                self.page_bytes) for j in range(len(pages))], dtype=np.int64)
+
+    def _page_sums(self, pages: Pages, buf: HostBuffer | None, idx: Sequence[int]) -> list[int]:
+        """The checksum (`hicache_gds.checksum`) of each page in `idx`: device pages on their GPU, all
+        in one launch; host pages on the hashing threads when there are several."""
+        idx = list(idx)
+        if not idx:
+            return []
+        if buf is None and pages.kind is MemKind.VRAM:
+            sel = pages.select(idx)
+            return self._device_sums(sel.addrs, sel.lens, self.page_bytes).tolist()
+        if buf is not None:
+            segs = [[(buf.addr + j * self.slot_bytes, self.page_bytes)] for j in idx]
+        else:
+            segs = [list(zip(pages.addrs[j].tolist(), pages.lens[j].tolist())) for j in idx]
+        pool = _hasher() if len(idx) > 1 else None
+        if pool is None:
+            return checksum.host_checksums(segs, self.page_bytes)
+        # A few pages per task: the per-page fold is done for a whole group at once.
+        step = -(-len(segs) // (4 * _hash_threads()))
+        parts = pool.map(lambda a: checksum.host_checksums(segs[a:a + step], self.page_bytes),
+                         range(0, len(segs), step))
+        return [c for part in parts for c in part]
+
+    # -- maintenance -----------------------------------------------------------------------------
+
+
+    def close(self) -> None:
+        """Refuse new calls (`StoreClosedError`), wait for the calls in flight (at most
+        ``io_timeout``), then release files, buffers, the index (and, for a store, the namespace's lock). Idempotent.
+
+        Calls still in flight after that keep what they use; the last of them closes the store as
+        it returns. Slots whose writes timed out and are still in flight stay reserved, and this
+        process keeps its place in the namespace (so no other process reclaims them) until it exits."""
+        gate = getattr(self, "_gate", None)
+        if gate is None:
+            return
+        busy = gate.close(self.config.io_timeout, self._teardown)
+        if busy:
+            log.error("hicache-gds: closing %s: %d call(s) still in flight after %.1f s (io_timeout); the store "
+                      "closes when the last of them returns", self.namespace, busy, self.config.io_timeout)
+
+    def _release_io(self) -> None:
+        """Staging, engine file ids, fdatasync descriptors and the engine (`_teardown`)."""
+        self._staging.close()
+        for fid in self._fids:
+            self.engine.close_file(fid)
+        for fd in self._sync_fds:
+            os.close(fd)
+        self.engine.close()
+
+    def _teardown(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "PageMover":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
