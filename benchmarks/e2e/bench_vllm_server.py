@@ -69,14 +69,15 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from bench_sglang_server import _ratio, _table  # noqa: E402
-from e2elib import Server, drop_caches, free_port, machine, pct, tokens  # noqa: E402
+import e2elib  # noqa: E402
+from e2elib import Server, _jsonable, drop_caches, free_port, machine, pct, tokens  # noqa: E402
 
 MODEL_DIR = os.path.join(HERE, "llama3-8b-shape")
 CONFIGS = ("recompute", "cpu", "gds", "bounce", "gds-cost", "gds-plain")
@@ -530,29 +531,8 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _jsonable(o: Any) -> Any:
-    if isinstance(o, Result):
-        return asdict(o)
-    if isinstance(o, dict):
-        return {k: _jsonable(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_jsonable(v) for v in o]
-    if isinstance(o, float) and o != o:
-        return None
-    return o
-
-
 def _revive(rec: dict[str, Any]) -> dict[str, Any]:
-    def res(x: Any) -> Any:
-        if isinstance(x, list):
-            return [res(v) for v in x]
-        if isinstance(x, dict) and "ttft_s" in x:
-            return Result(**{**x, "ttft_s": x["ttft_s"] if x["ttft_s"] is not None else float("nan")})
-        return x
-    w = rec.get("workload")
-    if w:
-        rec["workload"] = {k: res(v) if k.startswith("pass") else v for k, v in w.items()}
-    return rec
+    return e2elib._revive(rec, Result, keys=lambda k: k.startswith("pass"))
 
 
 def versions() -> dict[str, str]:

@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -323,7 +323,8 @@ def log_facts(path: str) -> dict[str, Any]:
 
 
 def _jsonable(o: Any) -> Any:
-    if isinstance(o, Result):
+    """`o` as JSON can hold it: results (any dataclass) as dicts, NaN as null."""
+    if is_dataclass(o) and not isinstance(o, type):
         return asdict(o)
     if isinstance(o, dict):
         return {k: _jsonable(v) for k, v in o.items()}
@@ -334,17 +335,18 @@ def _jsonable(o: Any) -> Any:
     return o
 
 
-def _revive(rec: dict[str, Any]) -> dict[str, Any]:
-    """A record read back from results JSON, its requests as `Result`s again."""
+def _revive(rec: dict[str, Any], result: type = Result, keys: Any = None) -> dict[str, Any]:
+    """A record read back from results JSON, its requests as `result`s again (in the workload's
+    entries whose key `keys` accepts; all when None)."""
     def res(x: Any) -> Any:
         if isinstance(x, list):
             return [res(v) for v in x]
         if isinstance(x, dict) and "ttft_s" in x:
-            return Result(**{**x, "ttft_s": x["ttft_s"] if x["ttft_s"] is not None else float("nan")})
+            return result(**{**x, "ttft_s": x["ttft_s"] if x["ttft_s"] is not None else float("nan")})
         return x
     w = rec.get("workload")
     if w:
-        rec["workload"] = {k: res(v) for k, v in w.items()}
+        rec["workload"] = {k: res(v) if keys is None or keys(k) else v for k, v in w.items()}
     return rec
 
 
