@@ -186,3 +186,15 @@ def test_the_default_gpu_plan_dry_run(tmp_path):
         assert all(r["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0" for r in doc["records"])
         assert doc["summary"]["gds"]["tokens_revisit"]["identical"] == doc["args"]["prefixes"]
         assert (out / shape / "server-gds.log").exists()
+
+
+def test_load_rate_counts_a_counter_not_yet_exported_as_zero():
+    # vLLM exports kv_offload_load_* from their first increment: before the first load they are absent
+    before = {"load_bytes": None, "load_time": None, "store_bytes": 9e9, "store_time": 6.0}
+    after = {"load_bytes": 8 << 30, "load_time": 5.0, "store_bytes": 9e9, "store_time": 6.0}
+    later = {"load_bytes": 16 << 30, "load_time": 9.0}
+    c = {"b": before, "a": after, "l": later}
+    r = bench.load_rate(c, "b", "a")
+    assert r is not None and r["bytes"] == 8 << 30 and r["seconds"] == 5.0 and r["GBps"] == (8 << 30) / 5.0 / 1e9
+    assert bench.load_rate(c, "a", "l")["GBps"] == (8 << 30) / 4.0 / 1e9
+    assert bench.load_rate({"b": before, "a": before}, "b", "a") is None  # no load at all: no rate

@@ -441,10 +441,13 @@ def compare(rs: list[Result], ref: list[Result]) -> dict[str, Any]:
 
 
 def load_rate(c: dict[str, Any], a: str, b: str) -> dict[str, Any] | None:
+    """The connector's load rate between two counter snapshots. A counter vLLM has not exported
+    yet (Prometheus shows it from its first increment) counts as 0 when the later snapshot has it."""
     x, y = c.get(a) or {}, c.get(b) or {}
-    if x.get("load_bytes") is None or y.get("load_bytes") is None:
+    if y.get("load_bytes") is None:
         return None
-    nb, nt = y["load_bytes"] - x["load_bytes"], (y["load_time"] or 0) - (x["load_time"] or 0)
+    nb = y["load_bytes"] - (x.get("load_bytes") or 0)
+    nt = (y.get("load_time") or 0) - (x.get("load_time") or 0)
     return {"bytes": nb, "seconds": nt, "GBps": nb / nt / 1e9 if nt > 0 else None}
 
 
