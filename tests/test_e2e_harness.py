@@ -72,6 +72,9 @@ def test_a_dry_run_measures_everything_then_resumes_with_nothing_to_do(tmp_path)
     doc = json.load(open(tmp_path / "out" / "suite-llama3-8b-shape.json"))
     assert len(doc["cells"]) == len(suite.plan(suite_args(doc))) == 10 + 4 + 6
     assert doc["populated"]["gds"]["pages"] >= doc["populated"]["gds"]["expected_pages"]
+    rids = [r["rid"] for c in doc["cells"].values() for r in c["results"]]
+    assert len(set(rids)) == len(rids) and all(r["rid"].startswith(r["tag"] + "-") for c in doc["cells"].values()
+                                                for r in c["results"])  # joins each result to the server log
     single = doc["cells"]["single/gds-wait_complete/1"]
     assert single["stats"]["split"]["storage"] > 0 and single["stats"]["errors"] == 0
     burst = doc["cells"]["burst/recompute/0"]["stats"]

@@ -25,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable
 
@@ -157,11 +158,14 @@ class Result:
     error: str | None = None
     t_start: float = 0.0  # perf_counter at send, and at the last chunk (bursts and open loops: makespan)
     t_end: float = 0.0
+    rid: str = ""  # the server's request id: joins a result to the server log (the policy's decisions)
 
 
 def generate(srv: Server, tag: str, ids: list[int], gen: int, timeout: float) -> Result:
-    """One streamed, greedy /generate; TTFT is the first chunk's arrival."""
-    body = {"input_ids": ids, "stream": True, "return_logprob": True,
+    """One streamed, greedy /generate; TTFT is the first chunk's arrival. The request id is the
+    tag and a random suffix (unique, as SGLang requires), kept in the result."""
+    rid = f"{tag}-{uuid.uuid4().hex[:12]}"
+    body = {"input_ids": ids, "rid": rid, "stream": True, "return_logprob": True,
             "sampling_params": {"max_new_tokens": gen, "temperature": 0.0, "ignore_eos": True}}
     req = urllib.request.Request(srv.url("/generate"), data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -184,7 +188,7 @@ def generate(srv: Server, tag: str, ids: list[int], gen: int, timeout: float) ->
                 last = chunk
     except Exception as exc:  # noqa: BLE001 -- recorded with the result, the run goes on
         t1 = time.perf_counter()
-        return Result(tag, len(ids), float("nan"), t1 - t0, out, [], {}, f"{type(exc).__name__}: {exc}", t0, t1)
+        return Result(tag, len(ids), float("nan"), t1 - t0, out, [], {}, f"{type(exc).__name__}: {exc}", t0, t1, rid)
     meta = last.get("meta_info", {})
     lps = [float(x[0]) if x and x[0] is not None else float("nan") for x in meta.get("output_token_logprobs") or []]
     lp_ids = [int(x[1]) for x in meta.get("output_token_logprobs") or [] if x and x[1] is not None]
@@ -194,7 +198,7 @@ def generate(srv: Server, tag: str, ids: list[int], gen: int, timeout: float) ->
     cached["cached_tokens"] = meta.get("cached_tokens", 0)
     t1 = time.perf_counter()
     return Result(tag, len(ids), ttft if ttft is not None else float("nan"), t1 - t0, out, lps,
-                  cached, None if ttft is not None else "no chunk received", t0, t1)
+                  cached, None if ttft is not None else "no chunk received", t0, t1, rid)
 
 
 def backed_up_tokens(srv: "Server") -> int | None:
