@@ -31,6 +31,7 @@ from ..gate import CallGate, gated
 from ..layout import Pages
 from ..memory import HostBuffer
 from ..stats import StoreStats
+from .protocol import Lease
 from .staging import MAX_HELD_STAGING, Prepared, Staging, finished, gather, scatter
 
 __all__ = ["PageMover", "MAX_KEY_BYTES", "OK", "FAIL", "TIMEOUT", "BADSUM", "MAX_SINGLE_RETRIES", "post_rows"]
@@ -131,6 +132,22 @@ class PageMover:
     def capabilities(self) -> Any:
         """The engine's declared capabilities (`engines.base.Capabilities`): alignment, limits, memory kinds."""
         return self.engine.capabilities
+
+    def _lease_of(self, keys: list[str], entries: Sequence[Any], present: np.ndarray, fids: Sequence[int], *,
+                  protected: bool, unpin: Any, drop: Any) -> Lease:
+        """The `Lease` of `keys` from their index `entries` (None: absent) and the rows the caller
+        counts as `present`: file ids and offsets from the slot placement, sizes and checksums;
+        absent rows hold zeros. `fids`: the open slab files, one per directory."""
+        slots = np.array([e.slot if e is not None else 0 for e in entries], dtype=np.int64)
+        fidx, base = self.slabs.place(slots)
+        fid = np.asarray(fids, dtype=np.uint64)[fidx]
+        fid[~present] = 0
+        base = np.where(present, base, np.uint64(0)).astype(np.uint64)
+        nbytes = np.array([e.nbytes if e is not None else 0 for e in entries], dtype=np.int64)
+        sums = np.array([e.csum if e is not None else 0 for e in entries], dtype=np.int64)
+        return Lease(keys, present, fid, base, nbytes, sums, slots=slots, protected=protected,
+                     post=lambda op, kind, mem, fil: post_rows(self.engine, self.config, op, kind, mem, fil),
+                     unpin=unpin, drop=drop)
 
     # -- validation ------------------------------------------------------------------------------
     @staticmethod

@@ -36,7 +36,7 @@ from ..engines.base import MemKind, Op, TransferEngine
 from ..errors import TransferError
 from ..gate import gated
 from ..layout import Pages
-from .mover import BADSUM, FAIL, MAX_KEY_BYTES, MAX_SINGLE_RETRIES, OK, TIMEOUT, PageMover, post_rows
+from .mover import BADSUM, FAIL, MAX_KEY_BYTES, MAX_SINGLE_RETRIES, OK, TIMEOUT, PageMover
 from .namespace import checked_config, open_namespace
 from .protocol import Lease, Store
 from .staging import ORPHANED, Prepared, finished
@@ -115,16 +115,8 @@ class PageStore(PageMover, Store):
         keys = self._check_keys(keys)
         entries = self.index.lookup_pin(keys)
         present = np.array([e is not None for e in entries], dtype=bool)
-        slots = np.array([e.slot if e is not None else 0 for e in entries], dtype=np.int64)
-        fidx, base = self.slabs.place(slots)
-        fids = np.asarray(self._fids, dtype=np.uint64)[fidx]
-        fids[~present] = 0
-        base = np.where(present, base, np.uint64(0)).astype(np.uint64)
-        nbytes = np.array([e.nbytes if e is not None else 0 for e in entries], dtype=np.int64)
-        sums = np.array([e.csum if e is not None else 0 for e in entries], dtype=np.int64)
-        return Lease(keys, present, fids, base, nbytes, sums, slots=slots, protected=True,
-                     post=lambda op, kind, mem, fil: post_rows(self.engine, self.config, op, kind, mem, fil),
-                     unpin=self.index.unpin, drop=self.index.drop)
+        return self._lease_of(keys, entries, present, self._fids, protected=True, unpin=self.index.unpin,
+                              drop=self.index.drop)
 
     # -- put / get -------------------------------------------------------------------------------
     @gated

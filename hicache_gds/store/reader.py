@@ -55,7 +55,7 @@ from ..gate import gated
 from ..index import INDEX_FILE, IndexReader
 from ..layout import Pages, namespace_location
 from ..slabs.slabset import SlabSet, prepare_root
-from .mover import BADSUM, FAIL, MAX_SINGLE_RETRIES, OK, TIMEOUT, PageMover, post_rows
+from .mover import BADSUM, FAIL, MAX_SINGLE_RETRIES, OK, TIMEOUT, PageMover
 from .namespace import checked_config
 from .protocol import Lease, Store
 
@@ -260,16 +260,8 @@ class PageReader(PageMover, Store):
         present = np.array([e is not None and bool(e.csum) for e in entries], dtype=bool)
         if present.any() and not self._open_files():
             present[:] = False
-        slots = np.array([e.slot if e is not None else 0 for e in entries], dtype=np.int64)
-        fidx, base = self.slabs.place(slots)
-        fids = np.asarray(self._fids or [0] * len(self.dirs), dtype=np.uint64)[fidx]
-        fids[~present] = 0
-        base = np.where(present, base, np.uint64(0)).astype(np.uint64)
-        nbytes = np.array([e.nbytes if e is not None else 0 for e in entries], dtype=np.int64)
-        sums = np.array([e.csum if e is not None else 0 for e in entries], dtype=np.int64)
-        return Lease(keys, present, fids, base, nbytes, sums, slots=slots, protected=False,
-                     post=lambda op, kind, mem, fil: post_rows(self.engine, self.config, op, kind, mem, fil),
-                     unpin=None, drop=None)
+        return self._lease_of(keys, entries, present, self._fids or [0] * len(self.dirs), protected=False,
+                              unpin=None, drop=None)
 
     # -- the rest --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
