@@ -367,17 +367,8 @@ def _on_signal(signum: int, _frame: Any) -> None:
 
 def log_facts(path: str) -> dict[str, list[str]]:
     """What the server log says about the connector: engine lines, warnings, tracebacks."""
-    facts: dict[str, list[str]] = {"connector": [], "warnings": [], "errors": []}
-    with open(path, errors="replace") as f:
-        for line in f:
-            s = line.rstrip()[:400]
-            if "hicache-gds" in s or "OffloadingConnector" in s or "CPUOffloadingSpec" in s or "offload" in s.lower():
-                facts["connector"].append(s)
-            if "Traceback" in s or " ERROR " in s or "Error:" in s:
-                facts["errors"].append(s)
-            elif "WARNING" in s and ("hicache" in s.lower() or "offload" in s.lower()):
-                facts["warnings"].append(s)
-    return {k: v[:40] for k, v in facts.items()}
+    return e2elib.log_facts(path, "connector", ("hicache-gds", "OffloadingConnector", "CPUOffloadingSpec"),
+                            ("offload",), ("hicache", "offload"), limit=40)
 
 
 def run_config(cfg: str, a: argparse.Namespace, hard_deadline: float = float("inf")) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -311,19 +311,24 @@ def metrics_lines(srv: Server) -> list[str]:
             and not line.startswith("#")][:80]
 
 
-def log_facts(path: str) -> dict[str, Any]:
-    """What the server log says about the L3 backend: engine/path lines, warnings, tracebacks."""
-    facts: dict[str, list[str]] = {"backend": [], "warnings": [], "errors": []}
+def log_facts(path: str, key: str = "backend", marks: Sequence[str] = ("hicache-gds", "HiCacheNixl", "HiCacheFile"),
+              lower_marks: Sequence[str] = ("storage backend",), warn_words: Sequence[str] = ("hicache", "storage"),
+              limit: int = 30) -> dict[str, Any]:
+    """What the server log says about the L3 backend (or, with other marks, a connector): under
+    `key` the lines holding one of `marks` (or, lower-cased, of `lower_marks`), warnings naming
+    one of `warn_words`, tracebacks and errors; at most `limit` lines of each."""
+    facts: dict[str, list[str]] = {key: [], "warnings": [], "errors": []}
     with open(path, errors="replace") as f:
         for line in f:
             s = line.rstrip()[:400]
-            if "hicache-gds" in s or "HiCacheNixl" in s or "HiCacheFile" in s or "storage backend" in s.lower():
-                facts["backend"].append(s)
+            low = s.lower()
+            if any(m in s for m in marks) or any(m in low for m in lower_marks):
+                facts[key].append(s)
             if "Traceback" in s or " ERROR " in s or "Error:" in s:
                 facts["errors"].append(s)
-            elif "WARNING" in s and ("hicache" in s.lower() or "storage" in s.lower()):
+            elif "WARNING" in s and any(w in low for w in warn_words):
                 facts["warnings"].append(s)
-    return {k: v[:30] for k, v in facts.items()}
+    return {k: v[:limit] for k, v in facts.items()}
 
 
 def _jsonable(o: Any) -> Any:
