@@ -113,7 +113,8 @@ def test_numjobs_are_processes_sharing_one_namespace(capsys, gds_dir, tmp_path):
                    "drop-caches=0\nengine=bounce\n[w]\nrw=write\n[r]\nrw=read\n"
                    "[tw]\nrw=write\ntime_based=1\nruntime=1\n[tr]\nrw=read\ntime_based=1\nruntime=1\n")
     rc, doc, _ = bench_json(capsys, str(job), f"--directory={gds_dir}")
-    assert rc == 0 and [j["jobname"] for j in doc["jobs"]] == ["w", "r", "tw", "tr"]
+    assert rc == 0, [(j["jobname"], j["error_text"]) for j in doc["jobs"]]
+    assert [j["jobname"] for j in doc["jobs"]] == ["w", "r", "tw", "tr"]
     w, r, tw, tr = doc["jobs"]
     for j in doc["jobs"]:
         assert j["error"] == 0 and j["hicache_gds"]["verify"]["failed"] == 0, j["hicache_gds"]["verify"]
@@ -187,6 +188,26 @@ def test_verify_reports_a_flipped_byte(gds_dir, monkeypatch, store_checksums):
     assert "verify: 1 of 16 page(s) bad" in r.error_text and v["bad_keys"] == ["c0.g0.3"]
     from hicache_gds.bench.report import to_fio_normal
     assert "err=84 (verify: 1 of 16 page(s) bad" in to_fio_normal([r])
+
+
+def test_racing_jobs_report_evicted_pages_and_still_catch_wrong_bytes(gds_dir):
+    """numjobs that loop on their own evict one another's pages (LRU): a job whose last pass ended
+    first may lose part of it before the verify. Pages gone are reported as evicted (as many as
+    the store evicted during the run), while a page that is there with a wrong byte still fails."""
+    opts = parse_argv(["--bs=64k", "--size=1m", "--batch=4", "--iodepth=2", "--numjobs=2", "--rw=write",
+                       "--time_based", "--runtime=1", "--verify=1", "--fio=0", "--raw=0", "--drop-caches=0",
+                       "--engine=bounce", f"--directory={gds_dir}"])
+
+    def evict_three_and_flip_one(store, keys):
+        there = [k for k, p in zip(keys, store.exists(keys)) if p]   # the loops may have evicted some
+        assert store.delete(there[:3]) == [True] * 3    # what another job's later writes would do
+        _flip_a_byte(store, there[3:])
+
+    with Session() as s:
+        (r,) = s.run(opts, ["bounce"], strict=True, before_verify=evict_three_and_flip_one)
+    v = r.hicache_gds["verify"]
+    assert r.hicache_gds["store"]["evictions"] >= 3           # the loops evicted: a race was possible
+    assert v["evicted"] >= 3 and v["failed"] == 1 and 0 < v["pages"] <= 2 * 16 - 3 and r.error == 84
 
 
 # --------------------------------------------------------------------------- errors and places
