@@ -52,7 +52,7 @@ SEED = 0x6869636163686531  # "hicache1"
 _GOLDEN = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 _C1, _C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
-_CHUNK = 128  # blocks per numpy step: 512 KiB of words
+_CHUNK = 1024  # blocks per numpy call (4 MiB of words): each call is one GIL hand-off (`store.mover.shorten_switch_interval`)
 
 
 def _splitmix64(seed: int, n: int) -> list[int]:

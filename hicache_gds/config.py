@@ -91,6 +91,16 @@ def _positive_float(value: Any, key: str) -> float:
     return f
 
 
+def _seconds_or_zero(value: Any, key: str) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number of seconds >= 0, got {value!r}") from None
+    if not 0 <= f < 1:
+        raise ConfigError(f"{key}: expected a number of seconds in [0, 1), got {value!r}")
+    return f
+
+
 def _fraction(value: Any, key: str) -> float:
     try:
         f = float(value)
@@ -152,6 +162,10 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
     "direct_io": (ENV_PREFIX + "DIRECT_IO", _bool, True, "open slab files with O_DIRECT"),
     "sync": (ENV_PREFIX + "SYNC", _bool, False, "fdatasync before a page is published (power-loss durability)"),
     "io_timeout": (ENV_PREFIX + "IO_TIMEOUT", _positive_float, 60.0, "seconds one batch may take before it fails"),
+    "switch_interval": (ENV_PREFIX + "SWITCH_INTERVAL", _seconds_or_zero, 0.0005,
+                        "lower this process's Python thread switch interval to this while a store is open "
+                        "(a serving engine's busy thread otherwise holds the GIL 5 ms each time the IO and "
+                        "checksum threads wait for it); 0 leaves it alone"),
     "io_threads": (ENV_PREFIX + "IO_THREADS", _int_at_least(1), 16, "IO threads of the bounce engine (its queue depth)"),
     "nixl_queue": (ENV_PREFIX + "NIXL_QUEUE", _choice("uring", "aio", "posix_aio"), "aio",
                    "NIXL POSIX queue: Linux AIO, io_uring or POSIX AIO"),
@@ -187,6 +201,7 @@ class Config:
     direct_io: bool = True
     sync: bool = False
     io_timeout: float = 60.0
+    switch_interval: float = 0.0005
     io_threads: int = 16
     nixl_queue: str = "aio"
     max_request_bytes: int = 0

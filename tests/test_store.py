@@ -570,3 +570,43 @@ def test_a_hung_request_of_a_spanning_page_times_it_out(gds_dir):
         assert s.put(keys(n), _wide_pages(src, n)) == [False, True]
         st_ = s.stats()
         assert st_["timeouts"] == 1 and st_["lost_slots"] == 1
+
+
+@pytest.fixture
+def switch_interval():
+    import sys
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield sys
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("asked,after", [(0.0005, 0.0005), (0, 0.005), (0.02, 0.005)])
+def test_open_lowers_the_thread_switch_interval_never_raises_it(tmp_path, switch_interval, asked, after):
+    """A busy Python thread in the host process holds the GIL a whole switch interval each time
+    the store's IO and checksum threads want it back: the store lowers it (never raises it; 0:
+    leaves it alone). A get beside such a thread still returns every byte."""
+    store = open_store(str(tmp_path), config={"switch_interval": asked})
+    try:
+        assert switch_interval.getswitchinterval() == pytest.approx(after)
+        src, dst, data = buffers(store, n=8)
+        keys = [f"s{i}" for i in range(8)]
+        assert all(store.put(keys, Pages.contiguous(src.addr, P, range(8))))
+        stop = threading.Event()
+        busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+        busy.start()
+        try:
+            assert all(store.get(keys, Pages.contiguous(dst.addr, P, range(8))))
+        finally:
+            stop.set()
+            busy.join()
+        assert dst.numpy().tobytes() == data.tobytes()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("bad", ["-1", "1", "soon"])
+def test_switch_interval_rejects_bad_values(bad):
+    with pytest.raises(ConfigError, match="switch_interval"):
+        from hicache_gds.config import Config
+        Config.load({"switch_interval": bad})
