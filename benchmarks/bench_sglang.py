@@ -13,6 +13,11 @@ drives it:
 * ``HiCacheNixl`` -- ``batch_set_v1`` / ``batch_get_v1`` with the NIXL POSIX plugin, O_DIRECT;
 * fio -- libaio, O_DIRECT, one 2 MiB page per IO, iodepth 16, the same total bytes.
 
+``--busy`` runs every backend beside a thread spinning in Python (SGLang's scheduler loop is one):
+each backend under the thread switch interval its own server would have -- HiCacheGDS the one its
+store sets at open (`switch_interval`), the others Python's default -- so the GIL hand-offs of each
+read path cost what they cost in a server. ``--page-tokens 64`` gives the GPU runs' 8 MiB pages.
+
 Every round writes fresh keys with each backend, drops the page cache (``echo 3 >
 /proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` on the files), reads them back
 into poisoned slots and checks every byte. Rounds rotate the backend order so drift hits all
@@ -29,6 +34,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -64,11 +70,36 @@ def drop_caches(root: str) -> str:
         return "fadvise"
 
 
-class Driver:
-    """One backend, driven as SGLang's controller drives it."""
+class Busy:
+    """With `on`: a thread spinning in Python while the block runs (a busy scheduler loop)."""
 
-    def __init__(self, name, backend, pool, zero_copy):
+    def __init__(self, on):
+        self.on, self.stop = on, False
+
+    def _spin(self):
+        n = 0
+        while not self.stop:
+            n += 1
+
+    def __enter__(self):
+        if self.on:
+            self.t = threading.Thread(target=self._spin, daemon=True)
+            self.t.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.stop = True
+            self.t.join()
+
+
+class Driver:
+    """One backend, driven as SGLang's controller drives it, under the thread switch interval its
+    server process would have (`switch_interval`)."""
+
+    def __init__(self, name, backend, pool, zero_copy, switch_interval=None):
         self.name, self.b, self.pool, self.zero_copy = name, backend, pool, zero_copy
+        self.switch_interval = switch_interval
 
     def _idx(self, pages):
         return torch.cat([torch.arange(p * PAGE_TOKENS, (p + 1) * PAGE_TOKENS) for p in pages])
@@ -91,20 +122,23 @@ class Driver:
 
 def make_backends(root, pool, npages, rounds, which):
     out = []
+    python_default = sys.getswitchinterval()  # before any store lowers it
     for i, spec in enumerate(w for w in which if w.split(":")[0] == "gds"):
         # "gds" is the default setup; "gds:engine=bounce:nixl_queue=uring" adds a column with those keys
         from hicache_gds_sglang import HiCacheGDS
         opts = dict(o.split("=", 1) for o in spec.split(":")[1:])
         d = os.path.join(root, f"gds{i}")
         os.makedirs(d, exist_ok=True)
-        b = HiCacheGDS(storage_config({"gds_path": d, "capacity": (rounds + 1) * npages * (2 << 20), **opts}), pool)
+        sys.setswitchinterval(python_default)
+        b = HiCacheGDS(storage_config({"gds_path": d, "capacity": (rounds + 1) * npages * page_bytes(), **opts}), pool)
         name = "HiCacheGDS" + (f" ({', '.join(f'{k}={v}' for k, v in opts.items())})" if opts else "")
-        out.append(Driver(name, b, pool, True))
+        out.append(Driver(name, b, pool, True, sys.getswitchinterval()))
+    sys.setswitchinterval(python_default)
     if "file" in which:
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile
         b = HiCacheFile(storage_config({"file_storage_path": os.path.join(root, "file")}))
         b.register_mem_pool_host(pool)
-        out.append(Driver("HiCacheFile", b, pool, False))
+        out.append(Driver("HiCacheFile", b, pool, False, python_default))
     if "nixl" in which:
         # HiCacheNixl imports `nixl._api`; where NIXL's meta-package is missing, hand it the NIXL
         # hicache-gds imported (one NIXL per process: the cu12 and cu13 builds cannot both load).
@@ -130,8 +164,13 @@ def make_backends(root, pool, npages, rounds, which):
             from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
         b = HiCacheNixl(storage_config({"l3_cleaner_enabled": False}))
         b.register_mem_pool_host(pool)
-        out.append(Driver(f"HiCacheNixl ({os.environ['SGLANG_HICACHE_NIXL_BACKEND_PLUGIN']})", b, pool, True))
+        out.append(Driver(f"HiCacheNixl ({os.environ['SGLANG_HICACHE_NIXL_BACKEND_PLUGIN']})", b, pool, True,
+                          python_default))
     return out
+
+
+def page_bytes():
+    return 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
 
 
 def fio(root, rw, nbytes, tag):
@@ -143,12 +182,15 @@ def fio(root, rw, nbytes, tag):
 
 
 def main() -> None:
+    global PAGE_TOKENS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/work/bench-sglang", help="on the disk to measure (not tmpfs)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", type=int, default=512, help="pages per backend per round (batches of 128)")
     ap.add_argument("--backends", default="gds,file,nixl,fio",
                     help="any of gds,file,nixl,fio,raw; gds:key=value:... adds a HiCacheGDS column with those keys")
+    ap.add_argument("--busy", action="store_true", help="a thread spinning in Python beside every backend's calls")
+    ap.add_argument("--page-tokens", type=int, default=PAGE_TOKENS, help="tokens per page (16: 2 MiB pages; 64: 8 MiB)")
     ap.add_argument("--json", help="write the raw numbers here")
     ap.add_argument("--report", metavar="JSON", help="only print the tables of an earlier --json file")
     args = ap.parse_args()
@@ -157,6 +199,7 @@ def main() -> None:
             j = json.load(f)
         report(j["results"], j["pages"], j["page_bytes"], j["rounds"], j["cold"])
         return
+    PAGE_TOKENS = args.page_tokens
     which = list(dict.fromkeys(args.backends.split(",")))
     import sglang_pools
     root = os.path.abspath(args.dir)
@@ -167,7 +210,7 @@ def main() -> None:
     pool = sglang_pools.make_host_pool("mha", "page_first", layer_num=LAYERS, head_num=HEADS, head_dim=HEAD_DIM,
                                        page_size=PAGE_TOKENS, dtype=torch.bfloat16, num_pages=2 * n, fill=True)
     kv = pool.kv_buffer.view(torch.uint8)
-    page_bytes = 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
+    pbytes = page_bytes()
     src, dst = list(range(n)), list(range(n, 2 * n))
     drivers = make_backends(root, pool, n, args.rounds, which)
     results = {d.name: {"set": [], "set+sync": [], "get": []} for d in drivers}
@@ -177,47 +220,51 @@ def main() -> None:
     if "raw" in which:  # the disk's limit where fio is not installed: O_DIRECT pwrite/pread, QD16
         from bench_core import Raw
         from hicache_gds.memory import HostBuffer
-        raw, raw_buf = Raw(root, n * page_bytes, 16), HostBuffer(n * page_bytes)
-        raw_buf.numpy()[:] = np.random.default_rng(0).integers(0, 256, n * page_bytes, dtype=np.uint8)
+        raw, raw_buf = Raw(root, n * pbytes, 16), HostBuffer(n * pbytes)
+        raw_buf.numpy()[:] = np.random.default_rng(0).integers(0, 256, n * pbytes, dtype=np.uint8)
         results["raw O_DIRECT (2 MiB IOs, QD16)"] = {"set": [], "set+sync": [], "get": []}
     how = ""
     for r in range(args.rounds):
         order = drivers[r % len(drivers):] + drivers[:r % len(drivers)] if drivers else []
         for d in order:
             keys = [f"{r:02x}{d.name[:8]}{i:x}".encode().hex()[:64].rjust(64, "0") for i in range(n)]
+            if d.switch_interval:
+                sys.setswitchinterval(d.switch_interval)
             t0 = time.perf_counter()
-            ok = all(d.set(keys[i:i + 128], src[i:i + 128]) for i in range(0, n, 128))
+            with Busy(args.busy):
+                ok = all(d.set(keys[i:i + 128], src[i:i + 128]) for i in range(0, n, 128))
             t_set = time.perf_counter() - t0
             os.sync()  # HiCacheFile's pages are still in the page cache when its calls return
             t_sync = time.perf_counter() - t0
             how = drop_caches(root)
             kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS].fill_(0xA5)
             t0 = time.perf_counter()
-            ok = ok and all(d.get(keys[i:i + 128], dst[i:i + 128]) for i in range(0, n, 128))
+            with Busy(args.busy):
+                ok = ok and all(d.get(keys[i:i + 128], dst[i:i + 128]) for i in range(0, n, 128))
             t_get = time.perf_counter() - t0
             same = torch.equal(kv[:, :n * PAGE_TOKENS], kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS])
             if not (ok and same):
                 raise SystemExit(f"{d.name}: round {r} failed (calls ok={ok}, bytes equal={same})")
-            results[d.name]["set"].append(n * page_bytes / t_set / 1e9)
-            results[d.name]["set+sync"].append(n * page_bytes / t_sync / 1e9)
-            results[d.name]["get"].append(n * page_bytes / t_get / 1e9)
+            results[d.name]["set"].append(n * pbytes / t_set / 1e9)
+            results[d.name]["set+sync"].append(n * pbytes / t_sync / 1e9)
+            results[d.name]["get"].append(n * pbytes / t_get / 1e9)
             print(f"round {r} {d.name}: set {results[d.name]['set'][-1]:.2f} GB/s (with sync "
                   f"{results[d.name]['set+sync'][-1]:.2f}), get {results[d.name]['get'][-1]:.2f} GB/s (cold: {how}), "
                   f"bytes checked", flush=True)
         if raw is not None:
             name = "raw O_DIRECT (2 MiB IOs, QD16)"
-            results[name]["set"].append(raw.run(True, raw_buf, page_bytes, n))
+            results[name]["set"].append(raw.run(True, raw_buf, pbytes, n))
             results[name]["set+sync"].append(results[name]["set"][-1])
             drop_caches(root)
-            results[name]["get"].append(raw.run(False, raw_buf, page_bytes, n))
+            results[name]["get"].append(raw.run(False, raw_buf, pbytes, n))
             print(f"round {r} raw: set {results[name]['set'][-1]:.2f} GB/s, get {results[name]['get'][-1]:.2f} GB/s",
                   flush=True)
         if "fio" in which:
             name = "fio (libaio, O_DIRECT, QD16)"
-            results[name]["set"].append(fio(root, "write", n * page_bytes, f"r{r}"))
+            results[name]["set"].append(fio(root, "write", n * pbytes, f"r{r}"))
             results[name]["set+sync"].append(results[name]["set"][-1])
             drop_caches(root)
-            results[name]["get"].append(fio(root, "read", n * page_bytes, f"r{r}"))
+            results[name]["get"].append(fio(root, "read", n * pbytes, f"r{r}"))
             os.unlink(os.path.join(root, f"fio-r{r}.dat"))
             print(f"round {r} fio: set {results[name]['set'][-1]:.2f} GB/s, get {results[name]['get'][-1]:.2f} GB/s",
                   flush=True)
@@ -226,10 +273,12 @@ def main() -> None:
             d.b.close()
     if raw is not None:
         raw.close()
-    report(results, n, page_bytes, args.rounds, how)
+    if args.busy:
+        print("\nbusy: a thread spinning in Python beside every call; HiCacheGDS under its store's switch interval, the others under Python's default")
+    report(results, n, pbytes, args.rounds, how)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"pages": n, "page_bytes": page_bytes, "rounds": args.rounds, "cold": how,
+            json.dump({"pages": n, "page_bytes": pbytes, "rounds": args.rounds, "cold": how, "busy": args.busy,
                        "results": results}, f, indent=1)
     shutil.rmtree(root, ignore_errors=True)
 

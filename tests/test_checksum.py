@@ -56,6 +56,27 @@ def test_segments_anywhere_are_the_page_they_make(n):
         assert C.device_checksums(addrs, lens, n, device=torch.device("cpu"), impl="torch")[0] == h
 
 
+@pytest.mark.parametrize("order", ["in_order", "shuffled", "repeated", "overlapping", "odd_tail"])
+def test_a_batch_summed_in_runs_is_each_page_alone(order):
+    """`host_checksums` sums segments that lie end to end (a page_first host pool) as one array:
+    the same checksums as page by page, whatever the slots' order, repeats and overlaps."""
+    rng = np.random.default_rng(11)
+    seg, p = 64 << 10, 12
+    buf = HostBuffer(2 * p * seg + 4096)
+    buf.numpy()[:] = rng.integers(0, 256, buf.nbytes, dtype=np.uint8)
+    idx = {"in_order": list(range(p)), "shuffled": list(rng.permutation(p)), "repeated": [4, 4, 5, 0, 5],
+           "overlapping": list(range(p)), "odd_tail": list(range(p))}[order]
+    shift = {"overlapping": 4096 * 3, "odd_tail": 0}.get(order, 0)
+    tail = 1000 if order == "odd_tail" else 0
+    pages = [[(buf.addr + i * seg, seg), (buf.addr + (p + i) * seg - shift, seg - tail)] for i in idx]
+    nbytes = 2 * seg + 8192
+    got = C.host_checksums(pages, nbytes)
+    raw = buf.numpy()
+    want = [C.checksum(np.concatenate([raw[a - buf.addr:a - buf.addr + n] for a, n in pg]), nbytes) for pg in pages]
+    assert got == want == [C.host_checksum(pg, nbytes) for pg in pages]
+    buf.close()
+
+
 def test_known_values_pin_the_definition():
     """The on-disk format: these values must never change (a change is a new `ondisk.FORMAT`)."""
     assert (int(C.WEIGHTS[0]), int(C.WEIGHTS[1023])) == (0x0BF6D0A2D242406B, 0xF3396051991A5113)

@@ -439,8 +439,10 @@ class PageMover:
         pool = _hasher() if len(idx) > 1 else None
         if pool is None:
             return checksum.host_checksums(segs, self.page_bytes)
-        # A few pages per task: the per-page fold is done for a whole group at once.
-        step = -(-len(segs) // (4 * _hash_threads()))
+        # One task per thread: a task sums its pages' segments that lie end to end in one numpy
+        # call and folds them at once; every task and call is a GIL hand-off, which a busy thread
+        # in the host process makes cost up to a switch interval.
+        step = -(-len(segs) // _hash_threads())
         parts = pool.map(lambda a: checksum.host_checksums(segs[a:a + step], self.page_bytes),
                          range(0, len(segs), step))
         return [c for part in parts for c in part]
