@@ -35,6 +35,7 @@ import numpy as np
 import xxhash
 
 from ..config import Config
+from ..gil import shorten_switch_interval
 from ..engines.base import MemKind, Op, split_batches
 from ..errors import RegionError, TransferError, TransferTimeout
 from ..layout import Pages, namespace_id
@@ -80,6 +81,7 @@ class RemoteTier:
         if not isinstance(page_bytes, int) or page_bytes <= 0:
             raise ValueError(f"page_bytes must be a positive integer, got {page_bytes!r}")
         self.config = cfg
+        shorten_switch_interval(cfg.switch_interval)  # its UCX waits and xxh3 threads hand the GIL over too
         self.opts = options or RemoteOptions.from_config(cfg, over)
         self.page_bytes = page_bytes
         ident = {str(k): str(v) for k, v in (identity or {}).items()}

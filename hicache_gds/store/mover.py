@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from ..config import Config
 from ..engines.base import MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
 from ..errors import RegionError, StoreClosedError, TransferError, TransferTimeout
 from ..gate import CallGate, gated
+from ..gil import shorten_switch_interval
 from ..layout import Pages
 from ..memory import HostBuffer
 from ..stats import StoreStats
@@ -78,25 +78,6 @@ def _forget_hasher_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_hasher_in_child)
-
-
-def shorten_switch_interval(seconds: float) -> float:
-    """Lower the process's thread switch interval to `seconds` (never raise it; 0: leave it alone);
-    returns the interval in force.
-
-    Why: a get is many short GIL hand-offs (posting requests, polling NIXL POSIX, which advances
-    only when polled, and checksum threads between numpy calls). A serving engine's scheduler
-    thread that is busy in Python holds the GIL for the whole switch interval (5 ms by default)
-    each time one of them wants it back -- the convoy effect: on the CPU machine, one busy Python
-    thread cut a 1 GiB get to 0.1-0.4x its idle rate, and 0.5 ms brought it back to 0.9x. The
-    interval is process-wide, so this is logged once."""
-    now = sys.getswitchinterval()
-    if seconds and seconds < now:
-        sys.setswitchinterval(seconds)
-        log.info("hicache-gds: Python thread switch interval %.2f -> %.2f ms for the store's IO threads "
-                 "(switch_interval; 0 leaves it alone)", now * 1e3, seconds * 1e3)
-        return seconds
-    return now
 
 
 def post_rows(engine: TransferEngine, config: Config, op: Op, kind: MemKind, mem: np.ndarray,
