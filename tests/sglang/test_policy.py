@@ -295,6 +295,26 @@ def test_a_request_alone_loads_only_when_loading_is_faster(gds_dir, ratio, expec
         b.close()
 
 
+def test_each_decision_logs_the_host_pools_free_tokens(gds_dir, caplog):
+    """A load is read into host memory that SGLang allocates once the hit is known (and shortens
+    or revokes where it cannot): each decision says how much was free."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.7))
+    try:
+        cache, ctl, pol = make_cache(b)
+        ctl.mem_pool_host.available_size = lambda: 12288
+        pol.current_req = req("h", 18000)
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
+            admit(cache, "h", 18000 - 64, [])
+        assert pol.last["host_free"] == 12288
+        assert "host pool 12288 tokens free" in caplog.text and " h load " in caplog.text
+        del ctl.mem_pool_host.available_size  # a release that does not say
+        pol.current_req = req("i", 18000)
+        admit(cache, "i", 18000 - 64, [])
+        assert pol.last["host_free"] is None
+    finally:
+        b.close()
+
+
 def test_a_busy_gpu_sends_the_next_request_of_a_burst_to_the_disk(gds_dir):
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(1.3))
     try:

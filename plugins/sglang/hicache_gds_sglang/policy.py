@@ -150,6 +150,15 @@ def _req_work(req: Any) -> tuple[int, int]:
     return max(0, total - held), held
 
 
+def _host_free(cache: Any) -> int | None:
+    """Free tokens of the host pool (what a prefetch allocates into once its hit is known; SGLang
+    shortens or revokes a prefetch it cannot fit), or None where the release does not say."""
+    try:
+        return int(cache.cache_controller.mem_pool_host.available_size())
+    except Exception:  # noqa: BLE001 -- a diagnostic only
+        return None
+
+
 def _rid(x: Any) -> str:
     return str(getattr(x, "rid", x))
 
@@ -397,14 +406,17 @@ class LoadOrCompute:
             io = model.predict_load(hit * model.bytes_per_token, d)
             self._loads[rid] = [time.monotonic(), math.inf if io is None else io, 0.0, 0.0]
         self.counts[dec.action] += 1
+        host_free = _host_free(cache)
         self.last = {"rid": rid, "action": dec.action, "t_load": dec.t_load, "t_compute": dec.t_compute,
-                     "new": new, "held": held, "hit": hit, "gpu_backlog": g, "disk_backlog": d, "reason": dec.reason}
+                     "new": new, "held": held, "hit": hit, "gpu_backlog": g, "disk_backlog": d, "reason": dec.reason,
+                     "host_free": host_free}
         # One line per admitted request (INFO): what was decided and on which estimates, so a
-        # server's log says why each prefix was loaded or recomputed.
+        # server's log says why each prefix was loaded or recomputed (and, with the host pool's
+        # free tokens, whether a load could get the host memory it is read into).
         log.info("hicache-gds policy: %s %s (%d new, %d held, %d in L3; load %.3f s, compute %.3f s; GPU backlog "
-                 "%.3f s, disk backlog %.3f s; read %.2f GB/s, prefill %.0f tok/s at 8k; %s)", rid, dec.action, new,
-                 held, hit, dec.t_load, dec.t_compute, g, d, (model.read.rate or 0) / 1e9,
-                 model.prefill.tokens_per_s(8192) or 0, dec.reason)
+                 "%.3f s, disk backlog %.3f s; read %.2f GB/s, prefill %.0f tok/s at 8k; host pool %s tokens free; %s)",
+                 rid, dec.action, new, held, hit, dec.t_load, dec.t_compute, g, d, (model.read.rate or 0) / 1e9,
+                 model.prefill.tokens_per_s(8192) or 0, "?" if host_free is None else host_free, dec.reason)
         self.maybe_save(backend)
         return dec.load
 
