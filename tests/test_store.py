@@ -610,3 +610,24 @@ def test_switch_interval_rejects_bad_values(bad):
     with pytest.raises(ConfigError, match="switch_interval"):
         from hicache_gds.config import Config
         Config.load({"switch_interval": bad})
+
+
+def test_stats_split_a_gets_time_between_waiting_for_io_and_verifying(tmp_path):
+    """`read_wait_ns` and `read_verify_ns`: where the time of gets went (IO or checksums), both
+    inside the get's own time; verify off, no verifying time."""
+    for verify, has_verify in ((True, True), (False, False)):
+        d = tmp_path / str(verify)
+        d.mkdir()
+        store = open_store(str(d), config={"verify": verify})
+        try:
+            src, dst, data = buffers(store, n=8)
+            keys = [f"w{i}" for i in range(8)]
+            assert all(store.put(keys, Pages.contiguous(src.addr, P, range(8))))
+            assert all(store.get(keys, Pages.contiguous(dst.addr, P, range(8))))
+            assert dst.numpy().tobytes() == data.tobytes()
+            st = store.stats()
+            spent = st["read_batch_latency"]["mean_us"] * st["read_batch_latency"]["n"] * 1000
+            assert 0 < st["read_wait_ns"] and st["read_wait_ns"] + st["read_verify_ns"] <= spent
+            assert (st["read_verify_ns"] > 0) == has_verify
+        finally:
+            store.close()

@@ -321,6 +321,7 @@ class PageMover:
         # one checksum for host and device pages) only then, after the page's last request.
         left = np.zeros(n, dtype=np.int32)
         worst = np.zeros(n, dtype=np.int8)  # 0 ok, 1 failed, 2 timed out
+        waited = verified = 0  # ns: where a read's time goes (`read_wait_ns`, `read_verify_ns`)
         for bt, _ in prep.transfers:
             left[bt.start:bt.stop] += 1
         for bt, t in prep.transfers:
@@ -329,6 +330,7 @@ class PageMover:
             if t is None:
                 got[:] = 1
             else:
+                tw = time.perf_counter_ns()
                 try:
                     t.wait(max(0.0, deadline - time.monotonic()))
                 except TransferTimeout as exc:
@@ -349,6 +351,7 @@ class PageMover:
                     got[:] = 2
                 finally:
                     t.release()
+                    waited += time.perf_counter_ns() - tw
             np.maximum(worst[a:b], got, out=worst[a:b])
             left[a:b] -= 1
             done = np.flatnonzero(left[a:b] == 0) + a
@@ -357,10 +360,15 @@ class PageMover:
             status[done] = np.where(worst[done] == 2, TIMEOUT, np.where(worst[done] == 1, FAIL, OK))
             if op is Op.READ:
                 ok = done[worst[done] == 0]
+                tv = time.perf_counter_ns()
                 for run in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1) if len(ok) else ():
                     self._finish_read(pages, buf, expect, status, int(run[0]), int(run[-1]) + 1)
+                if expect is not None or buf is not None:  # else there was nothing to scatter or check
+                    verified += time.perf_counter_ns() - tv
         if not hashed:
             status[status == OK] = FAIL
+        if op is Op.READ:
+            self._stats.add(read_wait_ns=waited, read_verify_ns=verified)
         return status, sums
 
     def _finish_read(self, pages: Pages, buf: HostBuffer | None, expect: np.ndarray | None,
