@@ -378,7 +378,7 @@ class Suite:
                    switch_s=round(t_run - t, 2), wall_s=round(time.monotonic() - t, 1),
                    at=time.strftime("%H:%M:%S"))
         if cell["config"].startswith("gds"):
-            rec["metrics"] = [m for m in metrics_lines(self.srv) if "hicache_gds" in m or "prefetch" in m][:40]
+            rec["metrics"] = [m for m in metrics_lines(self.srv) if "hicache_gds" in m or "prefetch" in m][:80]
         return rec
 
     def run(self) -> int:
