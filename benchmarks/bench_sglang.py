@@ -32,9 +32,9 @@ import json
 import os
 import shutil
 import statistics
+import contextlib
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -68,29 +68,6 @@ def drop_caches(root: str) -> str:
                 finally:
                     os.close(fd)
         return "fadvise"
-
-
-class Busy:
-    """With `on`: a thread spinning in Python while the block runs (a busy scheduler loop)."""
-
-    def __init__(self, on):
-        self.on, self.stop = on, False
-
-    def _spin(self):
-        n = 0
-        while not self.stop:
-            n += 1
-
-    def __enter__(self):
-        if self.on:
-            self.t = threading.Thread(target=self._spin, daemon=True)
-            self.t.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.on:
-            self.stop = True
-            self.t.join()
 
 
 class Driver:
@@ -200,6 +177,8 @@ def main() -> None:
         report(j["results"], j["pages"], j["page_bytes"], j["rounds"], j["cold"])
         return
     PAGE_TOKENS = args.page_tokens
+    from bench_busy_host import Busy
+    busy = Busy if args.busy else contextlib.nullcontext
     which = list(dict.fromkeys(args.backends.split(",")))
     import sglang_pools
     root = os.path.abspath(args.dir)
@@ -231,7 +210,7 @@ def main() -> None:
             if d.switch_interval:
                 sys.setswitchinterval(d.switch_interval)
             t0 = time.perf_counter()
-            with Busy(args.busy):
+            with busy():
                 ok = all(d.set(keys[i:i + 128], src[i:i + 128]) for i in range(0, n, 128))
             t_set = time.perf_counter() - t0
             os.sync()  # HiCacheFile's pages are still in the page cache when its calls return
@@ -239,7 +218,7 @@ def main() -> None:
             how = drop_caches(root)
             kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS].fill_(0xA5)
             t0 = time.perf_counter()
-            with Busy(args.busy):
+            with busy():
                 ok = ok and all(d.get(keys[i:i + 128], dst[i:i + 128]) for i in range(0, n, 128))
             t_get = time.perf_counter() - t0
             same = torch.equal(kv[:, :n * PAGE_TOKENS], kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS])
