@@ -9,8 +9,8 @@ the installed vLLM's model runner does it:
   as FlashAttention's cross-layer cache (`register_cross_layers_kv_cache`), as vLLM 0.26 allocates
   it for a single uniform group.
 
-``connector`` picks vLLM's `OffloadingConnector` (the spec by name) or this adapter's
-`HiCacheGDSConnector`. A step runs the scheduler, hands the metadata to every rank exactly as the
+``connector`` picks vLLM's `OffloadingConnector` (the spec by name), this adapter's
+`HiCacheGDSConnector`, or None (no connector: the baseline a connector must not make worse). A step runs the scheduler, hands the metadata to every rank exactly as the
 model runner does (handle_preemptions, start_load_kv, wait_for_save, get_finished,
 get_block_ids_with_load_errors, build_connector_worker_meta), aggregates the ranks' outputs the
 way vLLM's executor does (job counts summed, failed blocks joined; a load is finished only when
@@ -97,15 +97,18 @@ class Engine:
         elif connector == "hicache":
             conn_cls = HiCacheGDSConnector
             ktc = {"kv_connector": "HiCacheGDSConnector", "kv_connector_module_path": "hicache_gds_vllm.connector"}
+        elif connector is None:
+            conn_cls, ktc = None, None
         else:
-            raise ValueError(f"connector {connector!r}: 'offloading' or 'hicache'")
+            raise ValueError(f"connector {connector!r}: 'offloading', 'hicache' or None")
         vc = VllmConfig(
             model_config=ModelConfig(model=tiny_model_dir(root, layers, heads, head_dim), skip_tokenizer_init=True,
                                      dtype="float16", max_model_len=4096),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
                                              max_model_len=4096, is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(kv_role="kv_both", kv_connector_extra_config=extra_config, **ktc),
+            kv_transfer_config=None if ktc is None else KVTransferConfig(kv_role="kv_both",
+                                                                       kv_connector_extra_config=extra_config, **ktc),
         )
         vc.parallel_config.world_size = world_size  # ranks are simulated in this process
         vc.cache_config.num_gpu_blocks = num_blocks
@@ -125,6 +128,9 @@ class Engine:
         for rank in range(world_size):
             rc = copy.deepcopy(vc)
             rc.parallel_config.rank = rank
+            if conn_cls is None:
+                self.kv.append(_aligned_random((layers, num_blocks, heads, BLOCK, 4 * head_dim), gen))
+                continue
             conn = conn_cls(rc, KVConnectorRole.WORKER, self.kv_cache_config)
             if layout == "per-layer":
                 kv = _aligned_random((layers, num_blocks, heads, BLOCK, 4 * head_dim), gen)
@@ -141,7 +147,8 @@ class Engine:
                                    structured_output_manager=StructuredOutputManager(vc), block_size=BLOCK,
                                    log_stats=True)
         # A real engine loads the model meanwhile; here, let the manager's warm start finish first.
-        self.manager.wait_warm_start()
+        if conn_cls is not None:
+            self.manager.wait_warm_start()
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK, sha256)
         self.block_ids: dict[str, list[int]] = {}
@@ -218,7 +225,7 @@ class Engine:
         for nr in so.scheduled_new_reqs:
             self.block_ids[nr.req_id] = list(nr.block_ids[0])
         meta = so.kv_connector_metadata
-        self.load_jobs += len(meta.load_jobs)
+        self.load_jobs += len(meta.load_jobs) if meta is not None else 0
         recving: set[str] = set()
         invalid: set[int] = set()
         metas = []
@@ -250,8 +257,8 @@ class Engine:
             done_prefill = req.num_computed_tokens >= req.num_prompt_tokens
             sampled.append([7] if done_prefill else [])
         agg = reduce(lambda a, b: a.aggregate(b), metas) if metas else None  # vLLM sums ranks' job counts
-        kvo = KVConnectorOutput(finished_sending=set(), finished_recving=recving, kv_connector_worker_meta=agg,
-                                invalid_block_ids=invalid)
+        kvo = None if meta is None else KVConnectorOutput(finished_sending=set(), finished_recving=recving,
+                                                          kv_connector_worker_meta=agg, invalid_block_ids=invalid)
         out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kvo)
         self.scheduler.update_from_output(so, out)
@@ -261,7 +268,7 @@ class Engine:
         for _ in range(max_steps):
             self.step()
             conn = self.scheduler.connector
-            if not self.scheduler.requests and not conn.connector_scheduler.has_pending_push_work():
+            if not self.scheduler.requests and (conn is None or not conn.connector_scheduler.has_pending_push_work()):
                 return
         reqs = [(r.request_id, r.status.name, r.num_computed_tokens) for r in self.scheduler.requests.values()]
         raise AssertionError(f"engine still busy after {max_steps} steps: requests {reqs}, "
@@ -270,4 +277,5 @@ class Engine:
     def shutdown(self) -> None:
         for conn in self.workers:
             conn.shutdown()
-        self.scheduler.connector.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
