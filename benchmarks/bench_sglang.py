@@ -253,7 +253,8 @@ def main() -> None:
     if raw is not None:
         raw.close()
     if args.busy:
-        print("\nbusy: a thread spinning in Python beside every call; HiCacheGDS under its store's switch interval, the others under Python's default")
+        print("\nbusy: a thread spinning in Python beside every call; HiCacheGDS under its store's switch "
+              "interval, the others under Python's default")
     report(results, n, pbytes, args.rounds, how)
     if args.json:
         with open(args.json, "w") as f:

@@ -52,7 +52,9 @@ SEED = 0x6869636163686531  # "hicache1"
 _GOLDEN = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 _C1, _C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
-_CHUNK = 4096  # blocks per numpy call (16 MiB): each call is a GIL hand-off (`gil.shorten_switch_interval`); speed is flat from 512 KiB up
+# Blocks per numpy call (16 MiB of words). Speed is flat from 512 KiB up, and each call is a GIL
+# hand-off, which a busy thread in the host process makes cost (`gil.shorten_switch_interval`).
+_CHUNK = 4096
 
 
 def _splitmix64(seed: int, n: int) -> list[int]:
