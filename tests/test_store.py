@@ -497,11 +497,7 @@ def test_pages_with_more_segments_than_a_request_takes_span_requests(gds_dir, en
     assert eng.capabilities.max_descs == 3
     with open_store(gds_dir, engine=eng, page_bytes=SEG * SEGS, capacity=16 * SEG * SEGS,
                     config={"verify": True}) as s:
-        src, dst = HostBuffer(n * SEGS * SEG), HostBuffer(n * SEGS * SEG)
-        s.register_memory(src.addr, src.nbytes)
-        s.register_memory(dst.addr, dst.nbytes)
-        random_bytes(src, 11)
-        dst.numpy()[:] = 0x5A
+        src, dst, _ = buffers(s, n, SEG * SEGS, seed=11)  # random source, poisoned destination
         put_pages, get_pages = _wide_pages(src, n), _wide_pages(dst, n)
         assert s.put(keys(n), put_pages) == [True] * n
         assert s.get(keys(n), get_pages) == [True] * n
@@ -520,11 +516,7 @@ def test_a_failed_request_fails_only_the_page_it_holds_rows_of(gds_dir):
     eng = _Counting(create_engine("nixl-posix", EngineOptions()), Faults(max_descs=3))
     with open_store(gds_dir, engine=eng, page_bytes=SEG * SEGS, capacity=16 * SEG * SEGS,
                     config={"verify": True, "max_request_bytes": 1}) as s:  # one page's rows per request
-        src, dst = HostBuffer(n * SEGS * SEG), HostBuffer(n * SEGS * SEG)
-        s.register_memory(src.addr, src.nbytes)
-        s.register_memory(dst.addr, dst.nbytes)
-        random_bytes(src, 12)
-        dst.numpy()[:] = 0x5A
+        src, dst, _ = buffers(s, n, SEG * SEGS, seed=12)  # random source, poisoned destination
         put_pages, get_pages = _wide_pages(src, n), _wide_pages(dst, n)
         # Requests of a page of 8 rows of 128 KiB under a 1-byte soft limit: one row each. Page 1's
         # rows are requests 8..15; the 12th request (its 5th row) fails.
