@@ -163,9 +163,9 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
     "sync": (ENV_PREFIX + "SYNC", _bool, False, "fdatasync before a page is published (power-loss durability)"),
     "io_timeout": (ENV_PREFIX + "IO_TIMEOUT", _positive_float, 60.0, "seconds one batch may take before it fails"),
     "switch_interval": (ENV_PREFIX + "SWITCH_INTERVAL", _seconds_or_zero, 0.0005,
-                        "lower this process's Python thread switch interval to this while a store is open "
-                        "(a serving engine's busy thread otherwise holds the GIL 5 ms each time the IO and "
-                        "checksum threads wait for it); 0 leaves it alone"),
+                        "a store's open lowers this process's Python thread switch interval to this, for "
+                        "good (a serving engine's busy thread otherwise holds the GIL 5 ms each time the IO "
+                        "and checksum threads wait for it); 0 leaves it alone"),
     "io_threads": (ENV_PREFIX + "IO_THREADS", _int_at_least(1), 16, "IO threads of the bounce engine (its queue depth)"),
     "nixl_queue": (ENV_PREFIX + "NIXL_QUEUE", _choice("uring", "aio", "posix_aio"), "aio",
                    "NIXL POSIX queue: Linux AIO, io_uring or POSIX AIO"),
