@@ -9,6 +9,7 @@ The cases that found the bugs listed in RELIABILITY.md run here as regression ca
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -122,7 +123,9 @@ def _by_name(cases):
 @pytest.fixture(scope="module")
 def hostile_store_cases(tmp_path_factory):
     from hicache_gds.testing.hostile import hostile_store
-    return _by_name(hostile_store(str(tmp_path_factory.mktemp("hostile"))))
+    d = tmp_path_factory.mktemp("hostile")
+    yield _by_name(hostile_store(str(d)))
+    shutil.rmtree(d, ignore_errors=True)  # its stores' slab files
 
 
 @pytest.mark.parametrize("name", ["keys: wrong types, empty, huge, NUL, not a list",
@@ -148,7 +151,9 @@ def hostile_sglang_cases(tmp_path_factory):
     if SGL:
         pytest.skip(SGL)
     from hicache_gds.testing.hostile import hostile_sglang
-    return _by_name(hostile_sglang(str(tmp_path_factory.mktemp("hostile-sgl"))))
+    d = tmp_path_factory.mktemp("hostile-sgl")
+    yield _by_name(hostile_sglang(str(d)))
+    shutil.rmtree(d, ignore_errors=True)  # its stores' slab files
 
 
 @pytest.mark.parametrize("name", ["HiCacheGDS data path: bad keys and host indices",
