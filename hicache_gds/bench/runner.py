@@ -305,15 +305,14 @@ class Session:
         bad: list[str] = []
         missing = mismatched = checked = evicted = 0
         for keys, gidx, gen in batches:
-            if evictable:
-                present = entry.store.exists(keys)
-                gone = len(keys) - sum(map(bool, present))
-                if gone and evicted + gone <= evictable:
-                    evicted += gone
-                    keys, gidx = [k for k, p in zip(keys, present) if p], gidx[[i for i, p in enumerate(present) if p]]
-            if opts.rw == "randrw":
+            if evictable or opts.rw == "randrw":  # only the pages still there are read back
                 present = entry.store.exists(keys)
                 sel = [i for i, p in enumerate(present) if p]
+                gone = len(keys) - len(sel)
+                if evictable and gone and evicted + gone <= evictable:
+                    evicted += gone
+                elif opts.rw != "randrw":  # gone beyond what the store evicted: read, and fail, them all
+                    sel = list(range(len(keys)))
                 keys, gidx = [keys[i] for i in sel], gidx[sel]
             if not keys:
                 continue
