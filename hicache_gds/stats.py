@@ -38,7 +38,8 @@ _DEFS = (
     Metric("timeouts", "Pages of requests that timed out"),
     Metric("staged_pages", "Pages moved through host staging buffers"),
     Metric("read_wait_ns", "Nanoseconds get callers waited for read requests to complete"),
-    Metric("read_verify_ns", "Nanoseconds get callers spent scattering and checksumming pages read"),
+    Metric("read_verify_ns", "Nanoseconds get callers waited for pages read to be scattered and checksummed"),
+    Metric("read_post_ns", "Nanoseconds get callers spent posting read requests (a short device queue makes it wait for IO)"),
     # the index of a namespace (`Index.stats`, read by `hicache-gds ls` too)
     Metric("pages", "Pages the namespace holds", "gauge"),
     Metric("slots", "Page slots of the namespace", "gauge"),
@@ -79,7 +80,7 @@ _DEFS = (
     Metric("server_evictions", "Pages evicted to keep the low-water mark free (this epoch)"),
 )
 METRICS: Mapping[str, Metric] = {m.name: m for m in _DEFS}
-STORE_COUNTERS = tuple(m.name for m in _DEFS[:14])
+STORE_COUNTERS = tuple(m.name for m in _DEFS[:15])
 assert len(METRICS) == len(_DEFS), "a metric is defined twice"
 
 

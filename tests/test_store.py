@@ -4,6 +4,7 @@ import os
 import stat
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -623,3 +624,119 @@ def test_stats_split_a_gets_time_between_waiting_for_io_and_verifying(tmp_path):
             assert (st["read_verify_ns"] > 0) == has_verify
         finally:
             store.close()
+
+
+class _InFlight:
+    """Counts a faulty engine's requests posted and not yet released, at each post."""
+
+    def __init__(self, eng: FaultyEngine) -> None:
+        self.at_post: list[int] = []
+        self._open = 0
+        inner = eng.submit
+
+        def submit(*a, **k):
+            self.at_post.append(self._open)
+            t = inner(*a, **k)
+            self._open += 1
+            release = t.release
+
+            def released():
+                self._open -= 1
+                release()
+            t.release = released
+            return t
+        eng.submit = submit
+
+
+def _slow_posting_store(d, monkeypatch, n):
+    """A store whose read requests take 20 ms to post (a device with a full queue), 8 requests of
+    4 pages per get of 32, and a read window of two requests."""
+    from hicache_gds.store import mover
+    monkeypatch.setattr(mover, "_READ_WINDOW_BYTES", 2 * 4 * P)
+    eng = FaultyEngine(create_engine("nixl-posix", EngineOptions()), Faults(post_s=0.02, only=Op.READ))
+    store = open_store(d, engine=eng, config={"max_request_bytes": 4 * P, "io_timeout": 2})
+    return store, eng
+
+
+def test_reads_post_within_a_window_where_posting_blocks_and_every_byte_still_checks(tmp_path, monkeypatch):
+    """Where posting waits for the device, reads of host pages keep two requests posted ahead and
+    verify each request's pages while the next are read; the first get (nothing measured yet)
+    posts all at once. `stats()` says which; bytes equal the source every time."""
+    store, eng = _slow_posting_store(str(tmp_path), monkeypatch, N)
+    try:
+        src, dst, data = buffers(store)
+        ks = keys()
+        assert all(store.put(ks, Pages.contiguous(src.addr, P, range(N))))
+        spy = _InFlight(eng)
+        assert store.stats()["read_posting"] == "all at once"
+        assert all(store.get(ks, Pages.contiguous(dst.addr, P, range(N))))
+        assert dst.numpy().tobytes() == data.tobytes()
+        assert max(spy.at_post) == 7  # eight requests, all posted before the first wait
+        st = store.stats()
+        assert st["read_post_share"] > 0.5 and st["read_posting"].startswith("within")
+        for _ in range(2):
+            spy.at_post.clear()
+            dst.numpy()[:] = 0xEE
+            assert all(store.get(ks, Pages.contiguous(dst.addr, P, range(N))))
+            assert dst.numpy().tobytes() == data.tobytes()
+            assert len(spy.at_post) == 8 and max(spy.at_post) == 1  # the window: one ahead of the one waited for
+        assert store.stats()["read_post_ns"] > 0
+    finally:
+        store.close()
+
+
+def test_windowed_reads_fail_only_the_pages_hit_by_eio_a_bad_checksum_or_a_hang(tmp_path, monkeypatch):
+    """Faults while reads post within a window and verify beside the IO: a request's EIO has its
+    pages read again (every request failing fails them all), a flipped byte fails its page
+    (checksum), a hang times out and leaves the rest of the get unposted; no wrong byte is
+    returned, and the store serves again once healed."""
+    store, eng = _slow_posting_store(str(tmp_path), monkeypatch, N)
+    try:
+        src, dst, data = buffers(store)
+        ks = keys()
+        assert all(store.put(ks, Pages.contiguous(src.addr, P, range(N))))
+        for _ in range(2):
+            assert all(store.get(ks, Pages.contiguous(dst.addr, P, range(N))))
+        assert store.stats()["read_posting"].startswith("within")
+        want = np.frombuffer(data.tobytes(), dtype=np.uint8).reshape(N, P)
+
+        def get():
+            dst.numpy()[:] = 0xEE
+            ok = store.get(ks, Pages.contiguous(dst.addr, P, range(N)))
+            got = dst.numpy().reshape(N, P)
+            for i in np.flatnonzero(ok):
+                assert got[i].tobytes() == want[i].tobytes(), f"page {i}: wrong bytes served"
+            return ok
+
+        eng.set(Faults(post_s=0.02, only=Op.READ, nth=(2,)))  # the third request: pages 8..11, read again
+        assert all(get()) and eng.injected["eio"] == 1
+        eng.set(Faults(post_s=0.02, only=Op.READ, eio=1.0))
+        assert not any(get())
+
+        eng.set(Faults(post_s=0.02, only=Op.READ))
+        entry = store.index.lookup_pin([ks[21]])[0]
+        store.index.unpin([entry.slot])
+        fd = os.open(store.slabs.paths[entry.slot % len(store.dirs)], os.O_RDWR)
+        try:
+            off = (entry.slot // len(store.dirs)) * store.slot_bytes + 777
+            os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0x10]), off)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        before = store.stats()["checksum_mismatches"]
+        ok = get()
+        assert ok == [i != 21 for i in range(N)]
+        assert store.stats()["checksum_mismatches"] == before + 1
+
+        spy = _InFlight(eng)
+        eng.set(Faults(post_s=0.02, only=Op.READ, hang=1.0))
+        t0 = time.monotonic()
+        ok = get()
+        assert not any(ok) and time.monotonic() - t0 < 6
+        # the window's requests, posted before the first wait; the rest never once it timed out
+        assert spy.at_post == list(range(len(spy.at_post))) and len(spy.at_post) <= 3
+        eng.heal()
+        ok = get()
+        assert ok == [i != 21 for i in range(N)]  # the bad page was dropped; the rest read again
+    finally:
+        store.close()

@@ -1,7 +1,8 @@
 """`FaultyEngine`: wraps any engine and injects failures, for tests and reliability runs.
 
 Faults are data, not code paths in the engines: EIO (a `TransferError`), hangs (a request that
-never completes, so the caller's timeout fires), and delays, each with a probability per request
+never completes, so the caller's timeout fires), delays, and slow posting (`submit` itself
+taking time, as it does where a device's queue is full), each with a probability per request
 and optionally limited to one operation; EIO on chosen requests by their number (`nth`); and a
 declared cap on descriptors per request (`max_descs`: the wrapped engine then says it takes no
 more, as GDS in cuFile compat mode says 64). `heal()` turns them off: service must resume.
@@ -31,6 +32,8 @@ class Faults:
     """Probability that a request never completes."""
     delay_s: float = 0.0
     """Added latency per request."""
+    post_s: float = 0.0
+    """Time `submit` itself takes per request (posting blocks where the device's queue is full)."""
     only: Op | None = None
     """Limit faults to reads or writes."""
     seed: int = 0
@@ -112,6 +115,8 @@ class FaultyEngine(TransferEngine):
         f = self.faults
         nbytes = int(mem[:, 1].sum())
         what = f"{len(mem)} regions / {nbytes} bytes"
+        if f.post_s and (f.only is None or f.only is op):
+            time.sleep(f.post_s)
         if f.only is None or f.only is op:
             with self._lock:
                 r = self._rng.random()

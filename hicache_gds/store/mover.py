@@ -39,11 +39,21 @@ __all__ = ["PageMover", "MAX_KEY_BYTES", "OK", "FAIL", "TIMEOUT", "BADSUM", "MAX
 
 log = logging.getLogger("hicache_gds.store")
 MAX_KEY_BYTES = 1024
-# A batch is cut into about this many requests, all posted at once, so checksums of request k
-# overlap the IO of the later ones and only the last one's checksum is exposed.
+# A batch is cut into about this many requests, posted ahead of the one waited for, so checksums
+# of request k overlap the IO of the later ones and only the last one's checksum is exposed.
 _PIPELINE_PARTS = 8
 _PIPELINE_MIN_BYTES = 8 << 20
 _MIN_DIRECT_SEGMENT = 128 << 10  # smaller segments are gathered into one aligned IO per page
+# Where the device's queue is short (a small max_sectors_kb, few tags), posting a request blocks
+# until earlier IO completes, and a batch posted all at once left every checksum for after the IO
+# instead of beside it. A mover measures the share of its reads' time spent posting; past
+# _BLOCKING_POST_SHARE its reads of host pages keep at most _READ_WINDOW_BYTES (and at least two
+# requests) posted ahead of the one waited for, so each request's pages are verified while the
+# next ones are read. Elsewhere everything is posted at once: a window costs queue depth (5 % of
+# a 1 GiB get on the CPU machine's disk).
+_BLOCKING_POST_SHARE = 0.5
+_READ_WINDOW_BYTES = 512 << 20
+_READ_WINDOW_MIN = 2
 OK, FAIL, TIMEOUT, BADSUM = 1, 0, 2, 3  # a page's status after a request
 MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at most
 
@@ -73,8 +83,22 @@ def _hasher() -> ThreadPoolExecutor | None:
 
 def _forget_hasher_in_child() -> None:
     # A forked child has none of the parent's threads: a copied pool would queue work forever.
-    global _hash_pool, _hash_pool_lock
-    _hash_pool, _hash_pool_lock = None, threading.Lock()
+    global _hash_pool, _hash_pool_lock, _verify_pool
+    _hash_pool, _verify_pool, _hash_pool_lock = None, None, threading.Lock()
+
+
+_verify_pool: ThreadPoolExecutor | None = None
+
+
+def _verifier() -> ThreadPoolExecutor:
+    """Threads that finish host pages beside the IO: a read's scatter and checksum per request
+    (`_finish_read`), a write's checksums. They fan out to `_hasher`, whose tasks never wait, so
+    the two pools cannot deadlock."""
+    global _verify_pool
+    with _hash_pool_lock:
+        if _verify_pool is None:
+            _verify_pool = ThreadPoolExecutor(4, thread_name_prefix="hicache-gds-verify")
+        return _verify_pool
 
 
 os.register_at_fork(after_in_child=_forget_hasher_in_child)
@@ -124,11 +148,20 @@ class PageMover:
         self._sync_fds: list[int] = []
         self._stats = StoreStats()
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
+        self._post_share: float | None = None  # of recent reads' time, spent posting (`_BLOCKING_POST_SHARE`)
 
     def _attach(self, engine: TransferEngine, reason: str) -> None:
         self.engine, self.engine_reason = engine, reason
         shorten_switch_interval(self.config.switch_interval)
         self._staging = Staging(engine)
+
+    def _posting(self) -> dict[str, Any]:
+        """How reads post their requests now (`stats()`): the share of their time spent posting,
+        and whether reads of host pages post within a window (posting blocks on this device)."""
+        share = self._post_share or 0.0
+        windowed = share > _BLOCKING_POST_SHARE
+        return {"read_post_share": round(share, 3),
+                "read_posting": f"within {_READ_WINDOW_BYTES >> 20} MiB ahead" if windowed else "all at once"}
 
     @property
     def capabilities(self) -> Any:
@@ -299,16 +332,35 @@ class PageMover:
                                   self.config.max_request_bytes or pipeline, row_bytes=mem_l))
         deadline = time.monotonic() + self.config.io_timeout
         kind = MemKind.DRAM if buf is not None else pages.kind
-        for bt in plan:
+        # Host-side checksums and scatters run on the verifier threads, beside the IO and the
+        # caller's posting (device pages are summed on their GPU, on the caller's stream).
+        beside = pages.kind is MemKind.DRAM or (op is Op.WRITE and buf is not None)
+        window = len(plan)
+        if op is Op.READ and beside and (expect is not None or buf is not None) and \
+                (self._post_share or 0.0) > _BLOCKING_POST_SHARE:
+            window = max(_READ_WINDOW_MIN, -(-_READ_WINDOW_BYTES * len(plan) // max(1, n * self.slot_bytes)))
+        posted_ns = 0
+        t_run = time.perf_counter_ns()
+
+        def post(bt: Any) -> None:
+            nonlocal posted_ns
+            tp = time.perf_counter_ns()
             try:
                 t = self.engine.submit(op, kind, mem[bt.row_start:bt.row_stop], fil[bt.row_start:bt.row_stop])
             except (TransferError, OSError, ValueError) as exc:
                 log.warning("hicache-gds: %s of %d pages not posted: %s", op.value, bt.stop - bt.start, exc)
                 t = None
+            posted_ns += time.perf_counter_ns() - tp
             prep.transfers.append((bt, t))
             prep.posted = prep.posted or t is not None
+
         hashed = True
-        if op is Op.WRITE:  # overlaps the IO in flight
+        sums_job = None
+        if op is Op.WRITE and beside:  # summed while the requests are posted and written
+            sums_job = _verifier().submit(self._page_sums, pages, buf, range(n))
+        for bt in plan[:window]:
+            post(bt)
+        if op is Op.WRITE and sums_job is None:  # overlaps the IO in flight
             try:
                 sums[:] = self._page_sums(pages, buf, range(n))
             except Exception as exc:  # noqa: BLE001 -- no checksum, no page: the writes still finish below
@@ -318,17 +370,22 @@ class PageMover:
         # A page is done once every request holding its rows is (a page may span several: more rows
         # than one request takes); its status is the worst of theirs: a timeout (the IO may still
         # land) over a failure over success. Reads are scattered and verified (`_finish_read`: the
-        # one checksum for host and device pages) only then, after the page's last request.
+        # one checksum for host and device pages) only then, after the page's last request: for
+        # host pages on the verifier threads while the caller waits for (and posts) the next.
         left = np.zeros(n, dtype=np.int32)
         worst = np.zeros(n, dtype=np.int8)  # 0 ok, 1 failed, 2 timed out
         waited = verified = 0  # ns: where a read's time goes (`read_wait_ns`, `read_verify_ns`)
-        for bt, _ in prep.transfers:
+        verifying: list[Any] = []
+        for bt in plan:
             left[bt.start:bt.stop] += 1
-        for bt, t in prep.transfers:
+        for i, bt in enumerate(plan):
             a, b = bt.start, bt.stop
             got = np.zeros(b - a, dtype=np.int8)
-            if t is None:
-                got[:] = 1
+            t = prep.transfers[i][1] if i < len(prep.transfers) else None
+            if i >= len(prep.transfers):
+                got[:] = 2  # left unposted: the get's deadline passed (no retry, as for a timeout)
+            elif t is None:
+                got[:] = 1  # the engine refused it
             else:
                 tw = time.perf_counter_ns()
                 try:
@@ -355,20 +412,43 @@ class PageMover:
             np.maximum(worst[a:b], got, out=worst[a:b])
             left[a:b] -= 1
             done = np.flatnonzero(left[a:b] == 0) + a
-            if not len(done):
-                continue
-            status[done] = np.where(worst[done] == 2, TIMEOUT, np.where(worst[done] == 1, FAIL, OK))
-            if op is Op.READ:
+            if len(done):
+                status[done] = np.where(worst[done] == 2, TIMEOUT, np.where(worst[done] == 1, FAIL, OK))
+            if op is Op.READ and len(done) and (expect is not None or buf is not None):
                 ok = done[worst[done] == 0]
-                tv = time.perf_counter_ns()
-                for run in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1) if len(ok) else ():
-                    self._finish_read(pages, buf, expect, status, int(run[0]), int(run[-1]) + 1)
-                if expect is not None or buf is not None:  # else there was nothing to scatter or check
+                runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1)] \
+                    if len(ok) else []
+                if beside:  # disjoint page ranges: each job writes only its own pages' status
+                    verifying += [_verifier().submit(self._finish_read, pages, buf, expect, status, ra, rb)
+                                  for ra, rb in runs]
+                else:
+                    tv = time.perf_counter_ns()
+                    for ra, rb in runs:
+                        self._finish_read(pages, buf, expect, status, ra, rb)
                     verified += time.perf_counter_ns() - tv
+            # The next request of the window, once this one is over and its pages are being
+            # verified: where the device queue is short, posting waits for earlier IO to finish.
+            if window + i < len(plan) and time.monotonic() < deadline and not (got == 2).any():
+                post(plan[window + i])
+        if verifying:
+            tv = time.perf_counter_ns()
+            for job in verifying:
+                job.result()  # `_finish_read` turns its failures into the pages' status
+            verified += time.perf_counter_ns() - tv
+        if sums_job is not None:
+            try:
+                sums[:] = sums_job.result()
+            except Exception as exc:  # noqa: BLE001 -- no checksum, no page
+                log.error("hicache-gds: checksums of %d written pages failed (%s: %s); not published", n,
+                          type(exc).__name__, exc)
+                hashed = False
         if not hashed:
             status[status == OK] = FAIL
         if op is Op.READ:
-            self._stats.add(read_wait_ns=waited, read_verify_ns=verified)
+            self._stats.add(read_wait_ns=waited, read_verify_ns=verified, read_post_ns=posted_ns)
+            if len(plan) > 1:
+                share = posted_ns / max(1, time.perf_counter_ns() - t_run)
+                self._post_share = share if self._post_share is None else 0.5 * self._post_share + 0.5 * share
         return status, sums
 
     def _finish_read(self, pages: Pages, buf: HostBuffer | None, expect: np.ndarray | None,

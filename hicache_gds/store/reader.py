@@ -268,6 +268,7 @@ class PageReader(PageMover, Store):
         """Counters, latency histograms, the engine and the path that ran, and the writer's page count now."""
         out = self._stats.snapshot()
         out.update(self.engine.info())
+        out.update(self._posting())
         out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
                    page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, read_only=True)
         out.update(self.index.stats())

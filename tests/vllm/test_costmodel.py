@@ -99,6 +99,36 @@ def test_loads_slower_than_compute_are_misses(gds_dir):
     assert m.stats()["cost_misses"] == 1 and m.advisor.last.action == "compute"
 
 
+def test_each_decision_is_one_line_in_the_engines_log(gds_dir, caplog, monkeypatch):
+    """A request's decision is logged once per step (what a running engine did), and in a vLLM
+    server, where vLLM's own logger is the only one with a handler, the line goes through it."""
+    import io
+    import logging
+
+    from hicache_gds_vllm.compat import log_through_vllm
+    m = make_manager(gds_dir, load_bytes_per_s=1e9, prefill_tokens_per_s=20e3)
+    stored(m, [key(i) for i in range(4)])
+    m.note_request("r", 4 * TOKENS + 10, 0)
+    with caplog.at_level(logging.INFO, logger="hicache_gds_vllm"):
+        scan(m, "r", [key(i) for i in range(4)])
+    lines = [r.getMessage() for r in caplog.records if "hicache-gds-vllm cost:" in r.getMessage()]
+    assert len(lines) == 1 and "r recompute at chunk 1" in lines[0] and f"{4 * TOKENS + 10} new tokens" in lines[0]
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    for name in ("hicache_gds", "hicache_gds_vllm"):
+        lg = logging.getLogger(name)
+        monkeypatch.setattr(lg, "handlers", [])
+        monkeypatch.setattr(lg, "propagate", True)
+        monkeypatch.setattr(lg, "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # as in a server: vLLM configures only "vllm"
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [handler])
+    log_through_vllm()
+    m.note_request("q", 4 * TOKENS + 10, 0)
+    scan(m, "q", [key(i) for i in range(4)])
+    assert "hicache-gds-vllm cost: q recompute" in out.getvalue()
+
+
 def test_a_disk_queue_defers_the_decision_to_the_run_found(gds_dir):
     """Behind a disk queue, a run must be long enough to pay it back: the first scan keeps going
     (RETRY) to find the run; the next scan answers from it."""

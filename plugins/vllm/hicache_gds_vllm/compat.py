@@ -26,7 +26,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingGroupConfig
 
-__all__ = ["STORAGE_MEDIUM", "KV_HANDOFF", "group_id", "sliding_window", "kv_cache_layout", "canonical_layout",
+__all__ = ["STORAGE_MEDIUM", "log_through_vllm", "KV_HANDOFF", "group_id", "sliding_window", "kv_cache_layout", "canonical_layout",
            "model_dtype", "handed_layout", "stable_block_hashes", "HASH_SEED"]
 
 log = logging.getLogger("hicache_gds_vllm")
@@ -122,3 +122,25 @@ def stable_block_hashes(hash_algo: str | None = None) -> bool:
     log.info("hicache-gds-vllm: PYTHONHASHSEED=%s, so that block hashes (the keys of stored chunks) are the same "
              "in every engine process and a restarted engine finds its chunks", HASH_SEED)
     return True
+
+
+def log_through_vllm() -> None:
+    """Send the INFO lines of ``hicache_gds`` and ``hicache_gds_vllm`` to vLLM's log handler.
+
+    vLLM configures only its own ``vllm`` logger (it does not propagate), so a plugin's INFO lines
+    (which engine ran, the cost model's decisions) would be dropped in a running server. Only where
+    nothing else handles them: with a handler on the root logger (an application's, pytest's) they
+    propagate there as before."""
+    root = logging.getLogger()
+    source = logging.getLogger("vllm")
+    if root.handlers or not source.handlers:
+        return
+    for name in ("hicache_gds", "hicache_gds_vllm"):
+        lg = logging.getLogger(name)
+        if lg.handlers:
+            continue
+        for h in source.handlers:
+            lg.addHandler(h)
+        if lg.level == logging.NOTSET:
+            lg.setLevel(logging.INFO)
+        lg.propagate = False

@@ -58,6 +58,7 @@ class HiCacheGDSConnector(OffloadingConnector):
     """`OffloadingConnector` + `HiCacheGDSOffloadingSpec`, recomputing the blocks of failed loads."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        compat.log_through_vllm()
         ktc = vllm_config.kv_transfer_config
         extra = ktc.kv_connector_extra_config
         extra.setdefault("spec_name", HiCacheGDSOffloadingSpec.__name__)

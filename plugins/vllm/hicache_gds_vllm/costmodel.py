@@ -25,6 +25,7 @@ built as ``Class(extra_config, bytes_per_token)``.
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -32,6 +33,8 @@ from typing import Any, Mapping
 from hicache_gds import ConfigError, CostModel, Decision, PrefillModel, ReadRate
 
 __all__ = ["KEYS", "CostModel", "Decision", "cost_model_from", "RunJudge", "Advisor"]
+
+log = logging.getLogger("hicache_gds_vllm")
 
 # Extra-config keys this module reads (the spec ignores them when building hicache-gds' Config).
 KEYS = ("cost_model", "prefill_tokens_per_s", "load_bytes_per_s")
@@ -219,6 +222,13 @@ class Advisor:
                 self.misses += 1
             elif answer == "defer":
                 self.deferrals += 1
+            d = s.decision
+            # One line per request and step that decides (what a running engine did, in its log).
+            log.info("hicache-gds-vllm cost: %s %s at chunk %d of the run (%d new tokens, GPU prefix %d; load %s s, "
+                     "compute %s s; GPU backlog %.3f s, disk backlog %.3f s)%s", req_id,
+                     {"hit": "load", "miss": "recompute", "defer": "defer"}[answer], s.run, new, prefix,
+                     f"{d.t_load:.3f}" if d is not None else "-", f"{d.t_compute:.3f}" if d is not None else "-",
+                     self.gpu_backlog(req_id), self.disk_backlog(), f": {d.reason}" if d is not None else "")
         return answer
 
     def loading(self, req_id: str) -> None:
