@@ -100,7 +100,7 @@ def test_loads_slower_than_compute_are_misses(gds_dir):
 
 
 def test_each_decision_is_one_line_in_the_engines_log(gds_dir, caplog, monkeypatch):
-    """A request's decision is logged once per step (what a running engine did), and in a vLLM
+    """A request's decision is logged when it changes (what a running engine did), and in a vLLM
     server, where vLLM's own logger is the only one with a handler, the line goes through it."""
     import io
     import logging
@@ -111,6 +111,7 @@ def test_each_decision_is_one_line_in_the_engines_log(gds_dir, caplog, monkeypat
     m.note_request("r", 4 * TOKENS + 10, 0)
     with caplog.at_level(logging.INFO, logger="hicache_gds_vllm"):
         scan(m, "r", [key(i) for i in range(4)])
+        scan(m, "r", [key(i) for i in range(4)])  # still waiting, the same decision: not said again
     lines = [r.getMessage() for r in caplog.records if "hicache-gds-vllm cost:" in r.getMessage()]
     assert len(lines) == 1 and "r recompute at chunk 1" in lines[0] and f"{4 * TOKENS + 10} new tokens" in lines[0]
 

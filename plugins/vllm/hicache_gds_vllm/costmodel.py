@@ -136,6 +136,7 @@ class Advisor:
         self._requests: dict[str, tuple[int, int]] = {}  # req id -> (new tokens, GPU prefix) at lookup
         self._prefill_left: dict[str, int] = {}  # req id -> prompt tokens not computed yet, in lookup order
         self._scans: dict[str, RunJudge] = {}
+        self._said: dict[str, tuple[str, str]] = {}  # req id -> the decision last logged
         self.step = 0
         self.misses = 0  # requests answered MISS because recomputing was faster
         self.deferrals = 0  # first scans deferred to judge the run found
@@ -159,6 +160,7 @@ class Advisor:
             del self._prefill_left[req_id]
 
     def forget(self, req_id: str) -> None:
+        self._said.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._prefill_left.pop(req_id, None)
         self._scans.pop(req_id, None)
@@ -223,12 +225,14 @@ class Advisor:
             elif answer == "defer":
                 self.deferrals += 1
             d = s.decision
-            # One line per request and step that decides (what a running engine did, in its log).
-            log.info("hicache-gds-vllm cost: %s %s at chunk %d of the run (%d new tokens, GPU prefix %d; load %s s, "
-                     "compute %s s; GPU backlog %.3f s, disk backlog %.3f s)%s", req_id,
-                     {"hit": "load", "miss": "recompute", "defer": "defer"}[answer], s.run, new, prefix,
-                     f"{d.t_load:.3f}" if d is not None else "-", f"{d.t_compute:.3f}" if d is not None else "-",
-                     self.gpu_backlog(req_id), self.disk_backlog(), f": {d.reason}" if d is not None else "")
+            said = (answer, d.action if d is not None else "")
+            if self._said.get(req_id) != said:  # a waiting request is looked up every step: say changes only
+                self._said[req_id] = said
+                log.info("hicache-gds-vllm cost: %s %s at chunk %d of the run (%d new tokens, GPU prefix %d; load %s s, "
+                         "compute %s s; GPU backlog %.3f s, disk backlog %.3f s)%s", req_id,
+                         {"hit": "load", "miss": "recompute", "defer": "defer"}[answer], s.run, new, prefix,
+                         f"{d.t_load:.3f}" if d is not None else "-", f"{d.t_compute:.3f}" if d is not None else "-",
+                         self.gpu_backlog(req_id), self.disk_backlog(), f": {d.reason}" if d is not None else "")
         return answer
 
     def loading(self, req_id: str) -> None:
