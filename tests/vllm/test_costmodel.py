@@ -295,3 +295,26 @@ def test_recomputing_by_the_cost_model_keeps_vllms_gpu_prefix_hits(root_dir, gds
                                                  "prefill_tokens_per_s": 1e9})
     assert ours == plain
     assert plain["revisit0"] > 0 and plain["burst2"] > 0 and plain["cold0"] == 0  # the cache served some
+
+
+def test_step_clock_times_each_step_by_the_engines_own_pace():
+    """The prefill samples of a 3-chunk prompt ("a": 8192, 8192, 64 tokens) then decodes: without
+    async scheduling step N took until step N+1 was scheduled; with it (steps scheduled one ahead)
+    until N+2 was, after N+1; an idle gap (no request shared by the two steps) is no sample."""
+    from hicache_gds_vllm.connector import StepClock
+
+    def run(clock, times, steps):
+        return [clock.scheduled(t, news, {r: 0 for r in news}) for t, news in zip(times, steps)]
+    steps = [{"a": 8192}, {"a": 8192}, {"a": 64}, {"a": 1}, {"a": 1}]
+    # synchronous: each step scheduled when the one before finished (1.0 s, 1.1 s, 0.1 s ...)
+    out = run(StepClock(False), [0.0, 1.0, 2.1, 2.2, 2.25], steps)
+    assert out[0] is None and out[1] == ([8192], [0], 1.0) and out[2] == ([8192], [0], 1.1)
+    assert out[3] is None  # 64 tokens: below PREFILL_SAMPLE_TOKENS
+    # async: step 2 scheduled right after step 1 was dispatched; step 3 once step 1's output is in
+    out = run(StepClock(True), [0.0, 0.01, 1.0, 2.1, 2.2], steps)
+    assert out[:2] == [None, None] and out[2] == ([8192], [0], pytest.approx(0.99))
+    assert out[3] == ([8192], [0], pytest.approx(1.1))
+    # the engine idled between two steps that share no request: not a sample
+    clock = StepClock(False)
+    assert clock.scheduled(0.0, {"a": 8192}, {"a": 0}) is None
+    assert clock.scheduled(30.0, {"b": 8192}, {"b": 0}) is None

@@ -27,7 +27,7 @@ rest. This subclass changes nothing else:
   compute and GPU-cached prefix when vLLM looks it up (`manager.note_request`), the prompt tokens
   each step computes (the GPU's queue, `manager.note_scheduled`), and the prefill cost: per step
   of at least `PREFILL_SAMPLE_TOKENS` tokens, each request's new tokens and cached prefix and the
-  wall time until the next step is scheduled (`manager.observe_step`);
+  time the engine took to run it (`manager.observe_step`, `StepClock`);
 * a finished request is offloaded only as far as its KV was computed and its blocks allocated
   (`_cap_finished`). vLLM 0.26 offloads a finished request up to all of its tokens, so one
   aborted before its blocks were allocated -- a client that gave up while it waited, after a
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -47,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from . import compat
 from .spec import HiCacheGDSOffloadingSpec
 
-__all__ = ["HiCacheGDSConnector", "PREFILL_SAMPLE_TOKENS", "step_requests"]
+__all__ = ["HiCacheGDSConnector", "PREFILL_SAMPLE_TOKENS", "StepClock", "step_requests"]
 
 log = logging.getLogger("hicache_gds_vllm")
 
@@ -73,7 +74,7 @@ class HiCacheGDSConnector(OffloadingConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None and isinstance(self.connector_worker.spec, HiCacheGDSOffloadingSpec):
             self.connector_worker.spec.recover_failed_loads = True
-        self._last_step: tuple[float, list[int], list[int]] | None = None
+        self._clock = StepClock(bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
         manager = self._manager()
         if manager is not None and manager.cost is not None and manager.cost.prefill.chunk is None:
             manager.cost.prefill.chunk = vllm_config.scheduler_config.max_num_batched_tokens
@@ -130,17 +131,42 @@ class HiCacheGDSConnector(OffloadingConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         # docstring inherited
-        now = time.monotonic()
         manager = self._manager()
-        if self._last_step is not None and hasattr(manager, "observe_step"):
-            t0, news, prefixes = self._last_step
-            if sum(news) >= PREFILL_SAMPLE_TOKENS:
-                manager.observe_step(news, prefixes, now - t0)
         news, prefixes = step_requests(scheduler_output)
-        self._last_step = (now, list(news.values()), [prefixes[r] for r in news])
+        sample = self._clock.scheduled(time.monotonic(), news, prefixes)
+        if sample is not None and hasattr(manager, "observe_step"):
+            manager.observe_step(*sample)
         if hasattr(manager, "note_scheduled"):
             manager.note_scheduled(news, prefixes)
         return super().build_connector_meta(scheduler_output)
+
+
+class StepClock:
+    """How long the engine took to run each scheduled step, from the times steps are scheduled.
+
+    Without async scheduling vLLM schedules step N+1 once step N's output is in: step N took
+    the time between the two. With it (vLLM's default where supported) step N+1 is scheduled
+    as soon as step N is dispatched, before it runs, and step N+2 once N's output is in: step N
+    took the time between N+1 and N+2 (timing N by the gap to N+1 counted nothing of it: the
+    prefill rate came out ~6x too fast in a running vLLM 0.26). A step counts only where the
+    engine stayed busy: the last of the steps timed shares a request with the one before it (else
+    the engine may have idled between them)."""
+
+    def __init__(self, async_scheduling: bool) -> None:
+        self.lag = 2 if async_scheduling else 1
+        self._steps: deque[tuple[float, dict[str, int], dict[str, int]]] = deque(maxlen=self.lag + 1)
+
+    def scheduled(self, now: float, news: dict[str, int], prefixes: dict[str, int]
+                  ) -> tuple[list[int], list[int], float] | None:
+        """A step was scheduled at `now`; the prefill sample (new tokens and cached prefix per
+        request, seconds) of the step it completes timing, or None."""
+        self._steps.append((now, dict(news), dict(prefixes)))
+        if len(self._steps) <= self.lag:
+            return None
+        (_, n0, p0), (t1, n1, _), (t2, n2, _) = self._steps[0], self._steps[-2], self._steps[-1]
+        if sum(n0.values()) < PREFILL_SAMPLE_TOKENS or not (n1.keys() & n2.keys()):
+            return None
+        return list(n0.values()), [p0[r] for r in n0], t2 - t1
 
 
 def step_requests(scheduler_output: Any) -> tuple[dict[str, int], dict[str, int]]:
