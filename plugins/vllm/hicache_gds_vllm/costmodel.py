@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 from hicache_gds import ConfigError, CostModel, Decision, PrefillModel, ReadRate
 
-__all__ = ["KEYS", "CostModel", "Decision", "cost_model_from", "RunJudge", "Advisor"]
+__all__ = ["KEYS", "CostModel", "Decision", "cost_model_from", "RunJudge", "Advisor", "for_the_queue"]
 
 log = logging.getLogger("hicache_gds_vllm")
 
@@ -78,23 +78,46 @@ class RunJudge:
     decision: Decision | None = None
 
     def judge(self, model: CostModel, *, new: int, prefix: int, chunk_tokens: int, gpu_backlog: float,
-              disk_backlog: float) -> str:
-        """"hit", "miss" or "defer" for the chunk just found (the `run`-th of this scan)."""
+              disk_backlog: float, behind: int = 0) -> str:
+        """"hit", "miss" or "defer" for the chunk just found (the `run`-th of this scan); `behind`:
+        requests waiting behind this one for the GPU (`for_the_queue`)."""
         if self.answer:
             return self.answer
         kw = {"gpu_backlog": gpu_backlog, "disk_backlog": disk_backlog}
         if self.seen is not None:
-            self.decision = model.decide(new, prefix, min(self.seen * chunk_tokens, new), **kw)
+            self.decision = for_the_queue(model.decide(new, prefix, min(self.seen * chunk_tokens, new), **kw),
+                                          behind, gpu_backlog)
             self.answer = "hit" if self.decision.load else "miss"
             return self.answer
         one = model.decide(new, prefix, min(chunk_tokens, new), **kw)
         if one.load and disk_backlog <= 0.0 and gpu_backlog <= 0.0:
             self.decision, self.answer = one, "hit"
             return self.answer
-        best = model.decide(new, prefix, new, **kw)
+        best = for_the_queue(model.decide(new, prefix, new, **kw), behind, gpu_backlog)
         self.decision = best
         self.answer = "defer" if best.load else "miss"
         return self.answer
+
+
+def for_the_queue(d: Decision, behind: int, gpu_backlog: float) -> Decision:
+    """`d` ("compute" where this request alone finishes sooner by computing), turned into "load"
+    where `behind` requests wait for the GPU and loading delays this one by less than it frees the
+    GPU for them: each of them starts the request's compute time sooner, so the mean TTFT of the
+    queue falls where ``t_load - t_compute < behind * (t_compute - gpu_backlog)``.
+
+    vLLM looks a waiting request up only when a step's token budget has room, so the GPU's queue
+    *ahead* of a request is nearly empty at its lookup; the queue behind it is what a burst
+    loses when every request is recomputed (a 32B burst: 0.99x recompute, where the disk and the
+    GPU at once would take about 0.6x)."""
+    if d.load or behind <= 0 or not (d.t_load == d.t_load and d.t_compute == d.t_compute):
+        return d
+    alone = max(0.0, d.t_compute - gpu_backlog)
+    freed = behind * alone
+    if d.t_load - d.t_compute < freed:
+        return Decision("load", d.t_load, d.t_compute,
+                        f"{behind} request(s) wait behind: loading frees {alone:.3f} s of GPU for each "
+                        f"(costs this one {d.t_load - d.t_compute:.3f} s)")
+    return d
 
 
 def _num(v: Any, name: str) -> float | None:
@@ -137,14 +160,20 @@ class Advisor:
         self._prefill_left: dict[str, int] = {}  # req id -> prompt tokens not computed yet, in lookup order
         self._scans: dict[str, RunJudge] = {}
         self._said: dict[str, tuple[str, str]] = {}  # req id -> the decision last logged
+        self._arrived: dict[str, None] = {}  # req ids vLLM added and has not looked up yet, in order
         self.step = 0
         self.misses = 0  # requests answered MISS because recomputing was faster
         self.deferrals = 0  # first scans deferred to judge the run found
         self.last: Decision | None = None
 
     # -- the request and the queues --------------------------------------------------------
+    def note_arrival(self, req_id: str) -> None:
+        """vLLM added `req_id` (it waits until a step has room to look it up)."""
+        self._arrived[req_id] = None
+
     def note_request(self, req_id: str, new: int, prefix: int) -> None:
         """vLLM looks `req_id` up: `new` tokens to compute after the `prefix` the GPU holds."""
+        self._arrived.pop(req_id, None)
         self._requests[req_id] = (max(0, int(new)), max(0, int(prefix)))
         self._prefill_left.setdefault(req_id, max(0, int(new)))
 
@@ -160,6 +189,7 @@ class Advisor:
             del self._prefill_left[req_id]
 
     def forget(self, req_id: str) -> None:
+        self._arrived.pop(req_id, None)
         self._said.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._prefill_left.pop(req_id, None)
@@ -173,6 +203,16 @@ class Advisor:
                 break
             ahead += left
         return (self.model.predict_compute(ahead) or 0.0) if ahead else 0.0
+
+    def behind(self, req_id: str) -> int:
+        """Requests waiting for the GPU behind `req_id`: looked up after it and not yet computed,
+        and added but not looked up yet."""
+        after, seen = 0, False
+        for r in self._prefill_left:
+            if seen:
+                after += 1
+            seen = seen or r == req_id
+        return after + sum(1 for r in self._arrived if r != req_id)
 
     def disk_backlog(self) -> float:
         return (self.model.predict_load(self.inflight_bytes) or 0.0) if self.inflight_bytes else 0.0
@@ -217,7 +257,8 @@ class Advisor:
         new, prefix = self._requests.get(req_id, (s.seen * ct if s.seen is not None else 1 << 20, 0))
         first = not s.answer
         answer = s.judge(self.model, new=max(new, ct), prefix=prefix, chunk_tokens=ct,
-                         gpu_backlog=self.gpu_backlog(req_id), disk_backlog=self.disk_backlog())
+                         gpu_backlog=self.gpu_backlog(req_id), disk_backlog=self.disk_backlog(),
+                         behind=self.behind(req_id))
         if first:
             self.last = s.decision
             if answer == "miss":

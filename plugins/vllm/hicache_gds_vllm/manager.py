@@ -38,7 +38,8 @@ the chunks this engine stores, and consults the workers' shared indexes for the 
   rank that succeeds ends the hold. So a failed load costs its request one retry at most.
 
 Load or recompute: `lookup` answers HIT for a present chunk only where loading the run of chunks
-found beats recomputing it, given the disk's and the GPU's queues (`costmodel.py`: the core's
+found beats recomputing it, given the disk's and the GPU's queues and the requests waiting behind
+it (`on_new_request` counts them; `costmodel.for_the_queue`) (`costmodel.py`: the core's
 `hicache_gds.costmodel.CostModel`, the SGLang policy's model). vLLM scans a request's chunks in
 prefix order and stops at the first MISS, so a run must be known before it can be judged: the
 first scan answers at once where it can (one chunk pays with both queues empty: HIT; not even
@@ -341,6 +342,8 @@ class HiCacheGDSManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         # docstring inherited
+        if self.advisor is not None:  # it waits behind the requests before it (costmodel.for_the_queue)
+            self.advisor.note_arrival(req_context.req_id)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
