@@ -335,9 +335,9 @@ class PageMover:
         # Host-side checksums and scatters run on the verifier threads, beside the IO and the
         # caller's posting (device pages are summed on their GPU, on the caller's stream).
         beside = pages.kind is MemKind.DRAM or (op is Op.WRITE and buf is not None)
+        finishing = op is Op.READ and (expect is not None or buf is not None)  # pages to scatter or check
         window = len(plan)
-        if op is Op.READ and beside and (expect is not None or buf is not None) and \
-                (self._post_share or 0.0) > _BLOCKING_POST_SHARE:
+        if finishing and beside and (self._post_share or 0.0) > _BLOCKING_POST_SHARE:
             window = max(_READ_WINDOW_MIN, -(-_READ_WINDOW_BYTES * len(plan) // max(1, n * self.slot_bytes)))
         posted_ns = 0
         t_run = time.perf_counter_ns()
@@ -381,10 +381,9 @@ class PageMover:
         for i, bt in enumerate(plan):
             a, b = bt.start, bt.stop
             got = np.zeros(b - a, dtype=np.int8)
-            t = prep.transfers[i][1] if i < len(prep.transfers) else None
             if i >= len(prep.transfers):
                 got[:] = 2  # left unposted: the get's deadline passed (no retry, as for a timeout)
-            elif t is None:
+            elif (t := prep.transfers[i][1]) is None:
                 got[:] = 1  # the engine refused it
             else:
                 tw = time.perf_counter_ns()
@@ -414,7 +413,7 @@ class PageMover:
             done = np.flatnonzero(left[a:b] == 0) + a
             if len(done):
                 status[done] = np.where(worst[done] == 2, TIMEOUT, np.where(worst[done] == 1, FAIL, OK))
-            if op is Op.READ and len(done) and (expect is not None or buf is not None):
+            if finishing and len(done):
                 ok = done[worst[done] == 0]
                 runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1)] \
                     if len(ok) else []

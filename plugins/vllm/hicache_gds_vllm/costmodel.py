@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -109,7 +110,7 @@ def for_the_queue(d: Decision, behind: int, gpu_backlog: float) -> Decision:
     *ahead* of a request is nearly empty at its lookup; the queue behind it is what a burst
     loses when every request is recomputed (a 32B burst: 0.99x recompute, where the disk and the
     GPU at once would take about 0.6x)."""
-    if d.load or behind <= 0 or not (d.t_load == d.t_load and d.t_compute == d.t_compute):
+    if d.load or behind <= 0 or math.isnan(d.t_load) or math.isnan(d.t_compute):
         return d
     alone = max(0.0, d.t_compute - gpu_backlog)
     freed = behind * alone
