@@ -653,6 +653,7 @@ def _slow_posting_store(d, monkeypatch, n):
     4 pages per get of 32, and a read window of two requests."""
     from hicache_gds.store import mover
     monkeypatch.setattr(mover, "_READ_WINDOW_BYTES", 2 * 4 * P)
+    monkeypatch.setattr(mover, "_DEVICE_POST_SHARE", {})  # nothing measured in this process yet
     eng = FaultyEngine(create_engine("nixl-posix", EngineOptions()), Faults(post_s=0.02, only=Op.READ))
     store = open_store(d, engine=eng, config={"max_request_bytes": 4 * P, "io_timeout": 2})
     return store, eng
@@ -681,6 +682,51 @@ def test_reads_post_within_a_window_where_posting_blocks_and_every_byte_still_ch
             assert dst.numpy().tobytes() == data.tobytes()
             assert len(spy.at_post) == 8 and max(spy.at_post) == 1  # the window: one ahead of the one waited for
         assert store.stats()["read_post_ns"] > 0
+    finally:
+        store.close()
+
+
+def test_a_store_opened_again_on_a_blocking_device_posts_its_first_get_within_the_window(tmp_path, monkeypatch):
+    """What one store measured about posting on its devices, the next one opened on them in the
+    process starts from (SGLang's runtime backend switch opens a new store): its first get is
+    already windowed. Windowed reads do not move the measurement (they hide the blocking); every
+    `_WINDOW_PROBE_EVERY`-th read posts all at once to measure again. Another engine on the same
+    directory starts from nothing."""
+    from hicache_gds.store import mover
+    monkeypatch.setattr(mover, "_WINDOW_PROBE_EVERY", 4)
+    d = str(tmp_path)
+    store, eng = _slow_posting_store(d, monkeypatch, N)
+    ks = keys()
+    try:
+        src, dst, data = buffers(store)
+        assert all(store.put(ks, Pages.contiguous(src.addr, P, range(N))))
+        assert all(store.get(ks, Pages.contiguous(dst.addr, P, range(N))))
+        share = store.stats()["read_post_share"]
+        assert share > 0.5
+    finally:
+        store.close()
+    eng = FaultyEngine(create_engine("nixl-posix", EngineOptions()), Faults(post_s=0.02, only=Op.READ))
+    store = open_store(d, engine=eng, config={"max_request_bytes": 4 * P, "io_timeout": 2})
+    try:
+        src, dst, data = buffers(store)
+        assert store.stats()["read_posting"].startswith("within")
+        spy = _InFlight(eng)
+        posted_ahead = []
+        for i in range(5):
+            spy.at_post.clear()
+            dst.numpy()[:] = 0xEE
+            assert all(store.get(ks, Pages.contiguous(dst.addr, P, range(N))))
+            assert dst.numpy().tobytes() == data.tobytes()
+            posted_ahead.append(max(spy.at_post))
+            if i < 2:  # windowed reads leave the measurement as it was
+                assert store.stats()["read_post_share"] == share
+        assert posted_ahead == [1, 1, 1, 7, 1]  # the fourth read probes: all at once
+        assert store.stats()["read_posting"].startswith("within")
+    finally:
+        store.close()
+    store = open_store(d, engine="nixl-posix", config={"max_request_bytes": 4 * P})
+    try:
+        assert store.stats()["read_posting"] == "all at once"
     finally:
         store.close()
 

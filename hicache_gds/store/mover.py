@@ -51,9 +51,17 @@ _MIN_DIRECT_SEGMENT = 128 << 10  # smaller segments are gathered into one aligne
 # requests) posted ahead of the one waited for, so each request's pages are verified while the
 # next ones are read. Elsewhere everything is posted at once: a window costs queue depth (5 % of
 # a 1 GiB get on the CPU machine's disk).
+# The share is measured on reads posted all at once only (a window hides the blocking it is there
+# for, and judging by windowed reads flipped a blocking device back and forth); a windowed mover
+# posts every _WINDOW_PROBE_EVERY-th read all at once to notice a device that stopped blocking.
+# Movers of one engine on the same devices share what they measured (`_DEVICE_POST_SHARE`): a store opened again
+# in the process (SGLang's runtime backend switch, another namespace) starts from it, where its
+# first get, posted all at once on a blocking device, verified every page after all of the IO.
 _BLOCKING_POST_SHARE = 0.5
 _READ_WINDOW_BYTES = 512 << 20
 _READ_WINDOW_MIN = 2
+_WINDOW_PROBE_EVERY = 64
+_DEVICE_POST_SHARE: dict[tuple[Any, ...], float] = {}
 OK, FAIL, TIMEOUT, BADSUM = 1, 0, 2, 3  # a page's status after a request
 MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at most
 
@@ -149,16 +157,43 @@ class PageMover:
         self._stats = StoreStats()
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
         self._post_share: float | None = None  # of recent reads' time, spent posting (`_BLOCKING_POST_SHARE`)
+        self._windowed_reads = 0  # since the last read posted all at once
+        self._devices: tuple[Any, ...] | None = None
 
     def _attach(self, engine: TransferEngine, reason: str) -> None:
         self.engine, self.engine_reason = engine, reason
+        self._devices = None  # `_device_key` names the engine
         shorten_switch_interval(self.config.switch_interval)
         self._staging = Staging(engine)
+
+    def _device_key(self) -> tuple[Any, ...]:
+        """The engine and the devices under this mover's slab files (``st_dev``): the key of
+        `_DEVICE_POST_SHARE` (posting blocks in a device's queue, as one engine submits to it)."""
+        if self._devices is None:
+            devs = set()
+            for path in getattr(getattr(self, "slabs", None), "paths", ()):
+                try:
+                    devs.add(os.stat(path).st_dev)
+                except OSError:
+                    pass
+            self._devices = (getattr(self.engine, "name", ""), *sorted(devs))
+        return self._devices
+
+    def _share(self) -> float:
+        """The posting share reads are judged by: this mover's, else what another mover measured
+        on the same devices, else 0 (post all at once, and measure)."""
+        if self._post_share is not None:
+            return self._post_share
+        return _DEVICE_POST_SHARE.get(self._device_key(), 0.0)
+
+    def _note_share(self, share: float) -> None:
+        self._post_share = share if self._post_share is None else 0.5 * self._post_share + 0.5 * share
+        _DEVICE_POST_SHARE[self._device_key()] = self._post_share
 
     def _posting(self) -> dict[str, Any]:
         """How reads post their requests now (`stats()`): the share of their time spent posting,
         and whether reads of host pages post within a window (posting blocks on this device)."""
-        share = self._post_share or 0.0
+        share = self._share()
         windowed = share > _BLOCKING_POST_SHARE
         return {"read_post_share": round(share, 3),
                 "read_posting": f"within {_READ_WINDOW_BYTES >> 20} MiB ahead" if windowed else "all at once"}
@@ -337,8 +372,10 @@ class PageMover:
         beside = pages.kind is MemKind.DRAM or (op is Op.WRITE and buf is not None)
         finishing = op is Op.READ and (expect is not None or buf is not None)  # pages to scatter or check
         window = len(plan)
-        if finishing and beside and (self._post_share or 0.0) > _BLOCKING_POST_SHARE:
-            window = max(_READ_WINDOW_MIN, -(-_READ_WINDOW_BYTES * len(plan) // max(1, n * self.slot_bytes)))
+        if finishing and beside and self._share() > _BLOCKING_POST_SHARE:
+            self._windowed_reads += 1
+            if self._windowed_reads % _WINDOW_PROBE_EVERY:
+                window = max(_READ_WINDOW_MIN, -(-_READ_WINDOW_BYTES * len(plan) // max(1, n * self.slot_bytes)))
         posted_ns = 0
         t_run = time.perf_counter_ns()
 
@@ -445,9 +482,8 @@ class PageMover:
             status[status == OK] = FAIL
         if op is Op.READ:
             self._stats.add(read_wait_ns=waited, read_verify_ns=verified, read_post_ns=posted_ns)
-            if len(plan) > 1:
-                share = posted_ns / max(1, time.perf_counter_ns() - t_run)
-                self._post_share = share if self._post_share is None else 0.5 * self._post_share + 0.5 * share
+            if 1 < len(plan) == window:  # posted all at once: what posting costs on this device
+                self._note_share(posted_ns / max(1, time.perf_counter_ns() - t_run))
         return status, sums
 
     def _finish_read(self, pages: Pages, buf: HostBuffer | None, expect: np.ndarray | None,

@@ -301,16 +301,48 @@ def test_each_decision_logs_the_host_pools_free_tokens(gds_dir, caplog):
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.7))
     try:
         cache, ctl, pol = make_cache(b)
-        ctl.mem_pool_host.available_size = lambda: 12288
+        ctl.mem_pool_host.available_size = lambda: 24576
         pol.current_req = req("h", 18000)
         with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
             admit(cache, "h", 18000 - 64, [])
-        assert pol.last["host_free"] == 12288
-        assert "host pool 12288 tokens free" in caplog.text and " h load " in caplog.text
+        assert pol.last["host_free"] == 24576
+        assert "host pool 24576 tokens free" in caplog.text and " h load " in caplog.text
         del ctl.mem_pool_host.available_size  # a release that does not say
         pol.current_req = req("i", 18000)
         admit(cache, "i", 18000 - 64, [])
         assert pol.last["host_free"] is None
+    finally:
+        b.close()
+
+
+def test_a_load_the_host_pool_cannot_keep_is_recomputed(gds_dir):
+    """SGLang allocates a load's host memory once its hit is known and shortens or revokes what
+    does not fit: the disk then reads for nothing and the request is recomputed after waiting (a
+    32B burst on the GPU machine lost most of its loads so). Admission counts the host pool's free
+    tokens, the host-only pages SGLang may evict, less the loads admitted and not yet allocated."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.7))
+    try:
+        cache, ctl, pol = make_cache(b)
+        ctl.mem_pool_host.available_size = lambda: 12288
+        calls: list = []
+        pol.current_req = req("h", 18000)
+        admit(cache, "h", 18000 - 64, calls)  # 17920 tokens of L3 hit, 12288 free
+        assert pol.last["action"] == "compute" and "host pool has room for 12288 tokens" in pol.last["reason"]
+        assert calls == []
+        if not V23:  # 0.5.17's radix cache keeps its evictable host-only leaves
+            leaf = TreeNode()
+            leaf.host_value = torch.arange(8192)
+            leaf.value = None  # evicted from the GPU: host only
+            cache.evictable_host_leaves = {leaf}
+            assert leaf.evicted and policy._host_room(cache) == 12288 + 8192
+            pol.current_req = req("j", 18000)
+            admit(cache, "j", 18000 - 64, calls)
+            assert pol.last["action"] == "load" and calls == ["j"]
+            # "j" is admitted and its host memory not yet allocated: the next load does not fit
+            assert policy._host_room(cache) == 12288 + 8192 - (18000 - 64) // PS * PS
+            pol.current_req = req("k", 8000)
+            admit(cache, "k", 8000 - 64, calls)
+            assert pol.last["action"] == "compute" and calls == ["j"]
     finally:
         b.close()
 
@@ -431,6 +463,44 @@ def test_a_finished_load_is_settled_as_each_release_does(gds_dir):
         # 0.5.17 inserts it when the policy says so; 0.5.23 through its acknowledgements
         assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is (not V23)
         assert not b._is_cancelled(op.host_indices)
+    finally:
+        b.close()
+
+
+def test_a_finished_load_waits_with_its_prefetch_while_a_chunked_prefill_would_evict_it(gds_dir, caplog):
+    """0.5.17 inserts a finished load into the tree when the scheduler reaches the request, even
+    while another request's chunked prefill fills the batch; the pages then sit evictable and the
+    prefills' write-through evicts them when the host pool is full (a 32B burst on the GPU machine
+    recomputed such prefixes). The policy keeps the load with its prefetch while another request's
+    chunked prefill runs, and lets it go once that prefill is done or `_HOLD_MAX_S` passed."""
+    if V23:
+        pytest.skip("0.5.23 settles a finished load through its acknowledgements, not this answer")
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
+    try:
+        cache, ctl, pol = make_cache(b)
+        ctl.mem_pool_host.available_size = lambda: 4800
+        op = in_flight(cache, b, "loaded", 8192, kept=8192)
+        long = req("long", 22848)
+        long.prefix_indices = list(range(8192))  # one chunk of it prefilled, 14656 tokens left
+        cache._test_scheduler.chunked_req = long
+        stop = getattr(CACHE, STOP)
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang"):
+            assert hooks.around_can_terminate(stop, cache, op) is False  # held
+            assert hooks.around_can_terminate(stop, cache, op) is False
+            assert pol.counts["hold"] == 1
+            cache._test_scheduler.chunked_req = None  # the chunked prefill ended: let it go
+            assert hooks.around_can_terminate(stop, cache, op) is True
+        said = [r.getMessage() for r in caplog.records]
+        assert any("loaded load held" in m and "(long)" in m for m in said)
+        assert any("loaded load released after" in m for m in said)
+
+        cache._test_scheduler.chunked_req = long
+        op3 = in_flight(cache, b, "third", 8192, kept=8192)
+        assert hooks.around_can_terminate(stop, cache, op3) is False
+        pol._held["third"] -= policy._HOLD_MAX_S  # held too long: never starved
+        assert hooks.around_can_terminate(stop, cache, op3) is True
+        op4 = in_flight(cache, b, "long", 8192, kept=8192)  # the chunked request itself is never held
+        assert hooks.around_can_terminate(stop, cache, op4) is True
     finally:
         b.close()
 

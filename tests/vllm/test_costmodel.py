@@ -340,3 +340,32 @@ def test_step_clock_times_each_step_by_the_engines_own_pace():
     clock = StepClock(False)
     assert clock.scheduled(0.0, {"a": 8192}, {"a": 0}) is None
     assert clock.scheduled(30.0, {"b": 8192}, {"b": 0}) is None
+
+
+def test_a_waiting_request_keeps_its_answer_near_a_tie(gds_dir):
+    """A request looked up step after step keeps its last answer while the other one is less than
+    the model's margin (5 %) sooner: the estimates' small drifts no longer flip it between load and
+    recompute. A clear change of the rates still changes the answer, both ways."""
+    m = make_manager(gds_dir, load_bytes_per_s=1e9, prefill_tokens_per_s=20e3)
+    keys = [key(i) for i in range(4)]
+    stored(m, keys)
+    new = 8 * TOKENS  # half of it stored: the run found is weighed against the whole prefill
+    m.note_request("r", new, 0)
+    tie = TOKENS / (CHUNK / 1e9)  # the prefill rate at which a chunk loads as fast as it computes
+
+    def plain(rate):
+        m.cost.prefill.seed_rate(rate, "test")
+        return m.cost.decide(new, 0, 4 * TOKENS).action
+
+    assert plain(tie * 1.2) == "compute"
+    assert scan(m, "r", keys) == [LookupResult.MISS]  # waiting: looked up again at the next step
+    assert plain(tie * 0.98) == "load"  # loading 2 % sooner: not enough to change the answer
+    assert scan(m, "r", keys) == [LookupResult.MISS]
+    assert "recompute kept" in m.advisor.last.reason
+    assert plain(tie * 0.8) == "load"  # 20 % sooner: it changes
+    assert scan(m, "r", keys) == [LookupResult.HIT] * 4
+    assert plain(tie * 1.02) == "compute"  # and back: computing 2 % sooner keeps the load
+    assert scan(m, "r", keys) == [LookupResult.HIT] * 4
+    assert "load kept" in m.advisor.last.reason
+    assert plain(tie * 1.2) == "compute"
+    assert scan(m, "r", keys)[0] is LookupResult.MISS

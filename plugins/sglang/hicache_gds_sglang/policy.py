@@ -14,7 +14,12 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   (keeping what was loaded) when the request could start on the GPU before its load ends and the
   load left takes longer than the compute the pages left would save; else wait;
 * **host pool** (``HiCacheController.prefetch_rate_limited``): prefetches may hold up to
-  `PolicyConfig.host_fraction` of the host pool (SGLang: half), the rest staying for write-back.
+  `PolicyConfig.host_fraction` of the host pool (SGLang: half), the rest staying for write-back;
+  a load is admitted only where the host pool can keep it (`_host_room`), and a finished load
+  stays with its prefetch while another request's chunked prefill runs (`_HOLD_MAX_S`);
+* **the log** says, per request: the decision and its estimates, when its load finished, and
+  what it held when it left the waiting queue (a load whose pages were evicted before the GPU
+  took the request shows there as "0 on host").
 
 Measured in the running server: the store's read rate (`HiCacheGDS.read_rate`, from its gets);
 the prefill cost, from the prefill batches the scheduler runs (``TpModelWorker.
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from hicache_gds import ConfigError, CostModel, PrefillModel, parse_size
+from hicache_gds.costmodel import Decision
 
 __all__ = ["POLICY", "SGLANG_POLICIES", "POLICY_KEYS", "PolicyConfig", "LoadOrCompute", "policy_of", "process_policies"]
 
@@ -64,6 +70,15 @@ _BACKLOG_TTL_S = 0.005  # one scheduler pass: the waiting queue's backlog is sum
 _LATE_FACTOR = 1.25
 _LATE_SLACK_S = 0.1
 _REEVAL_S = 0.02  # at most this often per load, late or not
+# A finished load becomes ordinary host-pool pages once SGLang inserts it into the radix tree, and
+# 0.5.17 inserts it whenever the scheduler reaches the request, schedulable or not. While another
+# request's chunked prefill fills every batch, the pages wait there unprotected, and that prefill's
+# write-through evicts them when the host pool is full: on the GPU machine a 32B burst recomputed
+# a prefix 4.5 s after loading it, twice: once evicted by the chunked prefill's own writes, once
+# by the prefill after it. So a finished load stays with its prefetch (its host memory SGLang's
+# own, not evictable) while another request's chunked prefill runs, for at most _HOLD_MAX_S; the
+# pass that schedules that prefill's last chunk finds the load released and can take it at once.
+_HOLD_MAX_S = 30.0
 
 
 def _positive(value: Any, key: str) -> float:
@@ -159,6 +174,29 @@ def _host_free(cache: Any) -> int | None:
         return None
 
 
+def _host_room(cache: Any) -> int | None:
+    """Host-pool tokens a new load can still get: free, plus host-only pages SGLang may evict
+    (evictable leaves), less what admitted loads will take once their L3 hit is known (SGLang
+    allocates then, and shortens or revokes a load it cannot fit). None where the release does
+    not say."""
+    free = _host_free(cache)
+    if free is None:
+        return None
+    evictable = 0
+    for node in list(getattr(cache, "evictable_host_leaves", ()) or ()):
+        hv = getattr(node, "host_value", None)
+        if getattr(node, "evicted", False) and not getattr(node, "host_ref_counter", 0) and hv is not None:
+            evictable += len(hv)
+    pending = 0
+    for entry in list(getattr(cache, "ongoing_prefetch", {}).values()):
+        op = _entry_op(entry)
+        if op is None or op.is_terminated() or getattr(op, "host_indices", None) is not None:
+            continue
+        hit = int(getattr(op, "storage_hit_count", 0) or 0)
+        pending += hit if hit or getattr(op, "hash_value", None) else _entry_key_len(entry)
+    return free + evictable - pending
+
+
 def _rid(x: Any) -> str:
     return str(getattr(x, "rid", x))
 
@@ -224,6 +262,8 @@ class LoadOrCompute:
         self._decided: dict[str, tuple[str, int, int, int]] = {}  # rid -> (action, new, held, hit)
         self._loads: dict[str, list[float]] = {}  # rid -> [admitted at, forecast IO s, kept seen, last look]
         self._pending: deque[tuple[Any, Any, list[int], list[int], float, float]] = deque(maxlen=256)
+        self._queued: dict[str, list[Any]] = {}  # rid -> [request, first seen, last seen] in the waiting queue
+        self._held: dict[str, float] = {}  # rid -> since when its finished load is held (`_HOLD_MAX_S`)
         self._lock = threading.Lock()
         self._backlog: tuple[tuple, dict[str, float], float] | None = None
         self.counts: Counter[str] = Counter()
@@ -346,14 +386,39 @@ class LoadOrCompute:
             live.add(rid)
             ahead[rid] = acc
             acc += self._compute(model, rid, req)
+            if rid in self._decided:
+                q = self._queued.get(rid)
+                if q is None:
+                    self._queued[rid] = [req, now, now]
+                else:
+                    q[2] = now
         ahead[""] = acc
         loading = self._loading_rids(cache)
         for rid in [r for r in self._decided if r not in live and r not in loading]:
+            self._left_queue(rid)
             del self._decided[rid]
         for rid in [r for r in self._loads if r not in loading]:
             del self._loads[rid]
+        for rid in [r for r in self._held if r not in loading]:
+            del self._held[rid]
         self._backlog = (key, ahead, now)
         return ahead, acc
+
+    def _left_queue(self, rid: str) -> None:
+        """A decided request left the waiting queue (scheduled, or aborted): one INFO line with
+        what it held then against what was decided, so a log shows a load whose pages did not
+        survive until the GPU took the request (evicted from the host pool, revoked)."""
+        queued = self._queued.pop(rid, None)
+        if queued is None:
+            return
+        req, since, last = queued
+        action, new, held, hit = self._decided[rid]
+        pi = getattr(req, "prefix_indices", None)
+        on_gpu = getattr(req, "prefix_len", None)
+        on_gpu = on_gpu if isinstance(on_gpu, int) else (0 if pi is None else len(pi))
+        log.info("hicache-gds policy: %s left the queue after %.3f s holding %d tokens (%d on host) of %d new; "
+                 "decided %s with %d in L3", rid, last - since, on_gpu, int(getattr(req, "host_hit_length", 0) or 0),
+                 new, action, hit)
 
     @staticmethod
     def _loading_rids(cache: Any) -> set[str]:
@@ -401,6 +466,11 @@ class LoadOrCompute:
         _, g = self.gpu_backlog(cache, model)
         _, d = self.disk_backlog(cache, model, backend)
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d)
+        room = _host_room(cache)
+        if dec.load and room is not None and hit > room:
+            # SGLang would shorten or revoke it once the hit is known: the disk reads what the
+            # host pool cannot keep, and the request is recomputed after waiting for it.
+            dec = Decision("compute", dec.t_load, dec.t_compute, f"the host pool has room for {max(0, room)} tokens")
         self._decided[rid] = (dec.action, new, held, hit)
         if dec.load:
             io = model.predict_load(hit * model.bytes_per_token, d)
@@ -429,9 +499,16 @@ class LoadOrCompute:
         done = bool(hv) and getattr(operation, "host_indices", None) is not None and \
             int(operation.completed_tokens) >= len(hv) * ps
         if done:
+            rid = _rid(getattr(operation, "request_id", ""))
+            w = self._loads.pop(rid, None)  # once: 0.5.23 asks again until the load is acknowledged
+            if w is not None:
+                host_free = _host_free(cache)
+                log.info("hicache-gds policy: %s load done: %d tokens in %.3f s (forecast %.3f s); host pool %s tokens "
+                         "free", rid, int(operation.completed_tokens), time.monotonic() - w[0], w[1],
+                         "?" if host_free is None else host_free)
             # 0.5.23 settles a finished load through its acknowledgements (as for wait_complete);
-            # 0.5.17 finishes it here.
-            return not hasattr(cache, "_handle_prefetch_result")
+            # 0.5.17 finishes it here, unless it is held (`_HOLD_MAX_S`).
+            return not hasattr(cache, "_handle_prefetch_result") and not self._hold(cache, rid)
         if model is None:
             return False
         self.poll()
@@ -457,6 +534,25 @@ class LoadOrCompute:
             log.info("hicache-gds policy: %s stop after %d of %d tokens (load left %.3f s, compute %.3f s; %s)", rid,
                      kept, hit, dec.t_load, dec.t_compute, dec.reason)
         return dec.action == "stop"
+
+    def _hold(self, cache: Any, rid: str) -> bool:
+        """Whether the finished load of `rid` stays with its prefetch for now (`_HOLD_MAX_S`): a
+        chunked prefill of another request fills the batches, so the request could not be
+        scheduled, and its pages, once inserted, would wait evictable."""
+        sched = self.scheduler()
+        chunked = getattr(sched, "chunked_req", None) if sched is not None else None
+        now = time.monotonic()
+        since = self._held.get(rid)
+        hold = chunked is not None and _rid(chunked) != rid and (since is None or now - since < _HOLD_MAX_S)
+        if hold and since is None:
+            self._held[rid] = now
+            self.counts["hold"] += 1
+            log.info("hicache-gds policy: %s load held: a chunked prefill (%s) runs; host pool %s tokens free", rid,
+                     _rid(chunked), _host_free(cache))
+        elif not hold and since is not None:
+            del self._held[rid]
+            log.info("hicache-gds policy: %s load released after %.3f s", rid, now - since)
+        return hold
 
     def _look_again(self, rid: str, kept: int) -> bool:
         """Whether the load of `rid` is re-decided now (see `_LATE_FACTOR`): its kept pages grew

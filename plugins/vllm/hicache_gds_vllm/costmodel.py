@@ -79,15 +79,17 @@ class RunJudge:
     decision: Decision | None = None
 
     def judge(self, model: CostModel, *, new: int, prefix: int, chunk_tokens: int, gpu_backlog: float,
-              disk_backlog: float, behind: int = 0) -> str:
+              disk_backlog: float, behind: int = 0, previous: str = "") -> str:
         """"hit", "miss" or "defer" for the chunk just found (the `run`-th of this scan); `behind`:
-        requests waiting behind this one for the GPU (`for_the_queue`)."""
+        requests waiting behind this one for the GPU (`for_the_queue`); `previous`: the answer of
+        this request's last scan, kept near a tie (`sticky`)."""
         if self.answer:
             return self.answer
         kw = {"gpu_backlog": gpu_backlog, "disk_backlog": disk_backlog}
         if self.seen is not None:
-            self.decision = for_the_queue(model.decide(new, prefix, min(self.seen * chunk_tokens, new), **kw),
-                                          behind, gpu_backlog)
+            hit = min(self.seen * chunk_tokens, new)
+            d = for_the_queue(model.decide(new, prefix, hit, **kw), behind, gpu_backlog)
+            self.decision = sticky(d, previous, model.stop_margin * (model.predict_compute(hit, prefix) or 0.0))
             self.answer = "hit" if self.decision.load else "miss"
             return self.answer
         one = model.decide(new, prefix, min(chunk_tokens, new), **kw)
@@ -98,6 +100,23 @@ class RunJudge:
         self.decision = best
         self.answer = "defer" if best.load else "miss"
         return self.answer
+
+
+def sticky(d: Decision, previous: str, margin_s: float) -> Decision:
+    """`d`, or the answer a waiting request got at its last scan ("hit": load, "miss": compute)
+    where `d` beats that answer by no more than `margin_s` seconds (the caller's: the model's
+    `stop_margin` of the compute the run would save, so a short run is judged on its own scale).
+
+    A request that waits is looked up again every step, on estimates that move a little with
+    every batch; near a tie (1.947 s against 1.949 s) the answer alternated between load and
+    recompute from one step to the next."""
+    if math.isnan(d.t_load) or math.isnan(d.t_compute):
+        return d
+    if previous == "hit" and not d.load and d.t_load - d.t_compute <= margin_s:
+        return Decision("load", d.t_load, d.t_compute, f"load kept: computing is not {margin_s:.3f} s sooner")
+    if previous == "miss" and d.load and d.t_compute - d.t_load <= margin_s:
+        return Decision("compute", d.t_load, d.t_compute, f"recompute kept: loading is not {margin_s:.3f} s sooner")
+    return d
 
 
 def for_the_queue(d: Decision, behind: int, gpu_backlog: float) -> Decision:
@@ -259,7 +278,7 @@ class Advisor:
         first = not s.answer
         answer = s.judge(self.model, new=max(new, ct), prefix=prefix, chunk_tokens=ct,
                          gpu_backlog=self.gpu_backlog(req_id), disk_backlog=self.disk_backlog(),
-                         behind=self.behind(req_id))
+                         behind=self.behind(req_id), previous=self._said.get(req_id, ("", ""))[0])
         if first:
             self.last = s.decision
             if answer == "miss":
