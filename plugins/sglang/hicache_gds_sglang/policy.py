@@ -45,11 +45,10 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from hicache_gds import ConfigError, CostModel, PrefillModel, parse_size
-from hicache_gds.costmodel import Decision
 
 __all__ = ["POLICY", "SGLANG_POLICIES", "POLICY_KEYS", "PolicyConfig", "LoadOrCompute", "policy_of", "process_policies"]
 
@@ -470,7 +469,7 @@ class LoadOrCompute:
         if dec.load and room is not None and hit > room:
             # SGLang would shorten or revoke it once the hit is known: the disk reads what the
             # host pool cannot keep, and the request is recomputed after waiting for it.
-            dec = Decision("compute", dec.t_load, dec.t_compute, f"the host pool has room for {max(0, room)} tokens")
+            dec = replace(dec, action="compute", reason=f"the host pool has room for {max(0, room)} tokens")
         self._decided[rid] = (dec.action, new, held, hit)
         if dec.load:
             io = model.predict_load(hit * model.bytes_per_token, d)
