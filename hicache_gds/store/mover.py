@@ -54,9 +54,10 @@ _MIN_DIRECT_SEGMENT = 128 << 10  # smaller segments are gathered into one aligne
 # The share is measured on reads posted all at once only (a window hides the blocking it is there
 # for, and judging by windowed reads flipped a blocking device back and forth); a windowed mover
 # posts every _WINDOW_PROBE_EVERY-th read all at once to notice a device that stopped blocking.
-# Movers of one engine on the same devices share what they measured (`_DEVICE_POST_SHARE`): a store opened again
-# in the process (SGLang's runtime backend switch, another namespace) starts from it, where its
-# first get, posted all at once on a blocking device, verified every page after all of the IO.
+# Movers of one engine on the same devices share what they measured (`_DEVICE_POST_SHARE`): a
+# store opened again in the process (SGLang's runtime backend switch, another namespace) starts
+# from it, where its first get, posted all at once on a blocking device, verified every page after
+# all of the IO.
 _BLOCKING_POST_SHARE = 0.5
 _READ_WINDOW_BYTES = 512 << 20
 _READ_WINDOW_MIN = 2

@@ -153,6 +153,13 @@ def _entry_key_len(entry: Any) -> int:
     return len(key if key is not None else entry[1])
 
 
+def _entry_hit(entry: Any, op: Any) -> int:
+    """Tokens of L3 hit an ``ongoing_prefetch`` entry will load: at most its key while the
+    storage query has not answered."""
+    hit = int(getattr(op, "storage_hit_count", 0) or 0)
+    return hit if hit or getattr(op, "hash_value", None) else _entry_key_len(entry)
+
+
 def _req_work(req: Any) -> tuple[int, int]:
     """(tokens left to prefill, tokens already held) of a queued request, from its last match."""
     total = len(getattr(req, "origin_input_ids", None) or ()) + len(getattr(req, "output_ids", None) or ())
@@ -191,8 +198,7 @@ def _host_room(cache: Any) -> int | None:
         op = _entry_op(entry)
         if op is None or op.is_terminated() or getattr(op, "host_indices", None) is not None:
             continue
-        hit = int(getattr(op, "storage_hit_count", 0) or 0)
-        pending += hit if hit or getattr(op, "hash_value", None) else _entry_key_len(entry)
+        pending += _entry_hit(entry, op)
     return free + evictable - pending
 
 
@@ -433,9 +439,7 @@ class LoadOrCompute:
             op = _entry_op(entry)
             if op is None or op.is_terminated():
                 continue
-            hit = int(getattr(op, "storage_hit_count", 0) or 0)
-            if not hit and not getattr(op, "hash_value", None):
-                hit = _entry_key_len(entry)  # the storage query has not answered yet: at most the key
+            hit = _entry_hit(entry, op)
             kept = int(getattr(op, "completed_tokens", 0) or 0)
             fetched = kept + backend.read_progress(getattr(op, "host_indices", None)) * ps
             rem = max(0, hit - fetched)
