@@ -191,6 +191,16 @@ class PageMover:
         self._post_share = share if self._post_share is None else 0.5 * self._post_share + 0.5 * share
         _DEVICE_POST_SHARE[self._device_key()] = self._post_share
 
+    def _stats_base(self) -> dict[str, Any]:
+        """What `PageStore.stats` and `PageReader.stats` both report first: the counters and
+        histograms, the engine that ran and why, how reads post, and the namespace's shape."""
+        out = self._stats.snapshot()
+        out.update(self.engine.info())
+        out.update(self._posting())
+        out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
+                   page_bytes=self.page_bytes, slot_bytes=self.slot_bytes)
+        return out
+
     def _posting(self) -> dict[str, Any]:
         """How reads post their requests now (`stats()`): the share of their time spent posting,
         and whether reads of host pages post within a window (posting blocks on this device)."""

@@ -341,14 +341,12 @@ class PageStore(PageMover, Store):
         `index_recovery_s`: index open until lookups were served; `index_loaded_s`: until its
         in-memory map was in place and writes could proceed (None while it loads in the
         background); `staging_held_bytes`: staging kept from reuse by requests that timed out."""
-        out = self._stats.snapshot()
-        out.update(self.engine.info())
-        out.update(self._posting())
-        out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
-                   page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, index_recovery_s=self.index.recovery_s,
-                   index_loaded_s=self.index.loaded_s, staging_held_bytes=self._staging.held_bytes())
+        out = self._stats_base()
+        out.update(index_recovery_s=self.index.recovery_s, index_loaded_s=self.index.loaded_s,
+                   staging_held_bytes=self._staging.held_bytes())
         out.update(self.index.stats())
         return out
+
     def _teardown(self) -> None:
         keep: list[int] = []
         try:

@@ -266,11 +266,8 @@ class PageReader(PageMover, Store):
     # -- the rest --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters, latency histograms, the engine and the path that ran, and the writer's page count now."""
-        out = self._stats.snapshot()
-        out.update(self.engine.info())
-        out.update(self._posting())
-        out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
-                   page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, read_only=True)
+        out = self._stats_base()
+        out.update(read_only=True)
         out.update(self.index.stats())
         return out
 
