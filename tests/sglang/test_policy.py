@@ -467,40 +467,99 @@ def test_a_finished_load_is_settled_as_each_release_does(gds_dir):
         b.close()
 
 
-def test_a_finished_load_waits_with_its_prefetch_while_a_chunked_prefill_would_evict_it(gds_dir, caplog):
+def _tree(cache, ctl, host_free: int = 128):
+    """0.5.17's radix tree state on a constructor-less HiRadixCache: its root as ``reset`` builds
+    it, the host pool's free/evict calls, one rank, no events."""
+    from sglang.srt.mem_cache.evict_policy import LRUStrategy
+    root = TreeNode(priority=-sys.maxsize)
+    root.key, root.value, root.host_value, root.lock_ref, root.hash_value = RadixKey([]), [], [], 1, []
+    cache.root_node, cache.evictable_leaves, cache.evictable_host_leaves = root, set(), set()
+    cache.eviction_strategy, cache.enable_kv_cache_events, cache.enable_storage_metrics = LRUStrategy(), False, False
+    cache.attn_cp_group = cache.attn_tp_group = None
+    cache.tp_world_size, cache.prefetch_loaded_tokens_by_reqid = 1, {}
+    freed: list[int] = []
+    ctl.mem_pool_host.available_size = lambda: host_free
+    ctl.mem_pool_host.free = lambda idx: freed.append(len(idx)) or len(idx)
+    ctl.mem_pool_host.page_size = PS
+    ctl.host_mem_release_queue = queue.Queue()
+    return root, freed
+
+
+def test_a_finished_load_keeps_its_host_pages_until_the_gpu_takes_the_request(gds_dir, caplog):
     """0.5.17 inserts a finished load into the tree when the scheduler reaches the request, even
-    while another request's chunked prefill fills the batch; the pages then sit evictable and the
+    when the batch cannot take it; the pages then sit as evictable host-only leaves, and other
     prefills' write-through evicts them when the host pool is full (a 32B burst on the GPU machine
-    recomputed such prefixes). The policy keeps the load with its prefetch while another request's
-    chunked prefill runs, and lets it go once that prefill is done or `_HOLD_MAX_S` passed."""
+    read prefixes from disk, then recomputed them). With the policy the inserted pages survive
+    SGLang's own host eviction until the request leaves the waiting queue, or `_PROTECT_MAX_S`;
+    without it (SGLang's policy) the same eviction takes them at once."""
     if V23:
-        pytest.skip("0.5.23 settles a finished load through its acknowledgements, not this answer")
+        pytest.skip("0.5.23 settles a finished load through its acknowledgements into its tree core")
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
     try:
         cache, ctl, pol = make_cache(b)
-        ctl.mem_pool_host.available_size = lambda: 4800
+        root, freed = _tree(cache, ctl)
+        waiting = req("loaded", 8192 + 512)
+        sched = cache._test_scheduler
+        sched.waiting_queue, sched.tree_cache = [waiting], cache
         op = in_flight(cache, b, "loaded", 8192, kept=8192)
-        long = req("long", 22848)
-        long.prefix_indices = list(range(8192))  # one chunk of it prefilled, 14656 tokens left
-        cache._test_scheduler.chunked_req = long
-        stop = getattr(CACHE, STOP)
+        cache.ongoing_prefetch["loaded"] = (root, RadixKey(list(range(8192))), op)
+        root.protect_host()  # as prefetch_from_storage does for the node a prefetch hangs under
+        ctl.prefetch_tokens_occupied = 8192
         with caplog.at_level(logging.INFO, logger="hicache_gds_sglang"):
-            assert hooks.around_can_terminate(stop, cache, op) is False  # held
-            assert hooks.around_can_terminate(stop, cache, op) is False
-            assert pol.counts["hold"] == 1
-            cache._test_scheduler.chunked_req = None  # the chunked prefill ended: let it go
-            assert hooks.around_can_terminate(stop, cache, op) is True
-        said = [r.getMessage() for r in caplog.records]
-        assert any("loaded load held" in m and "(long)" in m for m in said)
-        assert any("loaded load released after" in m for m in said)
+            assert hooks.around_check_progress(CACHE.check_prefetch_progress, cache, "loaded") is True
+            assert "loaded" not in cache.ongoing_prefetch and root.host_ref_counter == 0  # SGLang settled it
+            node = cache._match_prefix_helper(root, RadixKey(list(range(8192))))[1]
+            assert node is not root and len(node.host_value) == 8192 and node in cache.evictable_host_leaves
+            assert node.host_value.tolist() == list(range(1000, 1000 + 8192))  # the pages the load read into
+            assert sum(freed) == 0  # none of them were there already
 
-        cache._test_scheduler.chunked_req = long
-        op3 = in_flight(cache, b, "third", 8192, kept=8192)
-        assert hooks.around_can_terminate(stop, cache, op3) is False
-        pol._held["third"] -= policy._HOLD_MAX_S  # held too long: never starved
-        assert hooks.around_can_terminate(stop, cache, op3) is True
-        op4 = in_flight(cache, b, "long", 8192, kept=8192)  # the chunked request itself is never held
-        assert hooks.around_can_terminate(stop, cache, op4) is True
+            cache.evict_host(8192)  # another prefill's write-through, host pool full
+            hooks.after_new_prefill_batch(None, sched)  # a batch without it: still waiting
+            cache.evict_host(8192)
+            assert sum(freed) == 0 and cache._match_prefix_helper(root, RadixKey(list(range(8192))))[1] is node
+
+            sched.waiting_queue = []  # the scheduler took it (its load back holds the pages now)
+            hooks.after_new_prefill_batch(None, sched)
+            assert node.host_ref_counter == 0 and pol.counts["protect"] == 1
+            cache.evict_host(8192)
+            assert sum(freed) == 8192 and cache._match_prefix_helper(root, RadixKey(list(range(8192))))[1] is root
+        said = [r.getMessage() for r in caplog.records]
+        assert any("loaded load of 8192 tokens protected on host" in m for m in said)
+        assert any("loaded host protection of 8192 tokens released" in m and "left the waiting queue" in m
+                   for m in said)
+
+        # a request that never leaves the queue cannot pin host memory
+        op2 = in_flight(cache, b, "stuck", 4096, kept=4096)
+        key2 = RadixKey(list(range(50000, 54096)))
+        cache.ongoing_prefetch["stuck"] = (root, key2, op2)
+        root.protect_host()
+        sched.waiting_queue = [req("stuck", 5000)]
+        hooks.around_check_progress(CACHE.check_prefetch_progress, cache, "stuck")
+        node2 = cache._match_prefix_helper(root, key2)[1]
+        assert node2.host_ref_counter == 1
+        node_, since, n = pol._protected["stuck"]
+        pol._protected["stuck"] = (node_, since - policy._PROTECT_MAX_S - 1, n)
+        hooks.after_new_prefill_batch(None, sched)
+        assert node2.host_ref_counter == 0 and "stuck" not in pol._protected
+    finally:
+        b.close()
+
+
+def test_without_the_policy_a_finished_load_is_left_to_sglangs_eviction(gds_dir):
+    if V23:
+        pytest.skip("0.5.23 settles a finished load through its acknowledgements into its tree core")
+    b, _ = open_backend(gds_dir)
+    try:
+        cache, ctl, pol = make_cache(b, stop_policy="wait_complete")
+        root, freed = _tree(cache, ctl)
+        op = in_flight(cache, b, "loaded", 8192, kept=8192)
+        op.mark_terminate()
+        cache.ongoing_prefetch["loaded"] = (root, RadixKey(list(range(8192))), op)
+        root.protect_host()
+        assert hooks.around_check_progress(CACHE.check_prefetch_progress, cache, "loaded") is True
+        assert pol.counts["protect"] == 0 and not pol._protected
+        cache.evict_host(8192)
+        assert sum(freed) == 8192
     finally:
         b.close()
 
@@ -659,6 +718,12 @@ _REGISTER = textwrap.dedent("""
         assert hasattr(getattr(cls, m), "__wrapped__"), m
     from sglang.srt.managers.cache_controller import HiCacheController
     assert hasattr(HiCacheController.prefetch_rate_limited, "__wrapped__")
+    # 0.5.17: a finished load's host pages protected until scheduled, where the scheduler imports
+    # (here it needs the server's packages: the hooks themselves are tested with the cache's classes)
+    batch = plugin._resolve(plugin._PROTECT[1])
+    protects = cls.__name__ == "HiRadixCache" and batch is not None
+    assert hasattr(cls.check_prefetch_progress, "__wrapped__") is protects
+    assert batch is None or hasattr(batch, "__wrapped__") is protects
     print("POLICY-OK", cls.__name__)
 """)
 

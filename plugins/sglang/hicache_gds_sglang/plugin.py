@@ -33,7 +33,10 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    ``--hicache-storage-prefetch-policy`` gets the choice, and it becomes the default;
 6. where they import: ``Scheduler._prefetch_kvcache`` (the waiting queue, the request admitted)
    and ``TpModelWorker.forward_batch_generation`` (prefill batches timed). Without them the
-   policy runs on its seeds and the disk queue alone, and says so once.
+   policy runs on its seeds and the disk queue alone, and says so once;
+7. 0.5.17's ``HiRadixCache.check_prefetch_progress`` (AROUND: a finished load's host pages are
+   protected from eviction once inserted) and ``Scheduler.get_new_batch_prefill`` (AFTER: the
+   protection ends when the request leaves the waiting queue).
 
 Caches without those points (0.5.17's hybrid-model caches) keep SGLang's policy: the name turns
 into SGLang's default there.
@@ -76,6 +79,11 @@ _SETTLE_CACHES = {
 }
 _OPTIONAL = ("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache",
              "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation")
+# 0.5.17 inserts a finished load into the tree whenever the scheduler reaches its request: the
+# policy protects those host pages there until the scheduler takes the request (0.5.23 settles
+# loads through acknowledgements into its tree core: not hooked there).
+_PROTECT = ("sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_progress",
+            "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill")
 _registered = False
 _policy_ready = False
 
@@ -210,8 +218,8 @@ def _register_policy(registry: Any, hook_type: Any) -> None:
     full = []
     for path, (init, stop) in _POLICY_CACHES.items():
         cls = _resolve(path)
-        if isinstance(cls, type) is not None and all(callable(getattr(cls, m, None)) for m in (init, stop, "prefetch_from_storage",
-                                                                             "attach_storage_backend")):
+        if isinstance(cls, type) and all(callable(getattr(cls, m, None))
+                                         for m in (init, stop, "prefetch_from_storage", "attach_storage_backend")):
             full.append((path, cls, init, stop))
     if not full or _resolve(_RATE) is None:
         log.info("hicache-gds: this SGLang has none of the prefetch decision points the %s policy hooks; SGLang's "
@@ -241,4 +249,9 @@ def _register_policy(registry: Any, hook_type: Any) -> None:
     if missing:
         log.warning("hicache-gds: %s cannot be hooked here; the %s policy runs on its seeds and the disk queue",
                     ", ".join(missing), policy.POLICY)
+    check, batch = (_resolve(p) for p in _PROTECT)
+    cache_cls = _resolve(_PROTECT[0].rsplit(".", 1)[0])
+    if check is not None and batch is not None and callable(getattr(cache_cls, "_match_prefix_helper", None)):
+        registry.register(_PROTECT[0], hooks.around_check_progress, hook_type.AROUND)
+        registry.register(_PROTECT[1], hooks.after_new_prefill_batch, hook_type.AFTER)
     _policy_ready = True

@@ -15,8 +15,10 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   load left takes longer than the compute the pages left would save; else wait;
 * **host pool** (``HiCacheController.prefetch_rate_limited``): prefetches may hold up to
   `PolicyConfig.host_fraction` of the host pool (SGLang: half), the rest staying for write-back;
-  a load is admitted only where the host pool can keep it (`_host_room`), and a finished load
-  stays with its prefetch while another request's chunked prefill runs (`_HOLD_MAX_S`);
+  a load is admitted only where the host pool can keep it (`_host_room`), and a finished load's
+  host pages are protected from eviction until its request leaves the waiting queue (0.5.17's
+  ``check_prefetch_progress``, released after ``Scheduler.get_new_batch_prefill``;
+  `_PROTECT_MAX_S`);
 * **the log** says, per request: the decision and its estimates, when its load finished, and
   what it held when it left the waiting queue (a load whose pages were evicted before the GPU
   took the request shows there as "0 on host").
@@ -70,14 +72,17 @@ _LATE_FACTOR = 1.25
 _LATE_SLACK_S = 0.1
 _REEVAL_S = 0.02  # at most this often per load, late or not
 # A finished load becomes ordinary host-pool pages once SGLang inserts it into the radix tree, and
-# 0.5.17 inserts it whenever the scheduler reaches the request, schedulable or not. While another
-# request's chunked prefill fills every batch, the pages wait there unprotected, and that prefill's
-# write-through evicts them when the host pool is full: on the GPU machine a 32B burst recomputed
-# a prefix 4.5 s after loading it, twice: once evicted by the chunked prefill's own writes, once
-# by the prefill after it. So a finished load stays with its prefetch (its host memory SGLang's
-# own, not evictable) while another request's chunked prefill runs, for at most _HOLD_MAX_S; the
-# pass that schedules that prefill's last chunk finds the load released and can take it at once.
-_HOLD_MAX_S = 30.0
+# 0.5.17 inserts it whenever the scheduler reaches the request, schedulable or not. While other
+# requests' prefills fill the batches, the pages wait there as evictable host-only leaves, and
+# those prefills' write-through evicts them when the host pool is full: on the GPU machine a 32B
+# burst read a prefix from disk, then found "0 on host" when the GPU took it and recomputed it.
+# So the deepest node a finished load inserted is protected (SGLang's own host_ref_counter, which
+# `evict_host` and the write-back drop respect; a protected leaf keeps its ancestors as well, as
+# only leaves are evicted) until the request leaves the waiting queue (its load back to the GPU
+# then holds the pages), and for at most _PROTECT_MAX_S, so a request that never runs cannot pin
+# host memory. The prefills' write-through then finds less room: their host backup is what gives
+# way, not a load the GPU is about to use.
+_PROTECT_MAX_S = 60.0
 
 
 def _positive(value: Any, key: str) -> float:
@@ -268,7 +273,7 @@ class LoadOrCompute:
         self._loads: dict[str, list[float]] = {}  # rid -> [admitted at, forecast IO s, kept seen, last look]
         self._pending: deque[tuple[Any, Any, list[int], list[int], float, float]] = deque(maxlen=256)
         self._queued: dict[str, list[Any]] = {}  # rid -> [request, first seen, last seen] in the waiting queue
-        self._held: dict[str, float] = {}  # rid -> since when its finished load is held (`_HOLD_MAX_S`)
+        self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
         self._lock = threading.Lock()
         self._backlog: tuple[tuple, dict[str, float], float] | None = None
         self.counts: Counter[str] = Counter()
@@ -398,14 +403,13 @@ class LoadOrCompute:
                 else:
                     q[2] = now
         ahead[""] = acc
+        self.release_protected(queue)
         loading = self._loading_rids(cache)
         for rid in [r for r in self._decided if r not in live and r not in loading]:
             self._left_queue(rid)
             del self._decided[rid]
         for rid in [r for r in self._loads if r not in loading]:
             del self._loads[rid]
-        for rid in [r for r in self._held if r not in loading]:
-            del self._held[rid]
         self._backlog = (key, ahead, now)
         return ahead, acc
 
@@ -510,8 +514,8 @@ class LoadOrCompute:
                          "free", rid, int(operation.completed_tokens), time.monotonic() - w[0], w[1],
                          "?" if host_free is None else host_free)
             # 0.5.23 settles a finished load through its acknowledgements (as for wait_complete);
-            # 0.5.17 finishes it here, unless it is held (`_HOLD_MAX_S`).
-            return not hasattr(cache, "_handle_prefetch_result") and not self._hold(cache, rid)
+            # 0.5.17 finishes it here, and its pages are then protected (`protect`).
+            return not hasattr(cache, "_handle_prefetch_result")
         if model is None:
             return False
         self.poll()
@@ -538,24 +542,41 @@ class LoadOrCompute:
                      kept, hit, dec.t_load, dec.t_compute, dec.reason)
         return dec.action == "stop"
 
-    def _hold(self, cache: Any, rid: str) -> bool:
-        """Whether the finished load of `rid` stays with its prefetch for now (`_HOLD_MAX_S`): a
-        chunked prefill of another request fills the batches, so the request could not be
-        scheduled, and its pages, once inserted, would wait evictable."""
-        sched = self.scheduler()
-        chunked = getattr(sched, "chunked_req", None) if sched is not None else None
+    def protect(self, cache: Any, rid: str, entry: Any) -> None:
+        """0.5.17 just inserted the finished load of `rid` (its ``ongoing_prefetch`` `entry`: the
+        node it hangs under, its key, its operation) into the tree: protect the deepest node it
+        reached until the request leaves the waiting queue (`_PROTECT_MAX_S`)."""
+        last_host_node, key, op = entry
+        ps = max(1, int(getattr(cache, "page_size", 1) or 1))
+        usable = int(getattr(op, "completed_tokens", 0) or 0) // ps * ps
+        if getattr(op, "host_indices", None) is None or usable <= 0 or rid in self._protected:
+            return
+        _, node = cache._match_prefix_helper(last_host_node, key[:usable])
+        if node is last_host_node or getattr(node, "host_value", None) is None:
+            return  # nothing of it is in the tree (dropped, or all of it was there already)
+        node.protect_host()
+        self._protected[rid] = (node, time.monotonic(), usable)
+        self.counts["protect"] += 1
+        log.info("hicache-gds policy: %s load of %d tokens protected on host until the GPU takes it; host pool %s "
+                 "tokens free", rid, usable, _host_free(cache))
+
+    def release_protected(self, waiting: Any) -> None:
+        """Release the protection of every loaded request no longer in `waiting` (the scheduler's
+        waiting queue: scheduled, whose load back holds the pages now, or aborted), or protected
+        for longer than `_PROTECT_MAX_S`."""
+        if not self._protected:
+            return
         now = time.monotonic()
-        since = self._held.get(rid)
-        hold = chunked is not None and _rid(chunked) != rid and (since is None or now - since < _HOLD_MAX_S)
-        if hold and since is None:
-            self._held[rid] = now
-            self.counts["hold"] += 1
-            log.info("hicache-gds policy: %s load held: a chunked prefill (%s) runs; host pool %s tokens free", rid,
-                     _rid(chunked), _host_free(cache))
-        elif not hold and since is not None:
-            del self._held[rid]
-            log.info("hicache-gds policy: %s load released after %.3f s", rid, now - since)
-        return hold
+        queued = {_rid(r) for r in (waiting or ())}
+        for rid, (node, since, tokens) in list(self._protected.items()):
+            late = now - since > _PROTECT_MAX_S
+            if rid in queued and not late:
+                continue
+            del self._protected[rid]
+            if getattr(node, "host_ref_counter", 0) > 0:  # a tree reset may have dropped the node's state
+                node.release_host()
+            log.info("hicache-gds policy: %s host protection of %d tokens released after %.3f s (%s)", rid, tokens,
+                     now - since, "still waiting: held too long" if late else "left the waiting queue")
 
     def _look_again(self, rid: str, kept: int) -> bool:
         """Whether the load of `rid` is re-decided now (see `_LATE_FACTOR`): its kept pages grew

@@ -15,11 +15,12 @@ from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
-from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _backend, _once, policy_of,  # noqa: F401
+from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _backend, _once, _rid, policy_of,  # noqa: F401
                      process_policies)
 
-__all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_rate_limited",
-           "around_prefetch_kvcache", "around_forward", "publish_metrics"]
+__all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
+           "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch", "around_forward",
+           "publish_metrics"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -176,6 +177,34 @@ def around_can_terminate(original: Any, cache: Any, operation: Any, *args: Any, 
         if b is not None:  # the rest of its reads: skipped, and the one in flight cut short
             b.cancel_read(getattr(operation, "host_indices", None))
     return stop
+
+
+def around_check_progress(original: Any, cache: Any, req_id: Any, *args: Any, **kwargs: Any) -> Any:
+    """0.5.17's ``HiRadixCache.check_prefetch_progress``: a load it finishes (inserts into the
+    tree) has its host pages protected until the request leaves the waiting queue
+    (`LoadOrCompute.protect`)."""
+    pol = policy_of(cache)
+    entry = cache.ongoing_prefetch.get(req_id) if pol is not None else None
+    done = original(cache, req_id, *args, **kwargs)
+    if entry is not None and done and req_id not in cache.ongoing_prefetch:
+        try:
+            pol.protect(cache, _rid(req_id), entry)
+        except Exception as exc:  # noqa: BLE001 -- unprotected pages are SGLang's behaviour
+            _once("protect", "hicache-gds policy: a finished load's host pages not protected (%s: %s)",
+                  type(exc).__name__, exc)
+    return done
+
+
+def after_new_prefill_batch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """``Scheduler.get_new_batch_prefill``: requests it took from the waiting queue hold their
+    loaded pages through their load back now; their host protection ends here."""
+    pol = getattr(getattr(scheduler, "tree_cache", None), "_hgds_policy", None)
+    if pol is not None and pol._protected:
+        try:
+            pol.release_protected(getattr(scheduler, "waiting_queue", None))
+        except Exception as exc:  # noqa: BLE001
+            _once("release", "hicache-gds policy: host protection not released (%s: %s)", type(exc).__name__, exc)
+    return None
 
 
 def around_rate_limited(original: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
