@@ -6,13 +6,13 @@ read-only, `TieredStore` with a remote tier, `JoinedStore` for lookups and lease
 describes where pages live in memory. Any number of processes open one namespace and share it.
 The rest are the helpers adapters share: memory (`HostBuffer`, `view`, `align_up`), sizes
 (`parse_size`, `default_budget`), the load-or-compute model (`CostModel`, `PrefillModel`,
-`ReadRate` and their persisted state) and namespace directories (`prepare_root`, `private_dir`).
+`ReadRate`, `LoadPace` and their persisted state) and namespace directories (`prepare_root`, `private_dir`).
 """
 
 from .slabs.capacity import default_budget
 from .config import Config, parse_size
 from .costmodel import STATE_FILE as COST_STATE_FILE
-from .costmodel import CostModel, Decision, PrefillModel, ReadRate, load_state, save_state
+from .costmodel import CostModel, Decision, LoadPace, PrefillModel, ReadRate, load_state, save_state
 from .engines.base import MemKind, Op
 from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSError, ReadOnlyError, RegionError,
                      StoreClosedError, StoreFullError, StoreLockedError, TransferError, TransferTimeout)
@@ -31,7 +31,7 @@ __all__ = [
     "Config", "MemKind", "Op", "Pages", "namespace_created", "namespace_id", "namespace_location",
     "page_bytes_for", "read_keys",
     "HostBuffer", "align_up", "view", "parse_size", "default_budget", "prepare_root", "private_dir",
-    "METRICS", "Counters", "metric_values", "CostModel", "Decision", "PrefillModel", "ReadRate", "COST_STATE_FILE", "load_state", "save_state",
+    "METRICS", "Counters", "metric_values", "CostModel", "Decision", "LoadPace", "PrefillModel", "ReadRate", "COST_STATE_FILE", "load_state", "save_state",
     "HiCacheGDSError", "ConfigError", "EngineUnavailable", "GDSUnavailable", "ReadOnlyError", "RegionError",
     "StoreClosedError", "StoreFullError", "StoreLockedError", "TransferError", "TransferTimeout", "__version__",
 ]

@@ -33,6 +33,11 @@ of the hit is the optimum, never a part. In a burst, each request goes to the qu
 finishes it first, so the disk and the GPU work at once on different requests, and the makespan
 approaches ``W / (R/B + P)`` tokens for ``W`` tokens at prefill rate ``P``.
 
+Loads run slower under an engine than its gets alone say (the engine's IO thread waits for host
+memory between them, its batches leave gaps, other IO shares the disk): `LoadPace` keeps the
+median of (how long a finished load took) / (what admission forecast for it), and every load
+time above is ``L(h) * pace``, the pace clipped to [0.8, 2] and 1 until three loads finished.
+
 A load in flight (``d`` tokens kept, ``f >= d`` read so far, ``D`` now the time until its last
 page lands) is stopped, keeping the ``d`` and recomputing the rest, when::
 
@@ -61,7 +66,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["ReadRate", "PrefillModel", "CostModel", "Decision", "breakeven_prefill_rate", "load_state",
+__all__ = ["ReadRate", "PrefillModel", "LoadPace", "CostModel", "Decision", "breakeven_prefill_rate", "load_state",
            "save_state", "STATE_FILE"]
 
 STATE_FILE = "costmodel.json"
@@ -138,6 +143,40 @@ class ReadRate:
         r = self.rate
         return {"read_bytes_per_s": r, "read_gbps": None if r is None else r / 1e9, "read_source": self.source,
                 "gets_observed": self.total_gets, "bytes_observed": self.total_bytes}
+
+
+class LoadPace:
+    """How much longer loads take in the engine than the read rate forecasts: the median of the
+    last `window` (actual / forecast) ratios of finished loads, within `bounds`, 1.0 until
+    `min_loads` have finished. Thread-safe."""
+
+    def __init__(self, *, window: int = 16, min_loads: int = 3, bounds: tuple[float, float] = (0.8, 2.0)) -> None:
+        self._lock = threading.Lock()
+        self._ratios: deque[float] = deque(maxlen=window)
+        self._min = int(min_loads)
+        self._bounds = bounds
+
+    def observe(self, forecast_s: float, actual_s: float, pace_used: float = 1.0) -> None:
+        """A load admission forecast at `forecast_s` (with `pace_used` applied) took `actual_s`."""
+        base = forecast_s / pace_used if pace_used > 0 else math.nan
+        if not (base > 0 and actual_s > 0 and math.isfinite(base) and math.isfinite(actual_s)):
+            return
+        with self._lock:
+            self._ratios.append(actual_s / base)
+
+    @property
+    def factor(self) -> float:
+        with self._lock:
+            if len(self._ratios) < self._min:
+                return 1.0
+            r = float(np.median(np.fromiter(self._ratios, dtype=float)))
+        lo, hi = self._bounds
+        return min(hi, max(lo, r))
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            n = len(self._ratios)
+        return {"load_pace": self.factor, "loads_paced": n}
 
 
 class PrefillModel:
@@ -266,12 +305,13 @@ class CostModel:
     KV one token takes in the store (per rank); `stop_margin` the hysteresis of the stop rule."""
 
     def __init__(self, bytes_per_token: float, *, read: ReadRate | None = None, prefill: PrefillModel | None = None,
-                 stop_margin: float = 0.05) -> None:
+                 pace: LoadPace | None = None, stop_margin: float = 0.05) -> None:
         if not 0 < bytes_per_token < math.inf:
             raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token!r}")
         self.bytes_per_token = float(bytes_per_token)
         self.read = read if read is not None else ReadRate()
         self.prefill = prefill if prefill is not None else PrefillModel()
+        self.pace = pace if pace is not None else LoadPace()
         self.stop_margin = float(stop_margin)
 
     # -- the engine-neutral API ---------------------------------------------------------------
@@ -284,9 +324,10 @@ class CostModel:
         self.prefill.observe(news, prefixes, seconds)
 
     def predict_load(self, nbytes: float, backlog: float = 0.0) -> float | None:
-        """Seconds until `nbytes` more are read after `backlog` seconds of loads queued ahead."""
+        """Seconds until `nbytes` more are read after `backlog` seconds of loads queued ahead (at
+        the read rate, times the engine's `LoadPace`)."""
         r = self.read.rate
-        return None if r is None else backlog + max(0.0, nbytes) / r
+        return None if r is None else backlog + max(0.0, nbytes) / r * self.pace.factor
 
     def predict_compute(self, new: int, prefix: int = 0) -> float | None:
         return self.prefill.predict(new, prefix)
@@ -322,6 +363,7 @@ class CostModel:
     def estimates(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kv_bytes_per_token": self.bytes_per_token}
         out.update(self.read.snapshot())
+        out.update(self.pace.snapshot())
         out.update(self.prefill.snapshot())
         r = self.read.rate
         out["breakeven_prefill_tokens_per_s"] = None if r is None else breakeven_prefill_rate(r, self.bytes_per_token)

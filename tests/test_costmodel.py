@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_gds.costmodel import (STATE_FILE, CostModel, PrefillModel, ReadRate, breakeven_prefill_rate, load_state,
+from hicache_gds.costmodel import (STATE_FILE, CostModel, LoadPace, PrefillModel, ReadRate, breakeven_prefill_rate, load_state,
                                    save_state)
 
 KIB = 1024
@@ -192,6 +192,31 @@ def test_the_stop_rule_agrees_with_admission_and_has_hysteresis():
         # nothing loaded yet, GPU idle: a load just below the tie is not stopped (margin 5 %)
         assert mm.decide(n, 0, n, in_flight=True).action == "wait"
     assert model(tie * 0.9 / 1e9).decide(n, 0, n, in_flight=True).action == "stop"
+
+
+def test_load_pace_is_the_median_overrun_of_finished_loads_and_scales_every_load_time():
+    pace = LoadPace()
+    m = CostModel(1000.0, read=ReadRate(1e9, "t"), prefill=PrefillModel(6000.0, "t"), pace=pace)
+    assert m.predict_load(1e9, 2.0) == pytest.approx(3.0)
+    pace.observe(2.0, 3.0)  # 1.5x
+    pace.observe(2.0, 2.6)  # 1.3x
+    assert pace.factor == 1.0 and m.estimates()["loads_paced"] == 2  # not before three loads
+    pace.observe(4.0, 40.0)  # an outlier (a stalled disk): the median ignores it
+    assert pace.factor == pytest.approx(1.5)
+    assert m.predict_load(1e9, 2.0) == pytest.approx(2.0 + 1.5)  # the backlog is already in paced seconds
+    # a forecast made with a pace is judged against what the read rate alone said
+    pace.observe(1.5 * 2.0, 1.5 * 2.0 * 1.2, pace_used=1.5)  # 1.8x the unpaced forecast
+    assert pace.factor == pytest.approx((1.5 + 1.8) / 2)
+    for _ in range(20):
+        pace.observe(1.0, 10.0)
+    assert pace.factor == 2.0 and m.estimates()["load_pace"] == 2.0  # bounded
+    for bad in ((0.0, 1.0), (1.0, 0.0), (math.inf, 1.0), (1.0, math.nan), (-1.0, 1.0)):
+        pace.observe(*bad)
+    assert m.estimates()["loads_paced"] == 16
+    faster = LoadPace()
+    for _ in range(3):
+        faster.observe(2.0, 0.2)
+    assert faster.factor == 0.8
 
 
 def test_without_estimates_it_loads_as_the_engine_would():

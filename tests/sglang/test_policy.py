@@ -564,6 +564,50 @@ def test_without_the_policy_a_finished_load_is_left_to_sglangs_eviction(gds_dir)
         b.close()
 
 
+def test_finished_loads_pace_the_forecasts_and_loads_ended_by_sglang_are_logged(gds_dir, caplog):
+    """Loads in a running server took 1.1-1.5x what the read rate forecast (gaps between gets):
+    each finished load's overrun paces the forecasts after it. A load SGLang ends itself (a short
+    read, an abort) or drops unseen (revoked) gets a line saying so."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
+    try:
+        cache, ctl, pol = make_cache(b)
+        stop = getattr(CACHE, STOP)
+        model = pol.model(b)
+        before = model.predict_load(8192 * BPT)
+        for i in range(3):
+            rid = f"r{i}"
+            pol.current_req = req(rid, 8256)
+            admit(cache, rid, 8192, [])
+            assert pol.last["action"] == "load"
+            pol._loads[rid][0] -= 1.5 * pol._loads[rid][1]  # it took 1.5x its forecast
+            op = in_flight(cache, b, rid, 8192, kept=8192)
+            hooks.around_can_terminate(stop, cache, op)
+            cache.ongoing_prefetch.clear()
+        assert pol.pace.factor == pytest.approx(1.5, rel=0.02)
+        assert model.predict_load(8192 * BPT) == pytest.approx(1.5 * before, rel=0.02)
+        assert pol.stats()["load_pace"] == pytest.approx(1.5, rel=0.02)
+
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang"):
+            pol.current_req = req("short", 8256)
+            admit(cache, "short", 8192, [])
+            op = in_flight(cache, b, "short", 8192, kept=4096)
+            op.mark_terminate()  # a get returned fewer pages than asked: SGLang ends the prefetch
+            assert hooks.around_can_terminate(stop, cache, op) is True
+            cache.ongoing_prefetch.clear()
+            pol.current_req = req("gone", 8256)
+            admit(cache, "gone", 8192, [])
+            cache.ongoing_prefetch.clear()  # revoked: no host memory for its hit
+            time.sleep(2 * policy._BACKLOG_TTL_S)
+            pol.gpu_backlog(cache, model)
+        said = [r.getMessage() for r in caplog.records]
+        assert any("short load ended by SGLang after 4096 of 8192 tokens" in m for m in said)
+        assert any("gone load left SGLang's prefetches" in m and "unseen" in m for m in said)
+        assert pol.counts["short"] == 1 and pol.counts["unseen"] == 1
+        assert pol.pace.factor == pytest.approx(1.5, rel=0.02)  # neither paces the forecasts
+    finally:
+        b.close()
+
+
 def test_a_load_whose_query_has_not_answered_waits_when_loading_is_faster(gds_dir):
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
     try:

@@ -50,7 +50,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from hicache_gds import ConfigError, CostModel, PrefillModel, parse_size
+from hicache_gds import ConfigError, CostModel, LoadPace, PrefillModel, parse_size
 
 __all__ = ["POLICY", "SGLANG_POLICIES", "POLICY_KEYS", "PolicyConfig", "LoadOrCompute", "policy_of", "process_policies"]
 
@@ -265,12 +265,13 @@ class LoadOrCompute:
     def __init__(self, cache: Any) -> None:
         self._cache = weakref.ref(cache)
         self.prefill = PrefillModel(chunk=None)
+        self.pace = LoadPace()  # kept across backend re-attaches, as the prefill model is
         self._model: CostModel | None = None
         self._model_backend: Any = None
         self._scheduler: Any = None
         self.current_req: Any = None
         self._decided: dict[str, tuple[str, int, int, int]] = {}  # rid -> (action, new, held, hit)
-        self._loads: dict[str, list[float]] = {}  # rid -> [admitted at, forecast IO s, kept seen, last look]
+        self._loads: dict[str, list[float]] = {}  # rid -> [admitted at, forecast IO s, kept seen, last look, pace]
         self._pending: deque[tuple[Any, Any, list[int], list[int], float, float]] = deque(maxlen=256)
         self._queued: dict[str, list[Any]] = {}  # rid -> [request, first seen, last seen] in the waiting queue
         self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
@@ -301,7 +302,8 @@ class LoadOrCompute:
             if not bpt:
                 return None
             cfg = backend.policy_config
-            self._model = CostModel(bpt, read=backend.read_rate, prefill=self.prefill, stop_margin=cfg.stop_margin)
+            self._model = CostModel(bpt, read=backend.read_rate, prefill=self.prefill, pace=self.pace,
+                                    stop_margin=cfg.stop_margin)
             self._model_backend = backend
             self._seed(backend)
         return self._model
@@ -409,7 +411,11 @@ class LoadOrCompute:
             self._left_queue(rid)
             del self._decided[rid]
         for rid in [r for r in self._loads if r not in loading]:
-            del self._loads[rid]
+            w = self._loads.pop(rid)
+            self.counts["unseen"] += 1
+            log.info("hicache-gds policy: %s load left SGLang's prefetches after %.3f s unseen by the policy (revoked "
+                     "for want of host memory or of hits, or settled without asking); host pool %s tokens free", rid,
+                     now - w[0], _host_free(cache))
         self._backlog = (key, ahead, now)
         return ahead, acc
 
@@ -481,7 +487,7 @@ class LoadOrCompute:
         self._decided[rid] = (dec.action, new, held, hit)
         if dec.load:
             io = model.predict_load(hit * model.bytes_per_token, d)
-            self._loads[rid] = [time.monotonic(), math.inf if io is None else io, 0.0, 0.0]
+            self._loads[rid] = [time.monotonic(), math.inf if io is None else io, 0.0, 0.0, model.pace.factor]
         self.counts[dec.action] += 1
         host_free = _host_free(cache)
         self.last = {"rid": rid, "action": dec.action, "t_load": dec.t_load, "t_compute": dec.t_compute,
@@ -509,17 +515,28 @@ class LoadOrCompute:
             rid = _rid(getattr(operation, "request_id", ""))
             w = self._loads.pop(rid, None)  # once: 0.5.23 asks again until the load is acknowledged
             if w is not None:
+                took = time.monotonic() - w[0]
+                self.pace.observe(w[1], took, w[4])
                 host_free = _host_free(cache)
-                log.info("hicache-gds policy: %s load done: %d tokens in %.3f s (forecast %.3f s); host pool %s tokens "
-                         "free", rid, int(operation.completed_tokens), time.monotonic() - w[0], w[1],
+                log.info("hicache-gds policy: %s load done: %d tokens in %.3f s (forecast %.3f s; pace now %.2f); host "
+                         "pool %s tokens free", rid, int(operation.completed_tokens), took, w[1], self.pace.factor,
                          "?" if host_free is None else host_free)
             # 0.5.23 settles a finished load through its acknowledgements (as for wait_complete);
             # 0.5.17 finishes it here, and its pages are then protected (`protect`).
             return not hasattr(cache, "_handle_prefetch_result")
+        rid = _rid(getattr(operation, "request_id", ""))
+        if operation.is_terminated():
+            # SGLang ended it (a get returned fewer pages than asked, an abort): it keeps what it read
+            w = self._loads.pop(rid, None)
+            if w is not None:
+                self.counts["short"] += 1
+                log.info("hicache-gds policy: %s load ended by SGLang after %d of %d tokens in %.3f s (a short read or "
+                         "an abort); the rest is recomputed", rid, int(getattr(operation, "completed_tokens", 0) or 0),
+                         len(hv) * ps, time.monotonic() - w[0])
+            return True
         if model is None:
             return False
         self.poll()
-        rid = _rid(getattr(operation, "request_id", ""))
         disk, _ = self.disk_backlog(cache, model, backend)
         if rid not in disk:
             return False
@@ -585,8 +602,8 @@ class LoadOrCompute:
         now = time.monotonic()
         w = self._loads.get(rid)
         if w is None:
-            w = self._loads[rid] = [now, 0.0, -1.0, 0.0]  # forecast unknown: always "late"
-        t0, io_s, seen, last = w
+            w = self._loads[rid] = [now, 0.0, -1.0, 0.0, math.nan]  # forecast unknown: always "late"
+        t0, io_s, seen, last, _ = w
         if now - last < _REEVAL_S:
             return False
         late = now - t0 > io_s * _LATE_FACTOR + _LATE_SLACK_S
