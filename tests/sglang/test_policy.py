@@ -192,7 +192,7 @@ def test_a_cancelled_prefetch_keeps_the_pages_read_before_and_reads_no_more(gds_
             seen.append(b.read_progress(op.host_indices))
             out = real_get(keys_, host_indices)
             if len(seen) == 1:
-                b.cancel_read(op.host_indices[0:PS])  # a view, as the policy may hold
+                b.cancel_read(op.host_indices)  # as the policy does: the prefetch's host_indices
             return out
 
         monkeypatch.setattr(kv, "get", get)
@@ -226,6 +226,42 @@ def test_progress_of_the_get_in_flight_is_visible_between_slices(gds_dir, monkey
         assert b.batch_get_v1(ks, hi[0:]) == [True] * 6
         assert seen == [0, 2, 4] and b.read_progress(hi) == 0  # nothing in flight after
         assert b.read_progress(torch.arange(4)) == 0
+    finally:
+        b.close()
+
+
+def test_a_cancel_stops_only_its_own_prefetch_among_views_of_one_free_slot_tensor(gds_dir, monkeypatch):
+    """SGLang's host pool hands out every prefetch's host_indices as a slice of one free-slot
+    tensor (``free_slots[:n]``; `LogicalHostPool` allocates as the KV host pools do), so they all
+    share one base. Stopping one prefetch must not cut the others' gets (on the GPU machine it
+    did: the loads after a stopped one all ended with 0 pages, and were recomputed), and the
+    progress of a get in flight counts for its own prefetch only."""
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+    b, pool = open_backend(gds_dir, policy_read_slice=2 * PS * BPT)
+    try:
+        _cache = make_cache(b)  # noqa: F841 -- the policy in force: gets read in slices
+        slots = LogicalHostPool(64 * PS, PS)
+        first, second = slots.alloc(4 * PS), slots.alloc(4 * PS)
+        assert first._base is not None and first._base is second._base  # one base, as in the server
+        ks = keys(8)
+        assert all(b.batch_set_v1(ks, indices(range(8), PS)))
+        want = [page_bytes(pool, p) for p in range(8)]
+        poison(pool, range(4, 12))
+        b.cancel_read(first)
+        assert b.batch_get_v1(ks[:2], first[0:2 * PS]) == [False, False]  # the stopped one: skipped
+        kv = b._bindings["kv"]
+        real_get, seen = kv.get, []
+        monkeypatch.setattr(kv, "get", lambda k, h: (seen.append((b.read_progress(second), b.read_progress(first))),
+                                                     real_get(k, h))[1])
+        assert b.batch_get_v1(ks[4:], second[0:4 * PS]) == [True] * 4  # the other one reads on
+        assert seen == [(0, 0), (2, 0)]  # its progress, not the stopped one's
+        assert [page_bytes(pool, p) for p in range(4, 8)] == want[4:]  # second's slots: pages 4-7
+        monkeypatch.setattr(kv, "get", real_get)
+        del first  # the stopped prefetch is gone: its cancel with it
+        assert b._cancelled and b._cancelled[0][0]() is None
+        third = slots.alloc(4 * PS)
+        assert b.batch_get_v1(ks[:4], third) == [True] * 4
+        assert [page_bytes(pool, p) for p in range(8, 12)] == want[:4]
     finally:
         b.close()
 
@@ -398,13 +434,13 @@ def test_a_slow_load_is_stopped_when_the_gpu_is_free_and_kept_where_it_is_busy(g
         pol._decided["s"] = ("load", 16448, 0, 16384)
         assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is True
         assert pol.counts["stop"] == 1 and pol.last["kept"] == 4096
-        assert b._is_cancelled(op.host_indices)  # its reads left are skipped
+        assert b._is_cancelled(backend_mod._region(op.host_indices))  # its reads left are skipped
         # the same load behind a busy GPU runs on
         cache2, _, pol2 = make_cache(b, queue_reqs=[req("big", 60000), req("s2", 16448)])
         op2 = in_flight(cache2, b, "s2", 16384, kept=4096)
         pol2._decided["s2"] = ("load", 16448, 0, 16384)
         assert hooks.around_can_terminate(getattr(CACHE, STOP), cache2, op2) is False
-        assert pol2.counts["stop"] == 0 and not b._is_cancelled(op2.host_indices)
+        assert pol2.counts["stop"] == 0 and not b._is_cancelled(backend_mod._region(op2.host_indices))
     finally:
         b.close()
 
@@ -462,7 +498,7 @@ def test_a_finished_load_is_settled_as_each_release_does(gds_dir):
         op = in_flight(cache, b, "f", 8192, kept=8192)
         # 0.5.17 inserts it when the policy says so; 0.5.23 through its acknowledgements
         assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is (not V23)
-        assert not b._is_cancelled(op.host_indices)
+        assert not b._is_cancelled(backend_mod._region(op.host_indices))
     finally:
         b.close()
 

@@ -67,9 +67,25 @@ _RATES_LOCK = threading.Lock()
 
 
 def _base_of(t: Any) -> Any:
-    """The tensor `t` is a view of (SGLang passes slices of a prefetch's ``host_indices``), or `t`."""
+    """The tensor `t` is a view of, or `t`."""
     base = getattr(t, "_base", None)
     return t if base is None else base
+
+
+def _region(t: Any) -> tuple[Any, int, int] | None:
+    """(base tensor, first element, end) of the index storage `t` covers, or None where `t` is
+    no 1-D tensor. A prefetch's ``host_indices`` is a view of the host pool's free-slot tensor,
+    which every allocation slices forward (``free_slots[:n]``, then ``free_slots[n:]``): all
+    prefetches share one base, and only the region tells one prefetch's slices from another's."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+        return None
+    off = int(t.storage_offset())
+    return _base_of(t), off, off + int(t.numel())
+
+
+def _within(inner: tuple[Any, int, int] | None, outer: tuple[Any, int, int] | None) -> bool:
+    """Whether region `inner` starts inside region `outer` of the same base."""
+    return inner is not None and outer is not None and inner[0] is outer[0] and outer[1] <= inner[1] < outer[2]
 
 
 # 0.5.23's PoolTransferResult carries the restorable prefix lengths (its controller intersects
@@ -146,8 +162,9 @@ class HiCacheGDS(HiCacheStorage):
         self.policy_config = PolicyConfig.from_extra(extra)
         self.read_rate = ReadRate()
         self._cost_path: str | None = None
-        self._reading: tuple[Any, int] | None = None  # (host_indices base of the get in flight, pages read)
-        self._cancelled: dict[int, weakref.ref] = {}
+        self._reading: tuple[Any, int] | None = None  # (`_region` of the get in flight, pages read)
+        # cancelled prefetches: (their host_indices, held weakly, and its `_region`)
+        self._cancelled: list[tuple[weakref.ref, tuple[Any, int, int]]] = []
         self._cancel_lock = threading.Lock()
         if mem_pool_host is not None:
             self.register_mem_pool_host(mem_pool_host)
@@ -334,8 +351,8 @@ class HiCacheGDS(HiCacheStorage):
             n = len(keys)
         except TypeError:
             return self._io("batch_get_v1", kv, keys, host_indices, write=False)
-        base = _base_of(host_indices)
-        if self._is_cancelled(base):
+        region = _region(host_indices)
+        if self._is_cancelled(region):
             return [False] * n
         if kv is None or not n or not isinstance(host_indices, torch.Tensor) or \
                 not kv.check_indices(keys, host_indices):
@@ -345,15 +362,15 @@ class HiCacheGDS(HiCacheStorage):
         step = max(1, self.policy_config.read_slice // kv.geo.page_bytes) if sliced else n
         out: List[bool] = []
         t0 = time.perf_counter()
-        self._reading = (base, 0)
+        self._reading = (region, 0)
         try:
             for i in range(0, n, step):
-                if i and self._is_cancelled(base):
+                if i and self._is_cancelled(region):
                     break
                 res = self._io("batch_get_v1", kv, keys[i:i + step], host_indices[i * ps:(i + step) * ps], write=False,
                                record=False)
                 out.extend(res)
-                self._reading = (base, len(out))
+                self._reading = (region, len(out))
                 if not all(res):
                     break
         finally:
@@ -380,21 +397,23 @@ class HiCacheGDS(HiCacheStorage):
     def read_progress(self, host_indices: Any) -> int:
         """Pages read so far by the get in flight into `host_indices` (a prefetch's host slots)."""
         cur = self._reading
-        return cur[1] if cur is not None and host_indices is not None and cur[0] is host_indices else 0
+        return cur[1] if cur is not None and _within(cur[0], _region(host_indices)) else 0
 
     def cancel_read(self, host_indices: Any) -> None:
-        """Skip the reads into `host_indices` (a stopped prefetch's slots): gets that target it return
-        False from the next slice on. Held weakly: forgotten with the prefetch."""
-        if host_indices is None:
+        """Skip the reads into `host_indices` (a stopped prefetch's slots): gets into slices of it
+        return False from the next slice on; gets of other prefetches, views of the same free-slot
+        tensor, read on. Held weakly: forgotten with the prefetch (whose view keeps the base, and
+        so its identity, alive until then)."""
+        region = _region(host_indices)
+        if region is None:
             return
-        base = _base_of(host_indices)
-        key = id(base)
         with self._cancel_lock:
-            self._cancelled[key] = weakref.ref(base, lambda _r, k=key: self._cancelled.pop(k, None))
+            self._cancelled = [(r, g) for r, g in self._cancelled if r() is not None]
+            self._cancelled.append((weakref.ref(host_indices), region))
 
-    def _is_cancelled(self, base: Any) -> bool:
-        ref = self._cancelled.get(id(base))
-        return ref is not None and ref() is base
+    def _is_cancelled(self, region: tuple[Any, int, int] | None) -> bool:
+        with self._cancel_lock:
+            return any(r() is not None and _within(region, g) for r, g in self._cancelled)
 
     def cost_state(self) -> dict | None:
         """The estimates an earlier run persisted in the KV namespace directory, or None."""
