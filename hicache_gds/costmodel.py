@@ -155,6 +155,8 @@ class LoadPace:
         self._ratios: deque[float] = deque(maxlen=window)
         self._min = int(min_loads)
         self._bounds = bounds
+        # kept current by `observe` (a few per burst): every load time predicted reads it
+        self._factor = 1.0
 
     def observe(self, forecast_s: float, actual_s: float, pace_used: float = 1.0) -> None:
         """A load admission forecast at `forecast_s` (with `pace_used` applied) took `actual_s`."""
@@ -163,15 +165,13 @@ class LoadPace:
             return
         with self._lock:
             self._ratios.append(actual_s / base)
+            if len(self._ratios) >= self._min:
+                lo, hi = self._bounds
+                self._factor = min(hi, max(lo, float(np.median(np.fromiter(self._ratios, dtype=float)))))
 
     @property
     def factor(self) -> float:
-        with self._lock:
-            if len(self._ratios) < self._min:
-                return 1.0
-            r = float(np.median(np.fromiter(self._ratios, dtype=float)))
-        lo, hi = self._bounds
-        return min(hi, max(lo, r))
+        return self._factor
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -405,7 +405,6 @@ class LoadOrCompute:
                 else:
                     q[2] = now
         ahead[""] = acc
-        self.release_protected(queue)
         loading = self._loading_rids(cache)
         for rid in [r for r in self._decided if r not in live and r not in loading]:
             self._left_queue(rid)
@@ -511,8 +510,8 @@ class LoadOrCompute:
         ps = max(1, int(getattr(cache, "page_size", 1) or 1))
         done = bool(hv) and getattr(operation, "host_indices", None) is not None and \
             int(operation.completed_tokens) >= len(hv) * ps
+        rid = _rid(getattr(operation, "request_id", ""))
         if done:
-            rid = _rid(getattr(operation, "request_id", ""))
             w = self._loads.pop(rid, None)  # once: 0.5.23 asks again until the load is acknowledged
             if w is not None:
                 took = time.monotonic() - w[0]
@@ -524,7 +523,6 @@ class LoadOrCompute:
             # 0.5.23 settles a finished load through its acknowledgements (as for wait_complete);
             # 0.5.17 finishes it here, and its pages are then protected (`protect`).
             return not hasattr(cache, "_handle_prefetch_result")
-        rid = _rid(getattr(operation, "request_id", ""))
         if operation.is_terminated():
             # SGLang ended it (a get returned fewer pages than asked, an abort): it keeps what it read
             w = self._loads.pop(rid, None)
