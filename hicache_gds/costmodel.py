@@ -263,15 +263,23 @@ class PrefillModel:
                 return self._coef, f"measured ({len(self._rows)} recent prefill batches)"
             return self._seed, (self._seed_source if self._seed is not None else "unknown")
 
-    def predict(self, new: int, prefix: int = 0) -> float | None:
-        """Seconds to prefill `new` tokens after `prefix` cached ones; None when nothing is known yet."""
+    def predict(self, new: int, prefix: int = 0, *, smooth: bool = False) -> float | None:
+        """Seconds to prefill `new` tokens after `prefix` cached ones; None when nothing is known yet.
+
+        smooth: count batches as ``new / chunk`` instead of ``ceil(new / chunk)``. A difference of
+        two predictions over a few tokens is then the marginal cost of those tokens; with the
+        ceiling it jumps by a whole batch wherever they cross a chunk boundary (64 tokens of a
+        16,448-token prompt, 2 chunks of 8,192 and 64 over, "saved" a third batch)."""
         if new <= 0:
             return 0.0
         coef, _ = self.coefficients()
         if coef is None:
             return None
         a, b, c = coef
-        k = math.ceil(new / self.chunk) if self.chunk else 1
+        if not self.chunk:
+            k = 1.0
+        else:
+            k = new / self.chunk if smooth else math.ceil(new / self.chunk)
         return a * new + b * new * (prefix + new / 2) + c * k
 
     def tokens_per_s(self, new: int = 8192, prefix: int = 0) -> float | None:
@@ -329,23 +337,26 @@ class CostModel:
         r = self.read.rate
         return None if r is None else backlog + max(0.0, nbytes) / r * self.pace.factor
 
-    def predict_compute(self, new: int, prefix: int = 0) -> float | None:
-        return self.prefill.predict(new, prefix)
+    def predict_compute(self, new: int, prefix: int = 0, *, smooth: bool = False) -> float | None:
+        return self.prefill.predict(new, prefix, smooth=smooth)
 
     def decide(self, new: int, prefix: int, hit: int, *, kept: int = 0, fetched: int | None = None,
-               in_flight: bool = False, gpu_backlog: float = 0.0, disk_backlog: float = 0.0) -> Decision:
+               in_flight: bool = False, gpu_backlog: float = 0.0, disk_backlog: float = 0.0,
+               smooth: bool = False) -> Decision:
         """Load or compute (admission), wait or stop (a load in flight); see the module docstring.
 
         new: tokens to prefill after `prefix`; hit: the leading ones in L3 (<= new); kept: tokens
         of the hit already loaded and kept if stopped now; fetched: read so far (>= kept, for the
         time left); gpu_backlog: seconds of prefill ahead on the GPU; disk_backlog: seconds of
-        loads ahead of this one on the disk. Unknown rates: load (the engine's own behaviour)."""
+        loads ahead of this one on the disk; smooth: batches counted fractionally
+        (`PrefillModel.predict`), for judging a few tokens at the margin. Unknown rates: load (the
+        engine's own behaviour)."""
         hit = max(0, min(int(hit), int(new)))
         kept = max(0, min(int(kept), hit))
         fetched = kept if fetched is None else max(kept, min(int(fetched), hit))
         t_load_io = self.predict_load((hit - fetched) * self.bytes_per_token, disk_backlog)
-        c_tail = self.predict_compute(new - hit, prefix + hit)
-        c_rest = self.predict_compute(new - kept, prefix + kept)
+        c_tail = self.predict_compute(new - hit, prefix + hit, smooth=smooth)
+        c_rest = self.predict_compute(new - kept, prefix + kept, smooth=smooth)
         if t_load_io is None or c_tail is None or c_rest is None:
             what = "read rate" if t_load_io is None else "prefill cost"
             return Decision("wait" if in_flight else "load", math.nan, math.nan, f"no {what} estimate yet: load")

@@ -152,6 +152,33 @@ def test_requests_waiting_behind_make_a_slower_load_worth_it(gds_dir, behind, lo
     assert m.advisor.behind("r") == behind - 1
 
 
+def test_one_chunk_over_a_batch_boundary_does_not_make_a_slow_run_a_hit(gds_dir):
+    """With a fixed cost per prefill batch, the first chunk of a prompt one chunk longer than whole
+    batches "saves" a batch when batches are counted whole (266 tokens in batches of 128: three;
+    202: two). The first scan's shortcut judges that chunk at the margin instead, so a run that
+    loads slower than it computes is a MISS -- and stays one while the request waits, step after
+    step, instead of alternating with a HIT judged on the one chunk the MISS let vLLM scan.
+
+    (An 8B-shape vLLM server loaded every 16,448-token revisit this way, at 2.4x recompute.)"""
+    m = make_manager(gds_dir, load_bytes_per_s=1e9, prefill_tokens_per_s=20e3)
+    m.cost.prefill.seed_coefficients(5e-5, 0.0, 8e-3, "test")  # 20k tokens/s plus 8 ms a batch
+    m.cost.prefill.chunk = 2 * TOKENS
+    keys = [key(i) for i in range(4)]
+    stored(m, keys)
+    new = 4 * TOKENS + 10
+    m.note_request("r", new, 0)
+    whole = m.cost.decide(new, 0, TOKENS)
+    assert whole.action == "load"  # whole batches: one chunk seems to pay ...
+    assert m.cost.decide(new, 0, TOKENS, smooth=True).action == "compute"  # ... at the margin it does not
+    assert m.cost.decide(new, 0, 4 * TOKENS).action == "compute"  # nor does the run
+    # All of it in the store would pay (no batch left to compute): the first scan looks for the run ...
+    assert scan(m, "r", keys + [key(999)]) == [LookupResult.RETRY] * 4 + [LookupResult.MISS]
+    for _ in range(3):  # ... which does not; waiting, it is looked up at every step
+        assert scan(m, "r", keys + [key(999)]) == [LookupResult.MISS]
+        assert m.advisor.last.action == "compute"
+    assert m.stats()["cost_misses"] == 3
+
+
 def test_a_disk_queue_defers_the_decision_to_the_run_found(gds_dir):
     """Behind a disk queue, a run must be long enough to pay it back: the first scan keeps going
     (RETRY) to find the run; the next scan answers from it."""

@@ -68,15 +68,26 @@ class RunJudge:
     vLLM scans a request's chunks in prefix order and stops at the first MISS, so a run must be
     found before it can be judged. On a first scan: HIT at once where the first chunk already pays
     with both queues empty (the compute a run saves per token grows with the run, its load per
-    token does not: a longer run pays too); MISS where not even every remaining token in the store
-    would pay; else RETRY for every present chunk (vLLM keeps scanning, and asks again next step),
-    and the next scan answers from the run found: HIT for all of it, or MISS at its first chunk."""
+    token does not: a longer run pays too -- judged with batches counted fractionally, as the
+    argument needs: with whole batches, one chunk over a batch boundary "saves" a batch, and an
+    8B-shape server loaded 16k-token prefixes at 2.4x their recompute); MISS where not even every
+    remaining token in the store would pay; else RETRY for every present chunk (vLLM keeps
+    scanning, and asks again next step), and the next scan answers from the run found: HIT for all
+    of it, or MISS at its first chunk. A scan our MISS cut short found no run: the next one
+    judges by the run found before it, if any, else as a first scan (`found`)."""
 
     step: int
     seen: int | None = None  # chunks the previous step's scan found; None: a first scan
     run: int = 0  # present chunks found in this step's scan
     answer: str = ""  # "hit", "miss" or "defer", once decided for this scan
     decision: Decision | None = None
+
+    def found(self) -> int | None:
+        """The run this scan found, for the next step's scan: None where unknown (a first scan
+        cut short by our MISS: vLLM stopped at it, however many chunks follow)."""
+        if self.answer == "miss":
+            return self.seen if self.seen is None else max(self.seen, self.run)
+        return self.run
 
     def judge(self, model: CostModel, *, new: int, prefix: int, chunk_tokens: int, gpu_backlog: float,
               disk_backlog: float, behind: int = 0, previous: str = "") -> str:
@@ -92,12 +103,14 @@ class RunJudge:
             self.decision = sticky(d, previous, model.stop_margin * (model.predict_compute(hit, prefix) or 0.0))
             self.answer = "hit" if self.decision.load else "miss"
             return self.answer
-        one = model.decide(new, prefix, min(chunk_tokens, new), **kw)
+        first = min(chunk_tokens, new)
+        one = sticky(model.decide(new, prefix, first, smooth=True, **kw), previous,
+                     model.stop_margin * (model.predict_compute(first, prefix, smooth=True) or 0.0))
         if one.load and disk_backlog <= 0.0 and gpu_backlog <= 0.0:
             self.decision, self.answer = one, "hit"
             return self.answer
         best = for_the_queue(model.decide(new, prefix, new, **kw), behind, gpu_backlog)
-        self.decision = best
+        self.decision = best = sticky(best, previous, model.stop_margin * (model.predict_compute(new, prefix) or 0.0))
         self.answer = "defer" if best.load else "miss"
         return self.answer
 
@@ -269,7 +282,7 @@ class Advisor:
         """"hit", "miss" or "defer" for the next present chunk of `req_id`'s scan (`RunJudge`)."""
         s = self._scans.get(req_id)
         if s is None or s.step != self.step:  # the first lookup of this request in this step
-            s = self._scans[req_id] = RunJudge(self.step, s.run if s is not None else None)
+            s = self._scans[req_id] = RunJudge(self.step, s.found() if s is not None else None)
         s.run += 1
         ct = self.chunk_tokens.get(group, 1)
         # Without the connector's note the request's length is unknown: the run found is taken as
