@@ -401,6 +401,66 @@ def test_a_busy_gpu_sends_the_next_request_of_a_burst_to_the_disk(gds_dir):
         b.close()
 
 
+def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_time(gds_dir):
+    """Admission split the queue on a read rate that turned out low: the disk then idles while
+    requests it could serve wait for the GPU. After a prefill batch is formed, the first waiting
+    request decided "compute" whose hit loads before the GPU reaches it is prefetched through the
+    scheduler's own path, which asks admission again with its place in the queue; one per pass,
+    each at most once, not where the GPU reaches it first, not on more than one rank."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0))  # loading takes 8x computing
+    try:
+        big = req("q0", 60000)  # 10 s of prefill queued ahead, not ours to decide
+        r1, r2, r3 = req("r1", 18000), req("r2", 18000), req("r3", 18000)
+        cache, ctl, pol = make_cache(b, queue_reqs=[big])
+        sched = cache._test_scheduler
+        calls: list = []
+        for r in (r1, r2):
+            pol.current_req = r
+            admit(cache, r.rid, 18000 - 64, calls)
+            assert pol.last["action"] == "compute"
+            sched.waiting_queue.append(r)  # the scheduler queues it after admission
+        assert calls == [] and pol.counts["compute"] == 2
+
+        def prefetch_kvcache(r):  # Scheduler._prefetch_kvcache: match again, then the cache's prefetch
+            return hooks.around_prefetch_kvcache(lambda s, q: admit(cache, q.rid, 18000 - 64, calls), sched, r)
+
+        sched._prefetch_kvcache, sched.tree_cache = prefetch_kvcache, cache
+        assert pol.late_admit(sched) is None  # still slow: nothing is given to the disk
+        b.read_rate.seed(gbps_for(0.5) * 1e9, "test")  # the disk turns out 10x faster than forecast
+        pol._late_look = 0.0
+        hooks.after_new_prefill_batch(None, sched)
+        assert calls == ["r1"] and pol.counts["late"] == 1 and pol._decided["r1"][0] == "load"
+        assert pol.last["gpu_backlog"] == pytest.approx(60000 * A)  # admitted with what is ahead of it only
+        assert pol.late_admit(sched) is None  # one per pass, at most every _LATE_EVERY_S
+        pol._late_look = 0.0
+        assert pol.late_admit(sched) == "r2" and calls == ["r1", "r2"]  # behind r1's load, still in time
+        pol._late_look = 0.0
+        assert pol.late_admit(sched) is None and pol.counts["late"] == 2  # nothing decided "compute" is left
+
+        # where the GPU reaches it before its hit could land, it stays with the GPU
+        cache2, _, pol2 = make_cache(b, queue_reqs=[req("small", 1000)])
+        b.read_rate.seed(gbps_for(5.0) * 1e9, "test")
+        pol2.current_req = r3
+        admit(cache2, "r3", 18000 - 64, calls)
+        assert pol2.last["action"] == "compute"
+        s2 = cache2._test_scheduler
+        s2.waiting_queue.append(r3)
+        s2.tree_cache = cache2
+        s2._prefetch_kvcache = lambda r: pytest.fail("not in time: must stay with the GPU")
+        b.read_rate.seed(gbps_for(0.5) * 1e9, "test")
+        assert pol2.late_admit(s2) is None  # loads in 0.9 s, the GPU reaches it in 0.17 s
+        s2.waiting_queue.insert(0, big)
+        cache2.tp_world_size = 2  # in time now, but a second rank would have to agree
+        pol2._late_look = 0.0
+        assert pol2.late_admit(s2) is None
+        cache2.tp_world_size = 1
+        pol2._late_look = 0.0
+        s2._prefetch_kvcache = lambda r: calls.append(f"late {r.rid}")
+        assert pol2.late_admit(s2) == "r3" and calls[-1] == "late r3"
+    finally:
+        b.close()
+
+
 def test_sglangs_policies_and_other_backends_are_untouched(gds_dir):
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(5.0))  # loading would be slow
     try:

@@ -36,7 +36,8 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    policy runs on its seeds and the disk queue alone, and says so once;
 7. 0.5.17's ``HiRadixCache.check_prefetch_progress`` (AROUND: a finished load's host pages are
    protected from eviction once inserted) and ``Scheduler.get_new_batch_prefill`` (AFTER: the
-   protection ends when the request leaves the waiting queue).
+   protection ends when the request leaves the waiting queue, and a waiting request sent to the
+   GPU may be given to the disk: the policy's late admission).
 
 Caches without those points (0.5.17's hybrid-model caches) keep SGLang's policy: the name turns
 into SGLang's default there.

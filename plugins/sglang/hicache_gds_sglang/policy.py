@@ -13,6 +13,9 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   asked each time the scheduler reaches a waiting request): stop the load and recompute the rest
   (keeping what was loaded) when the request could start on the GPU before its load ends and the
   load left takes longer than the compute the pages left would save; else wait;
+* **late** (0.5.17, after ``Scheduler.get_new_batch_prefill``, one rank): a queued request sent
+  to the GPU is given to the disk once its hit loads before the GPU would reach it -- the disk
+  stays busy when loads run faster than forecast (`LoadOrCompute.late_admit`);
 * **host pool** (``HiCacheController.prefetch_rate_limited``): prefetches may hold up to
   `PolicyConfig.host_fraction` of the host pool (SGLang: half), the rest staying for write-back;
   a load is admitted only where the host pool can keep it (`_host_room`), and a finished load's
@@ -83,6 +86,7 @@ _REEVAL_S = 0.02  # at most this often per load, late or not
 # host memory. The prefills' write-through then finds less room: their host backup is what gives
 # way, not a load the GPU is about to use.
 _PROTECT_MAX_S = 60.0
+_LATE_EVERY_S = 0.01  # `LoadOrCompute.late_admit` looks at the waiting queue at most this often
 
 
 def _positive(value: Any, key: str) -> float:
@@ -248,6 +252,22 @@ def _agree(cache: Any, flag: bool, op_name: str) -> bool:
         return flag
 
 
+def _single_rank(cache: Any) -> bool:
+    """The cache serves one rank alone (no TP, PP or attention-group peers to agree with)."""
+    if int(getattr(cache, "tp_world_size", 1) or 1) > 1 or int(getattr(cache, "pp_size", 1) or 1) > 1:
+        return False
+    for name in ("attn_cp_group", "attn_tp_group"):
+        group = getattr(cache, name, None)
+        if group is not None:
+            try:
+                import torch
+                if torch.distributed.get_world_size(group=group) > 1:
+                    return False
+            except Exception:  # noqa: BLE001 -- unknown: do not act alone
+                return False
+    return True
+
+
 _logged: set[str] = set()
 
 
@@ -275,6 +295,8 @@ class LoadOrCompute:
         self._pending: deque[tuple[Any, Any, list[int], list[int], float, float]] = deque(maxlen=256)
         self._queued: dict[str, list[Any]] = {}  # rid -> [request, first seen, last seen] in the waiting queue
         self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
+        self._late: set[str] = set()  # rids `late_admit` gave the disk
+        self._late_look = 0.0
         self._lock = threading.Lock()
         self._backlog: tuple[tuple, dict[str, float], float] | None = None
         self.counts: Counter[str] = Counter()
@@ -409,6 +431,7 @@ class LoadOrCompute:
         for rid in [r for r in self._decided if r not in live and r not in loading]:
             self._left_queue(rid)
             del self._decided[rid]
+            self._late.discard(rid)
         for rid in [r for r in self._loads if r not in loading]:
             w = self._loads.pop(rid)
             self.counts["unseen"] += 1
@@ -475,7 +498,8 @@ class LoadOrCompute:
             new = max(new, hit)
         else:
             new, held = hit, int(held_hint or 0)
-        _, g = self.gpu_backlog(cache, model)
+        ahead, g = self.gpu_backlog(cache, model)
+        g = ahead.get(rid, g)  # a late admission (`late_admit`) is already queued: only what is ahead of it
         _, d = self.disk_backlog(cache, model, backend)
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d)
         room = _host_room(cache)
@@ -556,6 +580,57 @@ class LoadOrCompute:
             log.info("hicache-gds policy: %s stop after %d of %d tokens (load left %.3f s, compute %.3f s; %s)", rid,
                      kept, hit, dec.t_load, dec.t_compute, dec.reason)
         return dec.action == "stop"
+
+    def late_admit(self, scheduler: Any) -> str | None:
+        """Give the disk a queued request admission sent to the GPU, once the disk can read its hit
+        before the GPU would reach it (returns its rid, or None).
+
+        Admission splits a burst between the disk and the GPU on forecasts; when the loads run
+        faster than forecast, the disk falls idle while requests it could have served wait for the
+        GPU (a 32B burst on the GPU machine loaded 3 of 8 prefixes in a rep whose read rate the
+        pace overestimated). Here, after each prefill batch is formed, the first waiting request
+        decided "compute" whose hit loads, behind the disk's queue, with `stop_margin` to spare
+        before the GPU work ahead of it ends, is prefetched through SGLang's own path
+        (``Scheduler._prefetch_kvcache``: it matches the request again and asks admission, which
+        decides with the request's place in the queue). Loading it then costs the request nothing
+        and takes its hit off the GPU's queue for every request behind it; a load that runs late
+        is stopped as any other. One request per pass, each at most once, at most every
+        `_LATE_EVERY_S`; one rank only (the trigger is timed locally, and the ranks' collectives
+        must agree)."""
+        cache = getattr(scheduler, "tree_cache", None)
+        now = time.monotonic()
+        if cache is None or now - self._late_look < _LATE_EVERY_S or policy_of(cache) is None:
+            return None
+        self._late_look = now
+        if not any(d[0] == "compute" for d in self._decided.values()):
+            return None
+        backend = _backend(cache)
+        model = self.model(backend)
+        if model is None or not _single_rank(cache):
+            return None
+        ahead, _ = self.gpu_backlog(cache, model)
+        _, d = self.disk_backlog(cache, model, backend)
+        loading = self._loading_rids(cache)
+        threshold = int(getattr(cache, "prefetch_threshold", 0) or 0)
+        for req in list(getattr(scheduler, "waiting_queue", None) or ()):
+            rid = _rid(req)
+            dec = self._decided.get(rid)
+            if dec is None or dec[0] != "compute" or rid in self._late or rid in loading:
+                continue
+            hit = dec[3]
+            if hit < max(threshold, 1):
+                continue
+            t_io = model.predict_load(hit * model.bytes_per_token, d)
+            g = ahead.get(rid, 0.0)
+            if t_io is None or t_io * (1.0 + model.stop_margin) >= g:
+                continue
+            self._late.add(rid)
+            self.counts["late"] += 1
+            log.info("hicache-gds policy: %s late load: its %d tokens in L3 load in %.3f s (disk backlog %.3f s), the "
+                     "GPU reaches it in %.3f s", rid, hit, t_io, d, g)
+            scheduler._prefetch_kvcache(req)
+            return rid
+        return None
 
     def protect(self, cache: Any, rid: str, entry: Any) -> None:
         """0.5.17 just inserted the finished load of `rid` (its ``ongoing_prefetch`` `entry`: the

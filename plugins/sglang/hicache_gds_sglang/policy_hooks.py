@@ -197,13 +197,20 @@ def around_check_progress(original: Any, cache: Any, req_id: Any, *args: Any, **
 
 def after_new_prefill_batch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """``Scheduler.get_new_batch_prefill``: requests it took from the waiting queue hold their
-    loaded pages through their load back now; their host protection ends here."""
+    loaded pages through their load back now; their host protection ends here. Then a waiting
+    request sent to the GPU may be given to the disk (`LoadOrCompute.late_admit`)."""
     pol = getattr(getattr(scheduler, "tree_cache", None), "_hgds_policy", None)
-    if pol is not None and pol._protected:
+    if pol is None:
+        return None
+    if pol._protected:
         try:
             pol.release_protected(getattr(scheduler, "waiting_queue", None))
         except Exception as exc:  # noqa: BLE001
             _once("release", "hicache-gds policy: host protection not released (%s: %s)", type(exc).__name__, exc)
+    try:
+        pol.late_admit(scheduler)
+    except Exception as exc:  # noqa: BLE001 -- the request stays with the GPU, as admission decided
+        _once("late", "hicache-gds policy: late admission failed (%s: %s)", type(exc).__name__, exc)
     return None
 
 
