@@ -125,6 +125,7 @@ def test_each_decision_is_one_line_in_the_engines_log(gds_dir, caplog, monkeypat
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # as in a server: vLLM configures only "vllm"
     monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [handler])
     log_through_vllm()
+    m.on_request_finished(ReqContext(req_id="r"))  # "q" alone: nothing queued ahead of it
     m.note_request("q", 4 * TOKENS + 10, 0)
     scan(m, "q", [key(i) for i in range(4)])
     assert "hicache-gds-vllm cost: q recompute" in out.getvalue()
@@ -221,6 +222,32 @@ def test_a_busy_gpu_makes_a_slow_load_worth_it(gds_dir):
     # Once the first request's prefill is computed, nothing is queued ahead any more.
     m.note_scheduled({"first": 20_000}, {"first": 0})
     assert m.advisor.gpu_backlog("second") == 0.0
+
+
+def test_behind_a_busy_gpu_the_part_of_a_run_that_loads_meanwhile_is_a_hit_and_no_more(gds_dir):
+    """The disk (1 GB/s) is slower than the GPU (20k tokens/s): alone, no run pays. Behind 0.5 s
+    of prefill queued ahead, the chunks that land within it cost nothing, and every chunk past them
+    costs more to load than to compute: the scan answers HIT for those and MISS after them, where
+    the whole run (and the old rule: all or nothing) would be a MISS. A HIT judged on a run found
+    earlier covers that run only, however many chunks the next scan finds."""
+    m = make_manager(gds_dir, load_bytes_per_s=1e9, prefill_tokens_per_s=20e3)
+    run = [key(i) for i in range(100)]
+    stored(m, run)
+    m.note_request("first", 10_000, 0)  # 0.5 s of prefill, looked up first, not computed yet
+    new = 100 * TOKENS
+    m.note_request("second", new, 0)
+    assert m.cost.decide(new, 0, new, gpu_backlog=0.5).action == "compute"  # all of it: a loss
+    assert scan(m, "second", run) == [LookupResult.RETRY] * 100
+    got = scan(m, "second", run)
+    hidden = int(0.5 / (PER_TOKEN / 1e9)) // TOKENS  # chunks read within the 0.5 s: 59
+    assert got == [LookupResult.HIT] * hidden + [LookupResult.MISS]
+    assert m.advisor.last.action == "load"
+
+    # judged on 3 chunks, then the next scan finds 100: the HIT covers the 3
+    m.on_request_finished(ReqContext(req_id="second"))
+    m.note_request("r", new, 0)
+    assert scan(m, "r", run[:3] + [key(999)]) == [LookupResult.RETRY] * 3 + [LookupResult.MISS]
+    assert scan(m, "r", run) == [LookupResult.HIT] * 3 + [LookupResult.MISS]
 
 
 def test_queue_drains_when_jobs_complete_or_reset(gds_dir):

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 from hicache_gds import ConfigError, CostModel, Decision, PrefillModel, ReadRate
 
-__all__ = ["KEYS", "CostModel", "Decision", "cost_model_from", "RunJudge", "Advisor", "for_the_queue"]
+__all__ = ["KEYS", "CostModel", "Decision", "cost_model_from", "RunJudge", "Advisor", "best_run", "for_the_queue"]
 
 log = logging.getLogger("hicache_gds_vllm")
 
@@ -70,22 +70,28 @@ class RunJudge:
     with both queues empty (the compute a run saves per token grows with the run, its load per
     token does not: a longer run pays too -- judged with batches counted fractionally, as the
     argument needs: with whole batches, one chunk over a batch boundary "saves" a batch, and an
-    8B-shape server loaded 16k-token prefixes at 2.4x their recompute); MISS where not even every
-    remaining token in the store would pay; else RETRY for every present chunk (vLLM keeps
-    scanning, and asks again next step), and the next scan answers from the run found: HIT for all
-    of it, or MISS at its first chunk. A scan our MISS cut short found no run: the next one
-    judges by the run found before it, if any, else as a first scan (`found`)."""
+    8B-shape server loaded 16k-token prefixes at 2.4x their recompute); MISS where no run of the
+    remaining tokens would pay (`best_run`); else RETRY for every present chunk (vLLM keeps
+    scanning, and asks again next step), and the next scan answers from the run found: HIT for the
+    best part of it (`best_run`: all of it, or what loads while the GPU is busy with the requests
+    ahead), then MISS after it, or MISS at its first chunk. A HIT judged on a run answers for that
+    run only (`cap`): the scan may find more chunks than the run judged, and loading them was
+    never weighed (a burst's request, judged on 4 chunks, loaded 257). A scan our MISS cut short
+    found no run: the next one judges by the run found before it, if any, else as a first scan
+    (`found`); so does a request whose GPU prefix changed since (`prefix`)."""
 
     step: int
     seen: int | None = None  # chunks the previous step's scan found; None: a first scan
     run: int = 0  # present chunks found in this step's scan
     answer: str = ""  # "hit", "miss" or "defer", once decided for this scan
     decision: Decision | None = None
+    cap: int | None = None  # a HIT covers this many chunks of the scan; None: all it finds
+    prefix: int | None = None  # the GPU prefix the scan was judged with
 
     def found(self) -> int | None:
         """The run this scan found, for the next step's scan: None where unknown (a first scan
         cut short by our MISS: vLLM stopped at it, however many chunks follow)."""
-        if self.answer == "miss":
+        if self.answer == "miss" or (self.answer == "hit" and self.cap is not None and self.run > self.cap):
             return self.seen if self.seen is None else max(self.seen, self.run)
         return self.run
 
@@ -95,13 +101,17 @@ class RunJudge:
         requests waiting behind this one for the GPU (`for_the_queue`); `previous`: the answer of
         this request's last scan, kept near a tie (`sticky`)."""
         if self.answer:
+            if self.answer == "hit" and self.cap is not None and self.run > self.cap:
+                return "miss"  # past the run judged: vLLM stops here and computes the rest
             return self.answer
+        self.prefix = prefix
         kw = {"gpu_backlog": gpu_backlog, "disk_backlog": disk_backlog}
         if self.seen is not None:
-            hit = min(self.seen * chunk_tokens, new)
-            d = for_the_queue(model.decide(new, prefix, hit, **kw), behind, gpu_backlog)
+            hit, d = best_run(model, new, prefix, min(self.seen * chunk_tokens, new), chunk_tokens, **kw)
+            d = for_the_queue(d, behind, gpu_backlog)
             self.decision = sticky(d, previous, model.stop_margin * (model.predict_compute(hit, prefix) or 0.0))
             self.answer = "hit" if self.decision.load else "miss"
+            self.cap = max(1, hit // chunk_tokens)
             return self.answer
         first = min(chunk_tokens, new)
         one = sticky(model.decide(new, prefix, first, smooth=True, **kw), previous,
@@ -109,10 +119,31 @@ class RunJudge:
         if one.load and disk_backlog <= 0.0 and gpu_backlog <= 0.0:
             self.decision, self.answer = one, "hit"
             return self.answer
-        best = for_the_queue(model.decide(new, prefix, new, **kw), behind, gpu_backlog)
-        self.decision = best = sticky(best, previous, model.stop_margin * (model.predict_compute(new, prefix) or 0.0))
+        hit, best = best_run(model, new, prefix, new, chunk_tokens, **kw)
+        best = for_the_queue(best, behind, gpu_backlog)
+        self.decision = best = sticky(best, previous, model.stop_margin * (model.predict_compute(hit, prefix) or 0.0))
         self.answer = "defer" if best.load else "miss"
         return self.answer
+
+
+def best_run(model: CostModel, new: int, prefix: int, hit: int, chunk_tokens: int, *, gpu_backlog: float,
+             disk_backlog: float) -> tuple[int, Decision]:
+    """The leading part of a `hit`-token run worth loading, and its decision: all of it, or the
+    chunks that land while the GPU is still busy with the requests ahead (``gpu_backlog``, behind
+    the disk's own queue), whichever finishes the request sooner. Alone, all or none of a run is
+    the optimum (`hicache_gds.costmodel`); behind a GPU queue, loading what hides behind it costs
+    nothing, and a disk slower than the GPU makes every chunk past that a loss."""
+    kw = {"gpu_backlog": gpu_backlog, "disk_backlog": disk_backlog}
+    best = (hit, model.decide(new, prefix, hit, **kw))
+    rate = model.read.rate
+    if rate and gpu_backlog > disk_backlog and chunk_tokens > 0:
+        per_token = model.bytes_per_token * model.pace.factor / rate
+        hidden = int((gpu_backlog - disk_backlog) / per_token) // chunk_tokens * chunk_tokens
+        if 0 < hidden < hit:
+            d = model.decide(new, prefix, hidden, **kw)
+            if d.t_load < best[1].t_load:
+                best = (hidden, d)
+    return best
 
 
 def sticky(d: Decision, previous: str, margin_s: float) -> Decision:
@@ -282,7 +313,8 @@ class Advisor:
         """"hit", "miss" or "defer" for the next present chunk of `req_id`'s scan (`RunJudge`)."""
         s = self._scans.get(req_id)
         if s is None or s.step != self.step:  # the first lookup of this request in this step
-            s = self._scans[req_id] = RunJudge(self.step, s.found() if s is not None else None)
+            now = self._requests.get(req_id, (0, 0))[1]
+            s = self._scans[req_id] = RunJudge(self.step, s.found() if s is not None and s.prefix == now else None)
         s.run += 1
         ct = self.chunk_tokens.get(group, 1)
         # Without the connector's note the request's length is unknown: the run found is taken as
