@@ -313,8 +313,9 @@ class Advisor:
         """"hit", "miss" or "defer" for the next present chunk of `req_id`'s scan (`RunJudge`)."""
         s = self._scans.get(req_id)
         if s is None or s.step != self.step:  # the first lookup of this request in this step
-            now = self._requests.get(req_id, (0, 0))[1]
-            s = self._scans[req_id] = RunJudge(self.step, s.found() if s is not None and s.prefix == now else None)
+            gpu_prefix = self._requests.get(req_id, (0, 0))[1]  # a run found beside another GPU prefix is stale
+            s = self._scans[req_id] = RunJudge(self.step, s.found() if s is not None and s.prefix == gpu_prefix
+                                               else None)
         s.run += 1
         ct = self.chunk_tokens.get(group, 1)
         # Without the connector's note the request's length is unknown: the run found is taken as
