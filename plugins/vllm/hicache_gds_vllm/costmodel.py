@@ -109,21 +109,27 @@ class RunJudge:
         if self.seen is not None:
             hit, d = best_run(model, new, prefix, min(self.seen * chunk_tokens, new), chunk_tokens, **kw)
             d = for_the_queue(d, behind, gpu_backlog)
-            self.decision = sticky(d, previous, model.stop_margin * (model.predict_compute(hit, prefix) or 0.0))
+            self.decision = sticky(d, previous, _tie(model, hit, prefix))
             self.answer = "hit" if self.decision.load else "miss"
             self.cap = max(1, hit // chunk_tokens)
             return self.answer
         first = min(chunk_tokens, new)
         one = sticky(model.decide(new, prefix, first, smooth=True, **kw), previous,
-                     model.stop_margin * (model.predict_compute(first, prefix, smooth=True) or 0.0))
+                     _tie(model, first, prefix, smooth=True))
         if one.load and disk_backlog <= 0.0 and gpu_backlog <= 0.0:
             self.decision, self.answer = one, "hit"
             return self.answer
         hit, best = best_run(model, new, prefix, new, chunk_tokens, **kw)
         best = for_the_queue(best, behind, gpu_backlog)
-        self.decision = best = sticky(best, previous, model.stop_margin * (model.predict_compute(hit, prefix) or 0.0))
+        self.decision = best = sticky(best, previous, _tie(model, hit, prefix))
         self.answer = "defer" if best.load else "miss"
         return self.answer
+
+
+def _tie(model: CostModel, hit: int, prefix: int, *, smooth: bool = False) -> float:
+    """Seconds within which a waiting request keeps its last answer (`sticky`): the model's
+    `stop_margin` of the compute the `hit` tokens would save."""
+    return model.stop_margin * (model.predict_compute(hit, prefix, smooth=smooth) or 0.0)
 
 
 def best_run(model: CostModel, new: int, prefix: int, hit: int, chunk_tokens: int, *, gpu_backlog: float,
