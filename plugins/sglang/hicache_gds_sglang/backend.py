@@ -66,12 +66,6 @@ _RATES: dict[str, ReadRate] = {}
 _RATES_LOCK = threading.Lock()
 
 
-def _base_of(t: Any) -> Any:
-    """The tensor `t` is a view of, or `t`."""
-    base = getattr(t, "_base", None)
-    return t if base is None else base
-
-
 def _region(t: Any) -> tuple[Any, int, int] | None:
     """(base tensor, first element, end) of the index storage `t` covers, or None where `t` is
     no 1-D tensor. A prefetch's ``host_indices`` is a view of the host pool's free-slot tensor,
@@ -80,7 +74,8 @@ def _region(t: Any) -> tuple[Any, int, int] | None:
     if not isinstance(t, torch.Tensor) or t.dim() != 1:
         return None
     off = int(t.storage_offset())
-    return _base_of(t), off, off + int(t.numel())
+    base = t._base  # the tensor `t` is a view of; None where `t` is no view
+    return t if base is None else base, off, off + int(t.numel())
 
 
 def _within(inner: tuple[Any, int, int] | None, outer: tuple[Any, int, int] | None) -> bool:
