@@ -16,7 +16,11 @@ drives it:
 ``--busy`` runs every backend beside a thread spinning in Python (SGLang's scheduler loop is one):
 each backend under the thread switch interval its own server would have -- HiCacheGDS the one its
 store sets at open (`switch_interval`), the others Python's default -- so the GIL hand-offs of each
-read path cost what they cost in a server. ``--page-tokens 64`` gives the GPU runs' 8 MiB pages.
+read path cost what they cost in a server; ``--same-interval`` puts every backend under the smallest
+of them, as in one server process where a store lowered it for all. ``--profile`` prints a cProfile
+of the HiCacheGDS columns' gets in the last round (wall time, GIL waits included), and each round's
+line splits a HiCacheGDS get into posting, waiting for IO and exposed checksums (the store's
+counters; the rest is the work around the IO). ``--page-tokens 64`` gives the GPU runs' 8 MiB pages.
 
 Every round writes fresh keys with each backend, drops the page cache (``echo 3 >
 /proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` on the files), reads them back
@@ -33,6 +37,8 @@ import os
 import shutil
 import statistics
 import contextlib
+import cProfile
+import pstats
 import subprocess
 import sys
 import time
@@ -146,6 +152,15 @@ def make_backends(root, pool, npages, rounds, which):
     return out
 
 
+def phases(d):
+    """A HiCacheGDS column's read counters (ns): posting, waiting for IO, exposed checksums."""
+    st = getattr(d.b, "stats", None)
+    if st is None or not d.name.startswith("HiCacheGDS"):
+        return {}
+    kv = st().get("kv", {})
+    return {k[5:-3]: kv.get(k, 0) for k in ("read_post_ns", "read_wait_ns", "read_verify_ns")}
+
+
 def page_bytes():
     return 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
 
@@ -167,6 +182,10 @@ def main() -> None:
     ap.add_argument("--backends", default="gds,file,nixl,fio",
                     help="any of gds,file,nixl,fio,raw; gds:key=value:... adds a HiCacheGDS column with those keys")
     ap.add_argument("--busy", action="store_true", help="a thread spinning in Python beside every backend's calls")
+    ap.add_argument("--profile", action="store_true", help="cProfile the HiCacheGDS columns' gets in the last round")
+    ap.add_argument("--same-interval", action="store_true",
+                    help="every backend under the smallest switch interval of them (as in one server process, "
+                         "where a store lowers it for all)")
     ap.add_argument("--page-tokens", type=int, default=PAGE_TOKENS, help="tokens per page (16: 2 MiB pages; 64: 8 MiB)")
     ap.add_argument("--json", help="write the raw numbers here")
     ap.add_argument("--report", metavar="JSON", help="only print the tables of an earlier --json file")
@@ -192,6 +211,10 @@ def main() -> None:
     pbytes = page_bytes()
     src, dst = list(range(n)), list(range(n, 2 * n))
     drivers = make_backends(root, pool, n, args.rounds, which)
+    if args.same_interval and drivers:
+        least = min(d.switch_interval or sys.getswitchinterval() for d in drivers)
+        for d in drivers:
+            d.switch_interval = least
     results = {d.name: {"set": [], "set+sync": [], "get": []} for d in drivers}
     if "fio" in which:
         results["fio (libaio, O_DIRECT, QD16)"] = {"set": [], "set+sync": [], "get": []}
@@ -217,10 +240,21 @@ def main() -> None:
             t_sync = time.perf_counter() - t0
             how = drop_caches(root)
             kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS].fill_(0xA5)
+            before = phases(d)
+            prof = cProfile.Profile() if args.profile and r == args.rounds - 1 and d.name.startswith("HiCacheGDS") \
+                else None
             t0 = time.perf_counter()
             with busy():
+                if prof is not None:
+                    prof.enable()
                 ok = ok and all(d.get(keys[i:i + 128], dst[i:i + 128]) for i in range(0, n, 128))
+                if prof is not None:
+                    prof.disable()
             t_get = time.perf_counter() - t0
+            if prof is not None:
+                print(f"profile of {d.name}'s gets, round {r} (wall time per function, GIL waits included):")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            split = {k: (v - before[k]) / 1e6 for k, v in phases(d).items()}
             same = torch.equal(kv[:, :n * PAGE_TOKENS], kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS])
             if not (ok and same):
                 raise SystemExit(f"{d.name}: round {r} failed (calls ok={ok}, bytes equal={same})")
@@ -229,7 +263,10 @@ def main() -> None:
             results[d.name]["get"].append(n * pbytes / t_get / 1e9)
             print(f"round {r} {d.name}: set {results[d.name]['set'][-1]:.2f} GB/s (with sync "
                   f"{results[d.name]['set+sync'][-1]:.2f}), get {results[d.name]['get'][-1]:.2f} GB/s (cold: {how}), "
-                  f"bytes checked", flush=True)
+                  f"bytes checked" + ("; get ms: " + ", ".join(f"{k} {v:.0f}" for k, v in split.items()) + 
+                                      f" of {t_get * 1e3:.0f}" if split else ""), flush=True)
+            if split:
+                results[d.name].setdefault("get_phases_ms", []).append(dict(split, total=t_get * 1e3))
         if raw is not None:
             name = "raw O_DIRECT (2 MiB IOs, QD16)"
             results[name]["set"].append(raw.run(True, raw_buf, pbytes, n))
@@ -253,8 +290,9 @@ def main() -> None:
     if raw is not None:
         raw.close()
     if args.busy:
-        print("\nbusy: a thread spinning in Python beside every call; HiCacheGDS under its store's switch "
-              "interval, the others under Python's default")
+        print("\nbusy: a thread spinning in Python beside every call; " + (
+            f"every backend under a {drivers[0].switch_interval * 1e3:g} ms switch interval" if args.same_interval
+            and drivers else "HiCacheGDS under its store's switch interval, the others under Python's default"))
     report(results, n, pbytes, args.rounds, how)
     if args.json:
         with open(args.json, "w") as f:

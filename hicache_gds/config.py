@@ -19,6 +19,8 @@ from .errors import ConfigError
 __all__ = ["Config", "parse_size", "ENV_PREFIX", "describe_keys"]
 
 ENV_PREFIX = "HICACHE_GDS_"
+# Variables of the same prefix that an adapter reads, not the store: known, so not typos here.
+ADAPTER_ENV = frozenset({ENV_PREFIX + "TRACE"})  # the SGLang plugin's prefetch timeline (trace.py)
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
@@ -229,7 +231,7 @@ class Config:
         unknown = sorted(k for k in overrides if k not in _SPEC)
         if unknown:
             raise ConfigError(f"unknown config key {unknown[0]!r}; accepted keys: {', '.join(_SPEC)}")
-        env_names = {spec[0] for spec in _SPEC.values()}
+        env_names = {spec[0] for spec in _SPEC.values()} | ADAPTER_ENV
         stray = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in env_names)
         if stray:
             raise ConfigError(f"unknown environment variable {stray[0]}; accepted: "

@@ -42,6 +42,8 @@ def test_unknown_key_and_env_var():
         Config.load({"capacty": 1}, env={})
     with pytest.raises(ConfigError, match="unknown environment variable HICACHE_GDS_CAPACTY"):
         Config.load({}, env={"HICACHE_GDS_CAPACTY": "1"})
+    # an adapter's own variable of the same prefix is not a typo of the store's
+    assert Config.load({}, env={"HICACHE_GDS_TRACE": "1"}).verify is True
 
 
 def test_ignored_adapter_keys():

@@ -150,3 +150,37 @@ def test_the_report_computes_the_issues_targets():
     assert t("burst: vs the best")["value"] == pytest.approx(6.0 / 9.0)
     assert t("greedy tokens = recompute (gds-compute_or_load)")["met"] is False
     assert t("greedy tokens = recompute (gds-wait_complete)")["met"] is True
+
+
+def test_a_variant_is_gds_with_its_keys_added_and_measured_beside_the_rest(tmp_path):
+    assert suite.split_config("gds-wait_complete+verify=false+max_request_bytes=1073741824") == (
+        "gds-wait_complete", {"verify": False, "max_request_bytes": 1 << 30})
+    assert suite.split_config("nixl") == ("nixl", {})
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        suite.split_config("gds-wait_complete+verify")
+    r = run(tmp_path, "--workloads", "single", "--reps", "single=1", "--trace",
+            "--configs", "recompute,gds-wait_complete,gds-wait_complete+verify=false")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.load(open(tmp_path / "out" / "suite-llama3-8b-shape.json"))
+    assert "single/gds-wait_complete+verify=false/0" in doc["cells"]
+    puts = [json.loads(s["body"]["hicache_storage_backend_extra_config_json"])
+            for call in doc["calls"] for s in call.get("switches", []) if s["call"] == "PUT"]
+    assert {"verify": False}.items() <= puts[-1].items() and "verify" not in puts[0]
+
+
+def test_the_trace_report_splits_a_revisit_into_its_stages(tmp_path):
+    import trace_report
+    t = 100.0
+    lines = [("queued", {"t": t, "tokens": 256}), ("query", {"t0": t + 0.01, "t": t + 0.03, "tokens": 256}),
+             ("get", {"t0": t + 0.05, "t": t + 0.25, "pages": 2, "landed": 2, "backend": "gds"}),
+             ("get", {"t0": t + 0.27, "t": t + 0.47, "pages": 2, "landed": 2, "backend": "gds"}),
+             ("transfer", {"t0": t + 0.05, "t": t + 0.47, "landed": 4, "pages": 4}),
+             ("ready", {"t": t + 0.50, "tokens": 256}), ("scheduled", {"t": t + 0.52, "prefix": 256, "extend": 64})]
+    log = tmp_path / "server.log"
+    log.write_text("noise\n" + "".join(f"[x] INFO hicache-gds trace {json.dumps({'ev': ev, 'rid': 'p0-1', **f})}\n"
+                                       for ev, f in lines))
+    row = trace_report.timeline(trace_report.events([str(log)])["p0-1"], page_bytes=1 << 20)
+    for k, v in {"wait": 0.01, "query": 0.02, "start": 0.02, "gets": 0.40, "gaps": 0.02, "ready": 0.03,
+                 "sched": 0.02}.items():
+        assert row[k] == pytest.approx(v), k
+    assert row["n_gets"] == 2 and row["pages"] == 4 and row["GB/s"] == pytest.approx(4 * (1 << 20) / 0.4 / 1e9)

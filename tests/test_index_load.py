@@ -256,3 +256,45 @@ def test_select_entries_answers_the_same_with_and_without_sqlite_json(tmp_path, 
         db.close()
         idx.close()
     assert with_json == without and "absent" not in without and len(without) == len(set(asked)) - 1
+
+
+@pytest.mark.parametrize("mode", ["json", "no update-from", "no json"])
+def test_a_reads_touch_and_leases_are_the_same_in_one_statement_as_row_by_row(tmp_path, monkeypatch, mode):
+    """The read path's LRU touch and leases (one statement each where SQLite has JSON, so a read
+    hands the GIL back a few times, not per page) leave the tables as the row-by-row form does."""
+    import sqlite3
+
+    from hicache_gds.index import schema
+    rng = np.random.default_rng(11)
+    keys = [f"k{i}-{rng.integers(1 << 60):x}" for i in range(700)] + ["ключ\n🙂"]
+
+    def run(one_statement: bool) -> tuple[list, list]:
+        path = tmp_path / f"{mode}-{one_statement}.sqlite3"
+        db = schema.connect(str(path))
+        db.executescript(schema.CREATE)
+        db.executemany("INSERT INTO pages VALUES (?, ?, 4096, 1, 0, 0)", ((k, i) for i, k in enumerate(keys)))
+        db.execute("INSERT INTO leases VALUES (5, 'other')")
+        if not one_statement:
+            monkeypatch.setattr(schema, "HAS_JSON", False)
+        elif mode == "no update-from":
+            monkeypatch.setattr(schema, "_HAS_UPDATE_FROM", False)
+        elif mode == "no json":
+            monkeypatch.setattr(schema, "HAS_JSON", False)
+        try:
+            hit = keys[::2][::-1]  # any order: the clock follows the order given
+            schema.touch(db, hit, 1000)
+            schema.add_leases(db, "me", [3, 5, 7, 3])
+            schema.add_leases(db, "me", [7, 9])  # held already: kept once
+            schema.drop_leases(db, "me", [3, 9, 11])
+            pages = db.execute("SELECT key, atime FROM pages ORDER BY key").fetchall()
+            leases = db.execute("SELECT slot, owner FROM leases ORDER BY slot, owner").fetchall()
+        finally:
+            monkeypatch.undo()
+            db.close()
+        return pages, leases
+
+    one, rows = run(True), run(False)
+    assert one == rows
+    pages, leases = one
+    assert dict(pages)[keys[-1 - (len(keys) - 1) % 2]] == 1000 and dict(pages)[keys[0]] == 1000 + len(keys[::2]) - 1
+    assert leases == [(5, "me"), (5, "other"), (7, "me")]

@@ -14,6 +14,8 @@ gds-<policy>          gds attached with SGLang's ``wait_complete`` / ``best_effo
                       same backend: SGLang only updates the policy)
 nixl                  SGLang's HiCacheNixl (NIXL POSIX, O_DIRECT, its cleaner off), written once
                       with the ``single`` prompts
+gds-<policy>+K=V      a variant: gds with ``K=V`` (JSON value) added to its extra config, e.g.
+                      ``gds-wait_complete+verify=false`` (an A/B of one store setting)
 ====================  =====================================================================
 
 Before each measurement ``/flush_cache`` empties the GPU and host pools (L3 stays) and the page
@@ -30,7 +32,8 @@ host, storage) and the greedy tokens (compared with ``recompute``'s). Results go
 run longer than one call continues in the next (the L3 on ``--dir`` is kept and checked).
 ``--deadline`` (seconds) stops starting measurements that would not end in time, stops the server
 and exits 3 (``--resume`` to go on). ``--fake`` runs the same harness against `fake_server.py`
-(no GPU) to dry-run it.
+(no GPU) to dry-run it. ``--trace`` logs each request's prefetch timeline in the server, for
+every backend (``trace_report.py`` turns it into a per-request table).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2elib import (Result, Server, _jsonable, admin, backed_up_tokens, drop_caches, free_port,  # noqa: E402
-                    generate, install_guard, log_facts, machine, metrics_lines, model_info, pct, raw_disk,
+                    generate, install_guard, log_facts, machine, metrics_lines, model_info, overwrite, pct, raw_disk,
                     stop_leftovers, tokens, versions)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,6 +85,23 @@ def prompt(i: int, n: int, a: argparse.Namespace, suffix_seed: int) -> list[int]
     p = np.random.default_rng(1000 + i).integers(1000, hi, size=n).tolist()
     s = np.random.default_rng(suffix_seed + i).integers(1000, hi, size=a.suffix_tokens).tolist()
     return p + s
+
+
+def split_config(cfg: str) -> tuple[str, dict[str, Any]]:
+    """A configuration name and the backend keys of its variant: ``gds-wait_complete+verify=false``
+    is gds with SGLang's ``wait_complete`` and ``{"verify": false}`` added to its extra config (an
+    A/B of one store setting, interleaved with the rest)."""
+    base, *keys = cfg.split("+")
+    extra: dict[str, Any] = {}
+    for kv in keys:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"configuration {cfg!r}: {kv!r} is not KEY=VALUE")
+        try:
+            extra[k] = json.loads(v)
+        except ValueError:
+            extra[k] = v
+    return base, extra
 
 
 def parse_reps(spec: str) -> dict[str, int]:
@@ -149,6 +169,8 @@ def server_command(a: argparse.Namespace, port: int) -> tuple[list[str], dict[st
     for d in (env["GDS_PATH"], env["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"]):
         os.makedirs(d, mode=0o700, exist_ok=True)  # the server opens its backend at start: GDS_PATH must exist
     env["SGLANG_HICACHE_NIXL_BACKEND_PLUGIN"] = "POSIX"
+    if getattr(a, "trace", False):  # the prefetch timeline of every backend (trace_report.py reads it)
+        env["HICACHE_GDS_TRACE"] = "1"
     return cmd, env
 
 
@@ -175,6 +197,7 @@ class Switch:
         self.srv, self.a = srv, a
         self.backend: str | None = "gds"  # as started
         self.policy = "wait_complete"
+        self.variant: dict[str, Any] = {}
         self.log: list[dict[str, Any]] = []
 
     def _call(self, method: str, body: dict | None = None) -> None:
@@ -188,19 +211,20 @@ class Switch:
         raise RuntimeError(f"{method} /hicache/storage-backend {json.dumps(body)}: {code} {text[:300]}")
 
     def to(self, cfg: str) -> None:
-        want, policy = ("gds", cfg[4:]) if cfg.startswith("gds-") else ("nixl", "wait_complete") if cfg == "nixl" \
-            else (None, None)
-        if self.backend is not None and self.backend != want:
+        base, variant = split_config(cfg)
+        want, policy = ("gds", base[4:]) if base.startswith("gds-") else ("nixl", "wait_complete") \
+            if base == "nixl" else (None, None)
+        if self.backend is not None and (self.backend != want or self.variant != variant):
             self._call("DELETE")
             self.backend = None
         if want is None:
             return
         if self.backend == want and self.policy == policy:
             return
-        extra = gds_extra(self.a) if want == "gds" else nixl_extra()
+        extra = {**(gds_extra(self.a) if want == "gds" else nixl_extra()), **variant}
         self._call("PUT", {"hicache_storage_backend": want, "hicache_storage_prefetch_policy": policy,
                            "hicache_storage_backend_extra_config_json": json.dumps(extra)})
-        self.backend, self.policy = want, policy
+        self.backend, self.policy, self.variant = want, policy, variant
 
     def flush(self) -> None:
         for _ in range(60):
@@ -402,6 +426,10 @@ class Suite:
                 self.populate("gds")
                 if any(c["config"] == "nixl" for c in todo):
                     self.populate("nixl")
+                if a.overwrite_gib and not a.fake:
+                    self.call["overwrite"] = overwrite(a.dir, a.overwrite_gib)
+                    print(f"[suite] overwrote the disk's recent writes: {json.dumps(self.call['overwrite'])}",
+                          flush=True)
             for cell in todo:
                 need = self.estimate(cell) + 30.0  # + stopping the server
                 if need > self.left():
@@ -455,6 +483,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deadline", type=float, default=0.0, help="seconds this call may take (0: no limit)")
     g.add_argument("--plot", action="store_true", help="draw TTFT p90 against rate (matplotlib: the plot extra)")
     g.add_argument("--fake", action="store_true", help="run against fake_server.py (dry run, no GPU)")
+    g.add_argument("--overwrite-gib", type=float, default=0.0,
+                   help="after writing the L3s, write (and delete) this many GiB on the same disk, so a virtual "
+                        "disk's host cache holds neither backend's pages (disk_recency.sh measures the effect)")
+    g.add_argument("--trace", action="store_true",
+                   help="log each request's prefetch timeline in the server (HICACHE_GDS_TRACE=1; trace_report.py)")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -463,7 +496,7 @@ def main(a: argparse.Namespace) -> int:
     a.vocab = a.model_info["vocab_size"]
     if a.configs == "recompute,hicache,file,nixl,gds":  # bench_sglang_server's default: the suite's instead
         a.configs = DEFAULT_CONFIGS
-    bad = [c for c in (a.configs + "," + a.open_configs).split(",") if c and c not in CONFIGS]
+    bad = [c for c in (a.configs + "," + a.open_configs).split(",") if c and split_config(c)[0] not in CONFIGS]
     if bad:
         raise SystemExit(f"suite configurations: unknown {bad}; choose from {', '.join(CONFIGS)}")
     if a.mode in WORKLOADS:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from .keymap import KeyMap
 from .recovery import move_aside, open_database, replaced
-from .schema import (Entry, bump, damaged, drop_leases, free_doomed, remove_pages, return_owner, select_entries,
-                     slot_list, take_free, tick, unpublish)
+from .schema import (Entry, add_leases, bump, damaged, drop_leases, free_doomed, remove_pages, return_owner,
+                     select_entries, slot_list, take_free, tick, touch, unpublish)
 
 if TYPE_CHECKING:
     from ..slabs.owners import Membership
@@ -262,10 +262,8 @@ class Index:
             found = select_entries(db, keys)
             if found:
                 hit = list(dict.fromkeys(k for k in keys if k in found))
-                t = tick(db, len(hit))
-                db.executemany("UPDATE pages SET atime = ? WHERE key = ?", zip(range(t, t + len(hit)), hit))
-                new = {found[k].slot for k in hit if found[k].slot not in self._pins}
-                db.executemany("INSERT OR IGNORE INTO leases VALUES (?, ?)", ((s, self.owner) for s in new))
+                touch(db, hit, tick(db, len(hit)))
+                add_leases(db, self.owner, {found[k].slot for k in hit if found[k].slot not in self._pins})
             return found
 
         with self._wlock:

@@ -39,6 +39,9 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    protection ends when the request leaves the waiting queue, and a waiting request sent to the
    GPU may be given to the disk: the policy's late admission).
 
+8. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
+   (`trace`), from the scheduler's queue through each L3 get to the prefill batch.
+
 Caches without those points (0.5.17's hybrid-model caches) keep SGLang's policy: the name turns
 into SGLang's default there.
 
@@ -194,6 +197,9 @@ def register() -> None:
                     "is not available. Select the backend with: %s", exc, dynamic_command())
         return
     _register_policy(HookRegistry, HookType)
+    from . import trace
+    if trace.enabled():
+        trace.register(HookRegistry, HookType, _resolve)
     HookRegistry.register(_ARGS, _add_choice, HookType.AFTER)
     HookRegistry.register(factory, _create, HookType.AROUND)
     HookRegistry.register(_ATTACH, _select_zero_copy, HookType.AFTER)
