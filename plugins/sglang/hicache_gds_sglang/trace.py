@@ -74,6 +74,14 @@ def _backend_name(controller: Any) -> str:
                                                                                   None)).__name__)
 
 
+def _landed(out: Any, controller: Any, operation: Any, before: int) -> int:
+    """Pages a get or transfer landed: 0.5.23's return them, 0.5.17's count tokens into the
+    operation (`before`: its count when the call began)."""
+    if isinstance(out, int):
+        return out
+    return (int(operation.completed_tokens) - before) // max(1, int(getattr(controller, "page_size", 1)))
+
+
 def after_queued(result: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     try:
         _emit("queued", req.rid, tokens=len(getattr(req, "origin_input_ids", ()) or ()))
@@ -97,11 +105,8 @@ def around_get(original: Any, controller: Any, operation: Any, hash_values: Any,
     t0 = time.perf_counter()
     out = original(controller, operation, hash_values, *args, **kwargs)
     try:
-        # 0.5.23's page gets return the pages that landed; 0.5.17's count them into the operation
-        landed = out if isinstance(out, int) else \
-            (operation.completed_tokens - before) // max(1, int(getattr(controller, "page_size", 1)))
-        _emit("get", operation.request_id, t0=t0, pages=len(hash_values), landed=int(landed),
-              backend=_backend_name(controller))
+        _emit("get", operation.request_id, t0=t0, pages=len(hash_values),
+              landed=_landed(out, controller, operation, before), backend=_backend_name(controller))
     except Exception as exc:  # noqa: BLE001
         _once("get", exc)
     return out
@@ -111,10 +116,7 @@ def around_transfer(original: Any, controller: Any, operation: Any, *args: Any, 
     t0 = time.perf_counter()
     out = original(controller, operation, *args, **kwargs)
     try:
-        # 0.5.23 returns the pages that landed; 0.5.17 counts tokens into the operation
-        landed = out if isinstance(out, int) else \
-            int(operation.completed_tokens) // max(1, int(getattr(controller, "page_size", 1)))
-        _emit("transfer", operation.request_id, t0=t0, landed=int(landed),
+        _emit("transfer", operation.request_id, t0=t0, landed=_landed(out, controller, operation, 0),
               pages=len(getattr(operation, "hash_value", None) or ()))
     except Exception as exc:  # noqa: BLE001
         _once("transfer", exc)
