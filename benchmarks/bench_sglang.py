@@ -20,7 +20,9 @@ read path cost what they cost in a server; ``--same-interval`` puts every backen
 of them, as in one server process where a store lowered it for all. ``--profile`` prints a cProfile
 of the HiCacheGDS columns' gets in the last round (wall time, GIL waits included), and each round's
 line splits a HiCacheGDS get into posting, waiting for IO and exposed checksums (the store's
-counters; the rest is the work around the IO). ``--page-tokens 64`` gives the GPU runs' 8 MiB pages.
+counters; the rest is the work around the IO); ``--timeline`` prints, for each of those gets, when
+each of its requests was posted and completed and how long its checksums ran after the last one.
+``--page-tokens 64`` gives the GPU runs' 8 MiB pages.
 
 Every round writes fresh keys with each backend, drops the page cache (``echo 3 >
 /proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` on the files), reads them back
@@ -173,6 +175,45 @@ def fio(root, rw, nbytes, tag):
     return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
 
 
+@contextlib.contextmanager
+def request_timeline(out: list):
+    """While active, append one record per store read (`PageMover._run`) to `out`: the pages, when
+    each request was posted and when the wait for it returned (ms from the read's start), and when
+    the read returned, its checksums done. Waits return in request order, so a request that had
+    finished earlier shows as a wait returning right after the previous one; no extra polling (NIXL
+    POSIX advances only when polled, so that would change what is measured). For the benchmark's
+    single calling thread."""
+    from hicache_gds.engines import base
+    from hicache_gds.store import mover
+    run, wait, cur = mover.PageMover._run, base.Transfer.wait, {}
+
+    def ms() -> float:
+        return round((time.perf_counter_ns() - cur["t0"]) / 1e6, 1)
+
+    def timed_wait(self, timeout=None):
+        got = wait(self, timeout)
+        if "t0" in cur:
+            cur["waits"].append(ms())
+        return got
+
+    def timed_run(self, prep, slots, expect):
+        cur.update(t0=time.perf_counter_ns(), waits=[])
+        try:
+            return run(self, prep, slots, expect)
+        finally:
+            if prep.op is base.Op.READ:
+                out.append({"pages": len(slots), "waits_ms": cur["waits"], "end_ms": ms(),
+                            "posted_ms": [round((t.started - cur["t0"]) / 1e6, 1) for _, t in prep.transfers
+                                          if t is not None]})
+            cur.clear()
+
+    mover.PageMover._run, base.Transfer.wait = timed_run, timed_wait
+    try:
+        yield out
+    finally:
+        mover.PageMover._run, base.Transfer.wait = run, wait
+
+
 def main() -> None:
     global PAGE_TOKENS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,6 +224,8 @@ def main() -> None:
                     help="any of gds,file,nixl,fio,raw; gds:key=value:... adds a HiCacheGDS column with those keys")
     ap.add_argument("--busy", action="store_true", help="a thread spinning in Python beside every backend's calls")
     ap.add_argument("--profile", action="store_true", help="cProfile the HiCacheGDS columns' gets in the last round")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print when each request of the HiCacheGDS columns' reads completed, last round")
     ap.add_argument("--same-interval", action="store_true",
                     help="every backend under the smallest switch interval of them (as in one server process, "
                          "where a store lowers it for all)")
@@ -241,16 +284,23 @@ def main() -> None:
             how = drop_caches(root)
             kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS].fill_(0xA5)
             before = phases(d)
-            prof = cProfile.Profile() if args.profile and r == args.rounds - 1 and d.name.startswith("HiCacheGDS") \
-                else None
+            last_gds = r == args.rounds - 1 and d.name.startswith("HiCacheGDS")
+            prof = cProfile.Profile() if args.profile and last_gds else None
+            timeline = request_timeline([]) if args.timeline and last_gds else contextlib.nullcontext()
             t0 = time.perf_counter()
-            with busy():
+            with busy(), timeline as reads:
                 if prof is not None:
                     prof.enable()
                 ok = ok and all(d.get(keys[i:i + 128], dst[i:i + 128]) for i in range(0, n, 128))
                 if prof is not None:
                     prof.disable()
             t_get = time.perf_counter() - t0
+            for rd in reads or ():
+                print(f"timeline of {d.name}: {rd['pages']} pages in {len(rd['posted_ms'])} requests, posted at "
+                      f"{rd['posted_ms']} ms; waits returned at {rd['waits_ms']} ms; done at {rd['end_ms']} ms "
+                      f"({rd['end_ms'] - max(rd['waits_ms'], default=0):.1f} ms after the last wait)")
+            if reads:
+                results[d.name]["timeline"] = reads
             if prof is not None:
                 print(f"profile of {d.name}'s gets, round {r} (wall time per function, GIL waits included):")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(18)

@@ -60,8 +60,12 @@ def test_the_plan_interleaves_configurations_and_repeats():
     assert ids[:5] == [f"single/{c}/0" for c in suite.DEFAULT_CONFIGS.split(",")]
     assert ids[5:9] == [f"burst/{c}/0" for c in suite.DEFAULT_CONFIGS.split(",") if c != "nixl"]  # nixl: single only
     assert sum(c["workload"] == "single" and c["config"] == "nixl" for c in cells) == 3
-    assert ids[-4:] == ["open/recompute/0/0.1", "open/gds-compute_or_load/0/0.1", "open/recompute/0/0.2",
-                        "open/gds-compute_or_load/0/0.2"]
+    assert ids[-4:] == ["open/recompute/0/0.1", "open/gds-compute_or_load/0/0.1", "open/gds-compute_or_load/0/0.2",
+                        "open/recompute/0/0.2"]
+    # Each repetition starts one configuration later, so no configuration always follows recompute.
+    cfgs = suite.DEFAULT_CONFIGS.split(",")
+    for r in range(3):
+        assert [c["config"] for c in cells if c["id"].startswith("single/") and c["rep"] == r] == cfgs[r:] + cfgs[:r]
     with pytest.raises(SystemExit, match="WORKLOAD=N"):
         suite.parse_reps("single=three")
 
