@@ -132,14 +132,25 @@ def test_a_tracing_error_is_logged_once_and_the_call_goes_on(ctl, caplog):
 
 
 def test_queued_and_scheduled_lines(caplog):
-    r = types.SimpleNamespace(rid="r-1", origin_input_ids=list(range(300)), prefix_indices=list(range(128)),
-                              extend_input_len=172)
+    """`get_new_batch_prefill` returns SGLang's own `NextBatchPlan` (its `batch_to_run`, both
+    releases) or a batch: each request scheduled is one line, once."""
+    from sglang.srt.managers.schedule_batch import NextBatchPlan
+
+    def req(rid, n, prefix):
+        return types.SimpleNamespace(rid=rid, origin_input_ids=list(range(n)), prefix_indices=list(range(prefix)),
+                                     extend_input_len=n - prefix)
+
+    r1, r2 = req("r-1", 300, 128), req("r-2", 200, 64)
     with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.trace"):
-        trace.after_queued(None, object(), r)
-        batch = types.SimpleNamespace(reqs=[r])
-        trace.after_scheduled(batch, object())
-        trace.after_scheduled(types.SimpleNamespace(batch=batch), object())  # 0.5.23's plan; once per request
+        trace.after_queued(None, object(), r1)
+        plan = NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[r1]), running_batch=types.SimpleNamespace(reqs=[]))
+        trace.after_scheduled(plan, object())
+        trace.after_scheduled(plan, object())  # the same request again: no second line
+        trace.after_scheduled(types.SimpleNamespace(reqs=[r1, r2]), object())  # a bare batch
+        trace.after_scheduled(NextBatchPlan(batch_to_run=None, running_batch=None), object())  # nothing to run
         trace.after_scheduled(None, object())
-    q, s = lines(caplog)
+    q, s1, s2 = lines(caplog)
     assert (q["ev"], q["tokens"]) == ("queued", 300)
-    assert (s["ev"], s["rid"], s["prefix"], s["extend"]) == ("scheduled", "r-1", 128, 172)
+    assert (s1["ev"], s1["rid"], s1["prefix"], s1["extend"]) == ("scheduled", "r-1", 128, 172)
+    assert (s2["ev"], s2["rid"], s2["prefix"], s2["extend"]) == ("scheduled", "r-2", 64, 136)
+    assert "scheduled" not in trace._failed

@@ -136,7 +136,7 @@ def around_ready(original: Any, cache: Any, req_id: Any, *args: Any, **kwargs: A
 
 def after_scheduled(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     try:
-        batch = getattr(result, "batch", result)  # 0.5.23 returns a plan holding the batch
+        batch = getattr(result, "batch_to_run", result)  # a NextBatchPlan (0.5.17, 0.5.23), else the batch
         for req in getattr(batch, "reqs", None) or ():
             if not getattr(req, "_hgds_traced", False):
                 req._hgds_traced = True
