@@ -169,6 +169,9 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
                         "good (a serving engine's busy thread otherwise holds the GIL 5 ms each time the IO "
                         "and checksum threads wait for it); 0 leaves it alone"),
     "io_threads": (ENV_PREFIX + "IO_THREADS", _int_at_least(1), 16, "IO threads of the bounce engine (its queue depth)"),
+    "checksum_threads": (ENV_PREFIX + "CHECKSUM_THREADS", _int_at_least(0), 0,
+                         "threads one batch's host-page checksums are cut across (0: min(8, cores)); fewer "
+                         "leave a serving engine's threads more of the cores and the GIL"),
     "nixl_queue": (ENV_PREFIX + "NIXL_QUEUE", _choice("uring", "aio", "posix_aio"), "aio",
                    "NIXL POSIX queue: Linux AIO, io_uring or POSIX AIO"),
     "max_request_bytes": (ENV_PREFIX + "MAX_REQUEST_BYTES", _size, 0, "split requests above this size (0: engine's limit)"),
@@ -205,6 +208,7 @@ class Config:
     io_timeout: float = 60.0
     switch_interval: float = 0.0005
     io_threads: int = 16
+    checksum_threads: int = 0
     nixl_queue: str = "aio"
     max_request_bytes: int = 0
     namespace: str = ""

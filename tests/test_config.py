@@ -27,6 +27,7 @@ def test_env_and_dict_precedence(tmp_path):
     ("capacity_fraction", "1.5", "capacity_fraction: expected a fraction in (0, 1]"),
     ("io_timeout", "-1", "io_timeout: expected a number of seconds > 0"),
     ("io_threads", "0", "io_threads: expected an integer >= 1"),
+    ("checksum_threads", "-1", "checksum_threads: expected an integer >= 0"),
     ("verify", "maybe", "verify: 'maybe' is not a boolean"),
     ("engine", "../../etc", "engine: '../../etc' is not an engine name"),
     ("gds_path", "/a,/a", "gds_path: a directory is listed twice"),

@@ -462,6 +462,36 @@ def test_checksums_run_in_parallel_and_survive_fork(gds_dir):
     pytest.fail("a forked child hung hashing pages (the parent's hashing pool was inherited)")
 
 
+@pytest.mark.parametrize("threads,per_task", [(0, 2), (2, 4), (1, 8)])
+def test_checksum_threads_cut_a_batch_across_that_many_tasks(gds_dir, monkeypatch, threads, per_task):
+    """`checksum_threads` (0: the hashing pool's size, here made 4) is how many tasks one batch's
+    host checksums are cut into; 1 sums them on the calling thread. Whatever the cut, every byte
+    round-trips and a flipped byte is still a miss."""
+    from hicache_gds import checksum as ck
+    from hicache_gds.store import mover as store_mod
+    monkeypatch.setattr(store_mod, "_hash_threads", lambda: 4)
+    sizes, real = [], ck.host_checksums
+    monkeypatch.setattr(ck, "host_checksums", lambda segs, nbytes: sizes.append(len(segs)) or real(segs, nbytes))
+    if threads == 1:
+        monkeypatch.setattr(store_mod, "_hasher", lambda: pytest.fail("checksum_threads=1 used the hashing pool"))
+    with open_store(gds_dir, config={"checksum_threads": threads, "max_request_bytes": 8 * P}) as s:
+        src, dst, _ = buffers(s, n=8)
+        assert all(s.put(keys(8), Pages.contiguous(src.addr, P, range(8))))
+        assert all(s.get(keys(8), Pages.contiguous(dst.addr, P, range(8))))
+        assert dst.numpy()[: 8 * P].tobytes() == src.numpy()[: 8 * P].tobytes()
+        assert sizes and set(sizes) == {per_task}, sizes
+        slot = s.index.lookup_pin(["k00005"])[0].slot
+        s.index.unpin([slot])
+        with open(s.slabs.paths[0], "r+b") as f:
+            f.seek(slot * s.slot_bytes + 777)
+            b = f.read(1)
+            f.seek(slot * s.slot_bytes + 777)
+            f.write(bytes([b[0] ^ 0x01]))
+        os.posix_fadvise(os.open(s.slabs.paths[0], os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+        dst.numpy()[:] = 0xEE
+        assert s.get(keys(8), Pages.contiguous(dst.addr, P, range(8))) == [True] * 5 + [False] + [True] * 2
+
+
 class _Counting(FaultyEngine):
     """A faulty engine that records the descriptor count of every request it is handed."""
 

@@ -551,13 +551,14 @@ class PageMover:
             segs = [[(buf.addr + j * self.slot_bytes, self.page_bytes)] for j in idx]
         else:
             segs = [list(zip(pages.addrs[j].tolist(), pages.lens[j].tolist())) for j in idx]
-        pool = _hasher() if len(idx) > 1 else None
+        threads = min(_hash_threads(), self.config.checksum_threads or _hash_threads())
+        pool = _hasher() if len(idx) > 1 and threads > 1 else None
         if pool is None:
             return checksum.host_checksums(segs, self.page_bytes)
         # One task per thread: a task sums its pages' segments that lie end to end in one numpy
         # call and folds them at once; every task and call is a GIL hand-off, which a busy thread
         # in the host process makes cost up to a switch interval.
-        step = -(-len(segs) // _hash_threads())
+        step = -(-len(segs) // threads)
         parts = pool.map(lambda a: checksum.host_checksums(segs[a:a + step], self.page_bytes),
                          range(0, len(segs), step))
         return [c for part in parts for c in part]
