@@ -39,6 +39,24 @@ def buffers(store, n=N, page=P, seed=0):
     return src, dst, data
 
 
+def flip_byte(store, key, offset, mask):
+    """XOR one byte of `key`'s stored page (at `offset` in its slot) in the slab file, and drop the
+    file's cached pages so the next read sees it."""
+    slot = store.index.lookup_pin([key])[0].slot
+    store.index.unpin([slot])
+    slab = store.slabs.paths[0]
+    with open(slab, "r+b") as f:
+        f.seek(slot * store.slot_bytes + offset)
+        b = f.read(1)
+        f.seek(slot * store.slot_bytes + offset)
+        f.write(bytes([b[0] ^ mask]))
+    fd = os.open(slab, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def keys(n=N, tag="k"):
     return [f"{tag}{i:05d}" for i in range(n)]
 
@@ -122,15 +140,7 @@ def test_corrupted_page_is_a_miss_and_dropped(gds_dir):
     with open_store(gds_dir) as s:
         src, dst, data = buffers(s)
         assert all(s.put(keys(4), Pages.contiguous(src.addr, P, range(4))))
-        slab = s.slabs.paths[0]
-        slot = s.index.lookup_pin(["k00002"])[0].slot
-        s.index.unpin([slot])
-        with open(slab, "r+b") as f:  # flip one byte of page 2 behind the store's back
-            f.seek(slot * s.slot_bytes + 1234)
-            b = f.read(1)
-            f.seek(slot * s.slot_bytes + 1234)
-            f.write(bytes([b[0] ^ 0xFF]))
-        os.posix_fadvise(os.open(slab, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+        flip_byte(s, "k00002", 1234, 0xFF)  # behind the store's back
         got = s.get(keys(4), Pages.contiguous(dst.addr, P, range(4)))
         assert got == [True, True, False, True]
         assert s.exists(["k00002"]) == [False]
@@ -480,14 +490,7 @@ def test_checksum_threads_cut_a_batch_across_that_many_tasks(gds_dir, monkeypatc
         assert all(s.get(keys(8), Pages.contiguous(dst.addr, P, range(8))))
         assert dst.numpy()[: 8 * P].tobytes() == src.numpy()[: 8 * P].tobytes()
         assert sizes and set(sizes) == {per_task}, sizes
-        slot = s.index.lookup_pin(["k00005"])[0].slot
-        s.index.unpin([slot])
-        with open(s.slabs.paths[0], "r+b") as f:
-            f.seek(slot * s.slot_bytes + 777)
-            b = f.read(1)
-            f.seek(slot * s.slot_bytes + 777)
-            f.write(bytes([b[0] ^ 0x01]))
-        os.posix_fadvise(os.open(s.slabs.paths[0], os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+        flip_byte(s, "k00005", 777, 0x01)
         dst.numpy()[:] = 0xEE
         assert s.get(keys(8), Pages.contiguous(dst.addr, P, range(8))) == [True] * 5 + [False] + [True] * 2
 
