@@ -122,6 +122,38 @@ def test_each_call_sees_what_the_writer_did_since(gds_dir):
         r.close()
 
 
+def test_an_empty_wal_left_without_its_shm_reads_as_the_database_file(gds_dir):
+    """A writer's close can leave an empty -wal and no -shm, which read-only SQLite cannot open as
+    a WAL database; nothing is in that WAL, so the reader reads the database file, and a writer
+    that comes back and writes to the WAL is seen on the next call."""
+    w = writer(gds_dir)
+    src = registered(w, seed=8)
+    ks = keys()
+    assert w.put(ks[:8], Pages.contiguous(src.addr, P, range(8))) == [True] * 8
+    w.close()
+    db = os.path.join(namespace_location(P, IDENT, Config.load(cfg(gds_dir))).dirs[0], "index.sqlite3")
+    assert not os.path.exists(db + "-shm")
+    with open(db + "-wal", "wb"):
+        os.chmod(db + "-wal", 0o600)
+    r = reader(gds_dir)
+    w = None
+    try:
+        dst = registered(r)
+        assert r.get(ks[:8], Pages.contiguous(dst.addr, P, range(8))) == [True] * 8
+        assert np.array_equal(dst.numpy()[:8 * P], src.numpy()[:8 * P])
+        w = writer(gds_dir)
+        w.register_memory(src.addr, src.nbytes)
+        assert w.put(ks[8:], Pages.contiguous(src.addr, P, range(8, N))) == [True] * 8
+        assert os.path.getsize(db + "-wal") > 0
+        dst.numpy()[:] = POISON
+        assert r.get(ks, Pages.contiguous(dst.addr, P, range(N))) == [True] * N
+        assert np.array_equal(dst.numpy(), src.numpy())
+    finally:
+        if w is not None:
+            w.close()
+        r.close()
+
+
 def test_a_slot_reused_under_a_reader_is_a_miss_never_the_new_bytes(gds_dir):
     """The race, made deterministic: the reader looked the key up, then the writer evicted it and
     wrote another page into its slot before the reader's IO."""

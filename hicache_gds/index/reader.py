@@ -84,12 +84,16 @@ class IndexReader:
         for suffix in ("-wal", "-shm"):
             try:
                 s = os.lstat(self.db_path + suffix)
-                side.append((s.st_dev, s.st_ino))
+                side.append((s.st_dev, s.st_ino, s.st_size))
             except FileNotFoundError:
                 side.append(None)
-        if side[0] is not None:
-            return ("live", st.st_dev, st.st_ino, side[0], side[1])
-        return ("quiescent", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, side[1])
+        wal, shm = side
+        # An empty WAL holds nothing the database file lacks, and a writer's close can leave one
+        # without its -shm (read-only SQLite cannot open a WAL database without one): read the file
+        # as it is. A writer appending to the WAL changes its size, so the view is looked at again.
+        if wal is not None and wal[2] > 0:
+            return ("live", st.st_dev, st.st_ino, wal[:2], shm and shm[:2])
+        return ("quiescent", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, wal, shm and shm[:2])
 
     def _connect(self, state: tuple) -> sqlite3.Connection | None:
         """The connection for `state`, reused while the files stay the same; None: other settings."""
