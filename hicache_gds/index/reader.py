@@ -35,13 +35,14 @@ class IndexReader:
     and ``-shm`` files (a plain ``mode=ro`` connection creates both when no writer has the
     database open, and leaves them behind):
 
-    * while the ``-wal`` file exists (a writer has the database open, or died with it open), the
-      connection is ``mode=ro&readonly_shm=1``: SQLite's reader that never writes the shared
+    * while the ``-wal`` file holds frames (a writer has the database open, or died with it open),
+      the connection is ``mode=ro&readonly_shm=1``: SQLite's reader that never writes the shared
       memory file, coordinating with the live writer through it;
-    * otherwise the database is quiescent and is opened ``mode=ro&immutable=1``. Such a connection
+    * otherwise (no ``-wal``, or an empty one, which a writer's close can leave without its
+      ``-shm``) the database is quiescent and is opened ``mode=ro&immutable=1``. Such a connection
       neither locks nor notices changes, so a query counts only if the files look the same after
-      it as before (still no ``-wal``; same inode, size, mtime and ctime); a writer that opened
-      meanwhile makes it run again, on the other kind of connection.
+      it as before (the ``-wal`` still absent or empty; same inode, size, mtime and ctime); a
+      writer that opened or wrote meanwhile makes it run again, on the other kind of connection.
 
     Either way a query whose files changed under it (another inode of the database, ``-wal`` or
     ``-shm``: a writer reset a damaged index, or a new writer started) is run again. A database
