@@ -33,6 +33,17 @@ of the hit is the optimum, never a part. In a burst, each request goes to the qu
 finishes it first, so the disk and the GPU work at once on different requests, and the makespan
 approaches ``W / (R/B + P)`` tokens for ``W`` tokens at prefill rate ``P``.
 
+Behind a GPU backlog a part pays as well (``part_min`` set): the leading ``k`` tokens of the hit
+that the disk reads before the GPU reaches the request, ``D + L(k) <= G / (1 + margin)``, cost the
+request nothing to wait for and take ``C(n, p) - C(n - k, p + k) > 0`` off the GPU's queue::
+
+    part:     t_P = G + C(n - k, p + k)      (k page-aligned, k >= part_min)
+
+Over ``k`` in ``[0, h]`` the finish time falls until that ``k`` and is concave past it, so the
+best is one of none, ``k`` or all: admission takes the earliest of ``t_C``, ``t_P`` and ``t_L``.
+Without it a request the GPU would reach in 2 s whose whole hit takes 3 s to read is recomputed
+from its first token while the disk idles.
+
 Loads run slower under an engine than its gets alone say (the engine's IO thread waits for host
 memory between them, its batches leave gaps, other IO shares the disk): `LoadPace` keeps the
 median of (how long a finished load took) / (what admission forecast for it), and every load
@@ -302,6 +313,7 @@ class Decision:
     t_load: float
     t_compute: float
     reason: str
+    tokens: int | None = None  # a load of the hit's leading `tokens` only (a part); None: all of it
 
     @property
     def load(self) -> bool:
@@ -342,15 +354,17 @@ class CostModel:
 
     def decide(self, new: int, prefix: int, hit: int, *, kept: int = 0, fetched: int | None = None,
                in_flight: bool = False, gpu_backlog: float = 0.0, disk_backlog: float = 0.0,
-               smooth: bool = False) -> Decision:
+               smooth: bool = False, page: int = 1, part_min: int | None = None) -> Decision:
         """Load or compute (admission), wait or stop (a load in flight); see the module docstring.
 
         new: tokens to prefill after `prefix`; hit: the leading ones in L3 (<= new); kept: tokens
         of the hit already loaded and kept if stopped now; fetched: read so far (>= kept, for the
         time left); gpu_backlog: seconds of prefill ahead on the GPU; disk_backlog: seconds of
         loads ahead of this one on the disk; smooth: batches counted fractionally
-        (`PrefillModel.predict`), for judging a few tokens at the margin. Unknown rates: load (the
-        engine's own behaviour)."""
+        (`PrefillModel.predict`), for judging a few tokens at the margin; part_min: at admission,
+        weigh loading a part of at least this many tokens (multiples of `page`) that lands before
+        the GPU reaches the request (None: all or nothing). Unknown rates: load (the engine's own
+        behaviour)."""
         hit = max(0, min(int(hit), int(new)))
         kept = max(0, min(int(kept), hit))
         fetched = kept if fetched is None else max(kept, min(int(fetched), hit))
@@ -363,6 +377,13 @@ class CostModel:
         t_load = max(t_load_io, gpu_backlog) + c_tail
         t_compute = gpu_backlog + c_rest
         if not in_flight:
+            k = self._part(hit, page, gpu_backlog, disk_backlog) if part_min is not None and hit else 0
+            if 0 < k < hit and k >= max(1, part_min):
+                c_part = self.predict_compute(new - k, prefix + k, smooth=smooth)
+                t_part = gpu_backlog + (c_part if c_part is not None else c_rest)
+                if t_part < t_compute and t_part <= t_load:
+                    return Decision("load", t_part, t_compute, f"{k} of the {hit} tokens in L3 land before the GPU "
+                                    f"reaches the request (all of them: {t_load:.3f} s)", tokens=k)
             if t_load < t_compute:
                 return Decision("load", t_load, t_compute, "loading finishes first")
             return Decision("compute", t_load, t_compute, "computing finishes first")
@@ -370,6 +391,17 @@ class CostModel:
             return Decision("stop", t_load, t_compute, "the load left takes longer than the compute it saves")
         return Decision("wait", t_load, t_compute,
                         "the GPU is busy until then" if gpu_backlog >= t_load_io else "loading still finishes first")
+
+    def _part(self, hit: int, page: int, gpu_backlog: float, disk_backlog: float) -> int:
+        """Leading tokens of a hit (whole pages) the disk reads, behind its backlog, with
+        `stop_margin` to spare before the GPU reaches the request."""
+        r = self.read.rate
+        spare = gpu_backlog / (1.0 + self.stop_margin) - disk_backlog
+        if r is None or spare <= 0:
+            return 0
+        k = int(spare * r / (self.bytes_per_token * self.pace.factor))
+        page = max(1, int(page))
+        return min(int(hit), k // page * page)
 
     def estimates(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kv_bytes_per_token": self.bytes_per_token}

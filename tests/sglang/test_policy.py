@@ -127,11 +127,13 @@ def ongoing(cache, rid: str, op, tokens: int) -> None:
 # -- configuration -------------------------------------------------------------------------------
 def test_policy_keys_are_the_plugins_and_checked(gds_dir):
     cfg = PolicyConfig.from_extra({"policy": POLICY, "policy_read_gbps": "1.5", "policy_host_fraction": 0.6,
-                                   "policy_read_slice": "64M", "policy_stop_margin": 0})
-    assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.read_slice, cfg.stop_margin) == (
-        POLICY, 1.5, 0.6, 64 << 20, 0.0)
+                                   "policy_read_slice": "64M", "policy_stop_margin": 0, "policy_partial": "off"})
+    assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.read_slice, cfg.stop_margin, cfg.partial) == (
+        POLICY, 1.5, 0.6, 64 << 20, 0.0, False)
+    assert PolicyConfig.from_extra({}).partial is True
     for bad, match in (({"policy": "fastest"}, "policy: 'fastest'"), ({"policy_read_gbps": -1}, "policy_read_gbps"),
-                       ({"policy_host_fraction": 1.5}, "policy_host_fraction"),
+                       ({"policy_host_fraction": 1.5}, "policy_host_fraction"), ({"policy_partial": "some"},
+                                                                                 "policy_partial"),
                        ({"policy_read_slice": "lots"}, "policy_read_slice")):
         with pytest.raises(ConfigError, match=match):
             PolicyConfig.from_extra(bad)
@@ -406,8 +408,9 @@ def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_
     requests it could serve wait for the GPU. After a prefill batch is formed, the first waiting
     request decided "compute" whose hit loads before the GPU reaches it is prefetched through the
     scheduler's own path, which asks admission again with its place in the queue; one per pass,
-    each at most once, not where the GPU reaches it first, not on more than one rank."""
-    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0))  # loading takes 8x computing
+    each at most once, not where the GPU reaches it first, not on more than one rank (all or
+    nothing at admission: a part is `test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_loaded`)."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), policy_partial=False)  # loading takes 8x computing
     try:
         big = req("q0", 60000)  # 10 s of prefill queued ahead, not ours to decide
         r1, r2, r3 = req("r1", 18000), req("r2", 18000), req("r3", 18000)
@@ -457,6 +460,57 @@ def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_
         pol2._late_look = 0.0
         s2._prefetch_kvcache = lambda r: calls.append(f"late {r.rid}")
         assert pol2.late_admit(s2) == "r3" and calls[-1] == "late r3"
+    finally:
+        b.close()
+
+
+def test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_loaded(gds_dir):
+    """Loading all of a hit takes 8x computing it, so alone (or all or nothing) it is recomputed;
+    behind 10 s of prefill the disk reads its leading pages before the GPU gets there: SGLang's
+    own prefetch runs on that shorter key, and the GPU backlog counts only the rest. The next
+    request's part waits behind that load on the disk; a part under the minimum, or with the
+    setting off, is recomputed."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0))
+    try:
+        big = req("q0", 60000)  # 10 s of prefill ahead
+        cache, ctl, pol = make_cache(b, queue_reqs=[big])
+        sched = cache._test_scheduler
+        tok_s = gbps_for(8.0) * 1e9 / BPT  # tokens the disk reads per second
+        calls: list = []
+        r1 = req("r1", 18000)
+        pol.current_req = r1
+        admit(cache, "r1", 18000 - 64, calls)
+        k = int(60000 * A / 1.05 * tok_s) // PS * PS
+        assert pol.last["action"] == "part" and pol.last["load"] == k and 1024 <= k < 18000 - 64
+        assert calls == ["r1"] and pol.counts["part"] == 1
+        entry = cache.ongoing_prefetch[handle("r1")]
+        key = entry.prefetch_key if V23 else entry[1]
+        assert len(key) == k  # SGLang prefetches the part only
+        assert pol._decided["r1"] == ("load", 18000, 0, k)
+        sched.waiting_queue.append(r1)
+        ahead, total = pol.gpu_backlog(cache, pol.model(b))
+        assert total == pytest.approx((60000 + 18000 - k) * A)  # r1's part is not prefill
+        # the next one: behind r1's part on the disk, a smaller part of its own
+        r2 = req("r2", 18000)
+        pol.current_req = r2
+        admit(cache, "r2", 18000 - 64, calls)
+        assert pol.last["disk_backlog"] == pytest.approx(k / tok_s, rel=0.02)
+        k2 = int((total / 1.05 - pol.last["disk_backlog"]) * tok_s) // PS * PS
+        assert pol.last["action"] == "part" and pol.last["load"] == k2 and k2 < k
+        # a GPU that gets there before 1024 tokens land: recomputed
+        cache2, _, pol2 = make_cache(b, queue_reqs=[req("small", 1200)])
+        pol2.current_req = req("r3", 18000)
+        admit(cache2, "r3", 18000 - 64, calls)
+        assert pol2.last["action"] == "compute" and calls[-1] != "r3"
+    finally:
+        b.close()
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), policy_partial="false")
+    try:
+        cache, _, pol = make_cache(b, queue_reqs=[req("q0", 60000)])
+        pol.current_req = req("r1", 18000)
+        calls = []
+        admit(cache, "r1", 18000 - 64, calls)
+        assert pol.last["action"] == "compute" and calls == []
     finally:
         b.close()
 

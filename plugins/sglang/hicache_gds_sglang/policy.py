@@ -8,7 +8,10 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
 
 * **admission** (the cache's ``prefetch_from_storage``): load the hit, or recompute it, whichever
   finishes the request first given the disk's queue of loads and the GPU's queue of prefills.
-  A request alone so takes min(load, recompute); a burst splits between the disk and the GPU;
+  A request alone so takes min(load, recompute); a burst splits between the disk and the GPU.
+  Behind a GPU backlog, the leading part of the hit that lands before the GPU reaches the request
+  is loaded even where all of it would not pay (`PolicyConfig.partial`): SGLang prefetches a
+  shorter key, and the request computes the rest;
 * **in flight** (0.5.17's ``can_terminate_prefetch``, 0.5.23's ``_can_terminate_prefetch``,
   asked each time the scheduler reaches a waiting request): stop the load and recompute the rest
   (keeping what was loaded) when the request could start on the GPU before its load ends and the
@@ -54,6 +57,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from hicache_gds import ConfigError, CostModel, LoadPace, PrefillModel, parse_size
+from hicache_gds.config import parse_bool
 
 __all__ = ["POLICY", "SGLANG_POLICIES", "POLICY_KEYS", "PolicyConfig", "LoadOrCompute", "policy_of", "process_policies"]
 
@@ -63,7 +67,9 @@ POLICY = "compute_or_load"
 SGLANG_POLICIES = ("best_effort", "wait_complete", "timeout")
 FALLBACK = "timeout"  # SGLang's default: what our name turns into where the policy cannot run
 POLICY_KEYS = ("policy", "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
-               "policy_stop_margin", "policy_read_slice")
+               "policy_stop_margin", "policy_read_slice", "policy_partial")
+# A part smaller than this is not worth a prefetch of its own (a query, host slots, a load back).
+_PART_MIN_TOKENS = 1024
 _SAVE_EVERY_S = 30.0
 _BACKLOG_TTL_S = 0.005  # one scheduler pass: the waiting queue's backlog is summed once per pass
 # A load in flight is looked at again only when its kept pages grew (a batch landed: the moment a
@@ -110,7 +116,9 @@ class PolicyConfig:
     load in flight is stopped. read_slice: bytes per read of a get, between which a stopped load
     is cancelled and its progress counted (0, the default: whole gets, stopped between SGLang's
     batches of pages; slices drain the disk's queue between them: on the GPU machine, with 16 MiB
-    pages and 512 MiB slices, a running server read 1.05-1.41 GB/s against 1.57 GB/s unsliced)."""
+    pages and 512 MiB slices, a running server read 1.05-1.41 GB/s against 1.57 GB/s unsliced).
+    partial: admission may load the part of a hit that lands before the GPU reaches the request
+    (`CostModel.decide`'s ``part_min``); false: all of the hit or none."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -118,6 +126,7 @@ class PolicyConfig:
     host_fraction: float = 0.75
     stop_margin: float = 0.05
     read_slice: int = 0
+    partial: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -147,6 +156,8 @@ class PolicyConfig:
             kw["stop_margin"] = m
         if "policy_read_slice" in extra:
             kw["read_slice"] = parse_size(extra["policy_read_slice"], key="policy_read_slice")
+        if "policy_partial" in extra:
+            kw["partial"] = parse_bool(extra["policy_partial"], "policy_partial")
         return cls(**kw)
 
 
@@ -237,19 +248,28 @@ def policy_of(cache: Any) -> "LoadOrCompute | None":
 def _agree(cache: Any, flag: bool, op_name: str) -> bool:
     """The same verdict on every TP/PP rank (SGLang's ``_all_reduce``: PP0's TP ranks reduce, the
     result travels along PP), as SGLang agrees its own prefetch decisions."""
+    return bool(_agree_int(cache, int(flag), op_name))
+
+
+def _agree_min(cache: Any, value: int) -> int:
+    """The smallest of every rank's `value` (how many tokens to prefetch), as `_agree` agrees."""
+    return _agree_int(cache, value, "MIN")
+
+
+def _agree_int(cache: Any, value: int, op_name: str) -> int:
     try:
         import torch
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return flag
+            return value
         reduce = getattr(cache, "_all_reduce", None)
         if reduce is None:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int)
+            return value
+        t = torch.tensor([int(value)], dtype=torch.int)
         reduce(t, getattr(torch.distributed.ReduceOp, op_name))
-        return bool(t.item())
+        return int(t.item())
     except Exception as exc:  # noqa: BLE001 -- never break the scheduler: keep the local verdict
         _once("agree", "hicache-gds: could not agree a prefetch decision across ranks (%s); deciding locally", exc)
-        return flag
+        return value
 
 
 def _single_rank(cache: Any) -> bool:
@@ -480,17 +500,20 @@ class LoadOrCompute:
         return out, acc
 
     # -- decisions ---------------------------------------------------------------------------------
-    def admit(self, cache: Any, request: Any, new_input_tokens: Any, held_hint: int | None) -> bool:
-        """Admission: True to prefetch (load), False to recompute."""
+    def admit(self, cache: Any, request: Any, new_input_tokens: Any, held_hint: int | None) -> int:
+        """Admission: how many of `new_input_tokens` to prefetch (load): all of them, a leading
+        part (whole pages, `PolicyConfig.partial`), or 0 to recompute."""
+        every = len(new_input_tokens)
         backend = _backend(cache)
         model = self.model(backend)
         if model is None:
-            return True
+            return every
         self.poll()
         ps = max(1, int(getattr(cache, "page_size", 1) or 1))
-        hit = len(new_input_tokens) // ps * ps
-        if hit < int(getattr(cache, "prefetch_threshold", 0) or 0):
-            return True  # SGLang declines it anyway
+        hit = every // ps * ps
+        threshold = int(getattr(cache, "prefetch_threshold", 0) or 0)
+        if hit < threshold:
+            return every  # SGLang declines it anyway
         rid = _rid(request)
         req = self.current_req if self.current_req is not None and _rid(self.current_req) == rid else None
         if req is not None:
@@ -501,30 +524,38 @@ class LoadOrCompute:
         ahead, g = self.gpu_backlog(cache, model)
         g = ahead.get(rid, g)  # a late admission (`late_admit`) is already queued: only what is ahead of it
         _, d = self.disk_backlog(cache, model, backend)
-        dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d)
+        part_min = max(threshold, ps, _PART_MIN_TOKENS) if backend.policy_config.partial else None
+        dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps, part_min=part_min)
+        take = hit if dec.tokens is None else dec.tokens
         room = _host_room(cache)
-        if dec.load and room is not None and hit > room:
+        if dec.load and room is not None and take > room:
             # SGLang would shorten or revoke it once the hit is known: the disk reads what the
             # host pool cannot keep, and the request is recomputed after waiting for it.
-            dec = replace(dec, action="compute", reason=f"the host pool has room for {max(0, room)} tokens")
-        self._decided[rid] = (dec.action, new, held, hit)
+            dec = replace(dec, action="compute", reason=f"the host pool has room for {max(0, room)} tokens",
+                          tokens=None)
+            take = hit
+        self._decided[rid] = (dec.action, new, held, take)
         if dec.load:
-            io = model.predict_load(hit * model.bytes_per_token, d)
+            io = model.predict_load(take * model.bytes_per_token, d)
             self._loads[rid] = [time.monotonic(), math.inf if io is None else io, 0.0, 0.0, model.pace.factor]
-        self.counts[dec.action] += 1
+        partial = dec.load and take < hit
+        self.counts["part" if partial else dec.action] += 1
         host_free = _host_free(cache)
-        self.last = {"rid": rid, "action": dec.action, "t_load": dec.t_load, "t_compute": dec.t_compute,
-                     "new": new, "held": held, "hit": hit, "gpu_backlog": g, "disk_backlog": d, "reason": dec.reason,
-                     "host_free": host_free}
+        self.last = {"rid": rid, "action": "part" if partial else dec.action, "t_load": dec.t_load,
+                     "t_compute": dec.t_compute, "new": new, "held": held, "hit": hit, "load": take if dec.load else 0,
+                     "gpu_backlog": g, "disk_backlog": d, "reason": dec.reason, "host_free": host_free}
         # One line per admitted request (INFO): what was decided and on which estimates, so a
         # server's log says why each prefix was loaded or recomputed (and, with the host pool's
         # free tokens, whether a load could get the host memory it is read into).
         log.info("hicache-gds policy: %s %s (%d new, %d held, %d in L3; load %.3f s, compute %.3f s; GPU backlog "
                  "%.3f s, disk backlog %.3f s; read %.2f GB/s, prefill %.0f tok/s at 8k; host pool %s tokens free; %s)",
-                 rid, dec.action, new, held, hit, dec.t_load, dec.t_compute, g, d, (model.read.rate or 0) / 1e9,
-                 model.prefill.tokens_per_s(8192) or 0, "?" if host_free is None else host_free, dec.reason)
+                 rid, f"load {take} of" if partial else dec.action, new, held, hit, dec.t_load, dec.t_compute, g, d,
+                 (model.read.rate or 0) / 1e9, model.prefill.tokens_per_s(8192) or 0,
+                 "?" if host_free is None else host_free, dec.reason)
         self.maybe_save(backend)
-        return dec.load
+        if not dec.load:
+            return 0
+        return every if take >= hit else take
 
     def stop(self, cache: Any, operation: Any) -> bool:
         """In flight: True to stop the load now (and recompute what it has not loaded)."""

@@ -15,8 +15,8 @@ from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
-from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _backend, _once, _rid, policy_of,  # noqa: F401
-                     process_policies)
+from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _agree_min, _backend, _once, _rid,  # noqa: F401
+                     policy_of, process_policies)
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
            "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch", "around_forward",
@@ -143,20 +143,29 @@ def around_attach(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+    """The cache's ``prefetch_from_storage``: prefetch all of the new tokens, a leading part of
+    them (SGLang's own prefetch of a shorter key: it queries, reads and inserts only that part, and
+    the request computes the rest), or none."""
     pol = policy_of(cache)
     if pol is None:
         return original(cache, *args, **kwargs)
+    tokens = args[2] if len(args) > 2 else kwargs.get("new_input_tokens", ())
     try:
         request = args[0] if args else kwargs.get("request", kwargs.get("req_id"))
-        tokens = args[2] if len(args) > 2 else kwargs.get("new_input_tokens", ())
         matched = kwargs.get("matched_prefix_tokens")
-        admit = pol.admit(cache, request, tokens, None if matched is None else len(matched))
+        take = pol.admit(cache, request, tokens, None if matched is None else len(matched))
     except Exception as exc:  # noqa: BLE001
         _once("admit", "hicache-gds policy: admission failed (%s: %s); loading as SGLang would", type(exc).__name__,
               exc)
-        admit = True
-    if not _agree(cache, admit, "MIN"):
+        take = len(tokens)
+    take = _agree_min(cache, int(take))
+    if take <= 0:
         return None
+    if take < len(tokens):
+        if len(args) > 2:
+            args = (*args[:2], tokens[:take], *args[3:])
+        else:
+            kwargs["new_input_tokens"] = tokens[:take]
     return original(cache, *args, **kwargs)
 
 
