@@ -123,3 +123,46 @@ def test_linker_load_of_a_damaged_page_fails_before_its_last_layers(gds_dir, gds
         assert lk.lookup("again", [lh.kv_transfer(keys)]) == [1, 2, 3]
     finally:
         lk.close()
+
+
+@pytest.mark.parametrize("alloc", ["pin_memory", "cuda_host_register"])
+def test_host_pages_in_cuda_registered_memory_are_summed_on_the_gpu_in_place(gds_dir, alloc):
+    """SGLang's host pool is pinned (torch) or registered (cudaHostRegister, its default): the GPU
+    reads it through the same pointer, so a store sums its pages there (`gpu_host_checksums`);
+    ordinary host memory stays with the CPU threads. Random bytes, a poisoned destination, a page
+    damaged on disk read as a miss."""
+    n, page = 16, integrity.PAGE
+    if alloc == "pin_memory":
+        pool = torch.empty(n * page, dtype=torch.uint8, pin_memory=True)
+    else:
+        pool = torch.empty(n * page, dtype=torch.uint8)
+        assert torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), 0) == 0
+    plain = np.empty(n * page, dtype=np.uint8)
+    try:
+        assert C.gpu_reader_of_host(pool.data_ptr(), pool.numel()) == torch.device("cuda", 0)
+        assert C.gpu_reader_of_host(plain.ctypes.data, plain.nbytes) is None
+        data = np.random.default_rng(7).integers(0, 256, n * page, dtype=np.uint8)
+        with integrity._store(gds_dir, f"gpuhost-{alloc}", 2 * n, engine="nixl-posix") as s:
+            s.register_memory(pool.data_ptr(), pool.numel())
+            assert s.stats()["host_checksums"].startswith("gpu (cuda:0")
+            pool.numpy()[:] = data
+            ks = [f"p{i}" for i in range(n)]
+            assert all(s.put(ks, Pages.contiguous(pool.data_ptr(), page, range(n))))
+            rows = s.index.peek(ks)
+            assert [rows[k].csum for k in ks] == [C.checksum(data[i * page:(i + 1) * page]) for i in range(n)]
+            e = s.index.peek([ks[5]])[ks[5]]
+            fi, off = s.slabs.place(np.array([e.slot]))
+            fd = os.open(s.slabs.paths[int(fi[0])], os.O_WRONLY)
+            try:
+                os.pwrite(fd, b"\x5a" * 512, int(off[0]) + 4096)
+            finally:
+                os.close(fd)
+            pool.numpy()[:] = 0xEE
+            assert s.get(ks, Pages.contiguous(pool.data_ptr(), page, range(n))) == [i != 5 for i in range(n)]
+            for i in range(n):
+                if i != 5:
+                    assert np.array_equal(pool.numpy()[i * page:(i + 1) * page], data[i * page:(i + 1) * page])
+            assert s.stats()["checksum_mismatches"] == 1 and s.stats()["host_checksums"].startswith("gpu (")
+    finally:
+        if alloc == "cuda_host_register":
+            torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())
