@@ -42,7 +42,7 @@ from .memory import view
 log = logging.getLogger("hicache_gds.checksum")
 
 __all__ = ["NAME", "BLOCK", "WEIGHTS", "checksum", "host_checksum", "host_checksums", "torch_checksums", "device_checksums",
-           "gpu_reader_of_host", "to_sqlite", "triton_available", "warm_up"]
+           "to_sqlite", "triton_available", "warm_up"]
 
 NAME = "hgc1"
 """The checksum's name, as recorded with a namespace (`ondisk`)."""
@@ -447,42 +447,6 @@ def wait_for_current_stream(device: Any) -> None:
     (what wrote the pages a caller hands to `put`)."""
     import torch
     torch.cuda.current_stream(device).synchronize()
-
-
-_cudart_state: dict[str, Any] = {}
-
-
-def gpu_reader_of_host(addr: int, nbytes: int) -> Any | None:
-    """The CUDA device that sums the host memory ``addr .. addr + nbytes`` in place, or None.
-
-    It must be pinned or registered with CUDA and reached by the GPU through the same pointer
-    (the host pool of an engine on a GPU machine), and the Triton kernel must run there; the
-    kernel's sum of the first MiB is checked once against the host's. Summed there, a host page
-    costs a read over PCIe instead of CPU time and GIL hand-offs beside a busy engine thread."""
-    try:
-        import torch
-        if nbytes < 4 or not torch.cuda.is_available() or not triton_available():
-            return None
-        with _triton_lock:
-            if "lib" not in _cudart_state:
-                from .memory import Cudart
-                _cudart_state["lib"] = Cudart(torch.cuda.current_device())
-        cud = _cudart_state["lib"]
-        first, last = cud.host_device_pointer(addr), cud.host_device_pointer(addr + nbytes - 1)
-        if first is None or last is None or first[1] != addr or last[1] != addr + nbytes - 1 or first[0] != last[0]:
-            return None
-        dev = torch.device("cuda", first[0])
-        n = min(nbytes, 1 << 20) // 4 * 4
-        a, ln = np.array([[addr]], dtype=np.uint64), np.array([[n]], dtype=np.uint64)
-        got = device_checksums(a, ln, n, device=dev, impl="triton")
-        if int(got[0]) != host_checksum([(addr, n)], n):
-            log.warning("hicache-gds: the GPU read host memory at %#x differently from the CPU; its pages are "
-                        "checksummed on the CPU", addr)
-            return None
-        return dev
-    except Exception as exc:  # noqa: BLE001 -- the CPU sums the same: never fail a registration for it
-        log.info("hicache-gds: host pages are checksummed on the CPU (%s: %s)", type(exc).__name__, exc)
-        return None
 
 
 _warm: set[str] = set()

@@ -174,9 +174,6 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
     "checksum_threads": (ENV_PREFIX + "CHECKSUM_THREADS", _int_at_least(0), 0,
                          "threads one batch's host-page checksums are cut across (0: min(8, cores)); fewer "
                          "leave a serving engine's threads more of the cores and the GIL"),
-    "gpu_host_checksums": (ENV_PREFIX + "GPU_HOST_CHECKSUMS", parse_bool, True,
-                           "checksum host pages on the GPU, read in place over PCIe, where they lie in memory "
-                           "registered with CUDA (an engine's host pool); off: on CPU threads"),
     "nixl_queue": (ENV_PREFIX + "NIXL_QUEUE", _choice("uring", "aio", "posix_aio"), "aio",
                    "NIXL POSIX queue: Linux AIO, io_uring or POSIX AIO"),
     "max_request_bytes": (ENV_PREFIX + "MAX_REQUEST_BYTES", _size, 0, "split requests above this size (0: engine's limit)"),
@@ -214,7 +211,6 @@ class Config:
     switch_interval: float = 0.0005
     io_threads: int = 16
     checksum_threads: int = 0
-    gpu_host_checksums: bool = True
     nixl_queue: str = "aio"
     max_request_bytes: int = 0
     namespace: str = ""

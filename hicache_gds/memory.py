@@ -87,29 +87,10 @@ class Cudart:
         lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         lib.cudaSetDevice.argtypes = [ctypes.c_int]
-        lib.cudaPointerGetAttributes.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
             raise OSError(f"{what} failed with CUDA error {rc}")
-
-    # cudaPointerAttributes: type (int), device (int), devicePointer, hostPointer; later releases
-    # add reserved fields after them, so the struct is read from a larger zeroed buffer.
-    _HOST = 1  # cudaMemoryTypeHost: pinned or registered host memory
-
-    def host_device_pointer(self, addr: int) -> tuple[int, int] | None:
-        """(device, device pointer) through which the GPUs reach host memory at `addr`, when it is
-        pinned or registered with CUDA; None for other memory (the runtime says "unregistered",
-        or fails: the error it leaves is cleared)."""
-        attrs = (ctypes.c_byte * 256)()
-        rc = self.lib.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(addr))
-        if rc != 0:
-            self.lib.cudaGetLastError()
-            return None
-        kind = ctypes.c_int.from_buffer(attrs, 0).value
-        device = ctypes.c_int.from_buffer(attrs, 4).value
-        dptr = ctypes.c_void_p.from_buffer(attrs, 8).value or 0
-        return (device, dptr) if kind == self._HOST else None
 
     def new_stream(self) -> int:
         self._check(self.lib.cudaSetDevice(self.device), "cudaSetDevice")

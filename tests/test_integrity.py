@@ -175,68 +175,6 @@ def test_host_and_device_pages_verify_across(gds_dir, impl):
         assert np.array_equal(dev.numpy(), hd) and np.array_equal(host.numpy(), dd)
 
 
-def test_host_pages_the_gpu_reads_in_place_are_summed_there_and_a_damaged_one_is_a_miss(gds_dir, monkeypatch):
-    """`gpu_host_checksums`: host memory the GPU reaches through the same pointer (an engine's
-    pinned host pool) is summed by the device function, one call per request, with the one
-    definition; pages elsewhere, a region once deregistered, and everything after the device
-    function fails are summed on the CPU threads; `stats()` says which. The "GPU" here is torch on
-    the host (`gpu_reader_of_host` is what finds a real one; tests/test_gpu_checksum.py runs it)."""
-    import torch
-    n = 8
-    rng = np.random.default_rng(21)
-    pool, other = HostBuffer(n * PAGE), HostBuffer(n * PAGE)
-    calls: list[int] = []
-
-    def device_sums(addrs, lens, nbytes, *, device=None, **kw):
-        assert device == torch.device("cpu")
-        calls.append(len(addrs))
-        return C.device_checksums(addrs, lens, nbytes, device=device, impl="torch")
-
-    with I._store(gds_dir, "gpuhost", 32, engine="nixl-posix") as s:
-        monkeypatch.setattr(s, "_gpu_reader", lambda addr, nbytes: torch.device("cpu") if addr == pool.addr else None)
-        s._device_sums = device_sums
-        assert s.stats()["host_checksums"].startswith("cpu (")
-        s.register_memory(pool.addr, pool.nbytes)
-        s.register_memory(other.addr, other.nbytes)
-        assert s.stats()["host_checksums"].startswith("gpu (cpu, registered host memory")
-        data = rng.integers(0, 256, n * PAGE, dtype=np.uint8)
-        pool.numpy()[:] = data
-        ks = [f"g{i}" for i in range(n)]
-        assert all(s.put(ks, Pages.contiguous(pool.addr, PAGE, range(n))))
-        assert sum(calls) == n  # the write's sums, on the "GPU"
-        rows = s.index.peek(ks)
-        assert [rows[k].csum for k in ks] == [C.checksum(data[i * PAGE:(i + 1) * PAGE]) for i in range(n)]
-        _damage(s, ks[3], PAGE)
-        pool.numpy()[:] = 0xEE
-        calls.clear()
-        assert s.get(ks, Pages.contiguous(pool.addr, PAGE, range(n))) == [i != 3 for i in range(n)]
-        assert sum(calls) == n and s.stats()["checksum_mismatches"] == 1
-        for i in (0, 1, 2, 4, 5, 6, 7):
-            assert np.array_equal(pool.numpy()[i * PAGE:(i + 1) * PAGE], data[i * PAGE:(i + 1) * PAGE])
-        # pages outside the region: the CPU threads
-        other.numpy()[:] = 0xEE
-        calls.clear()
-        good = [k for k in ks if k != "g3"]
-        assert all(s.get(good, Pages.contiguous(other.addr, PAGE, range(len(good)))))
-        assert calls == [] and np.array_equal(other.numpy()[:PAGE], data[:PAGE])
-        s.deregister_memory(pool.addr)
-        assert s.stats()["host_checksums"].startswith("cpu (")
-        s.register_memory(pool.addr, pool.nbytes)
-
-        def broken(*a, **kw):
-            raise RuntimeError("an illegal memory access")
-
-        s._device_sums = broken  # the device fails: the CPU sums from then on, the reads still verified
-        pool.numpy()[:] = 0xEE
-        assert all(s.get(good, Pages.contiguous(pool.addr, PAGE, range(len(good)))))
-        assert np.array_equal(pool.numpy()[:PAGE], data[:PAGE])
-        assert "the GPU path failed" in s.stats()["host_checksums"]
-    with I._store(gds_dir, "gpuhost-off", 8, engine="nixl-posix", gpu_host_checksums=False) as s:
-        monkeypatch.setattr(s, "_gpu_reader", lambda addr, nbytes: pytest.fail("off: never asked"))
-        s.register_memory(pool.addr, pool.nbytes)
-        assert s.stats()["host_checksums"].endswith("gpu_host_checksums=false)")
-
-
 def test_device_pages_in_segments_are_checksummed_as_their_concatenation(gds_dir):
     """layer_first pages: a page is its segments in order, wherever they lie."""
     seg, nseg, n = 4096 + 256, 3, 4  # segments that are not whole blocks

@@ -157,9 +157,6 @@ class PageMover:
         self._sync_fds: list[int] = []
         self._stats = StoreStats()
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
-        # Registered host regions the GPU sums in place (`gpu_host_checksums`): start -> (end, device)
-        self._gpu_host: dict[int, tuple[int, Any]] = {}
-        self._gpu_host_failed = False
         self._post_share: float | None = None  # of recent reads' time, spent posting (`_BLOCKING_POST_SHARE`)
         self._windowed_reads = 0  # since the last read posted all at once
         self._devices: tuple[Any, ...] | None = None
@@ -200,7 +197,6 @@ class PageMover:
         out = self._stats.snapshot()
         out.update(self.engine.info())
         out.update(self._posting())
-        out.update(host_checksums=self._host_checksums())
         out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
                    page_bytes=self.page_bytes, slot_bytes=self.slot_bytes)
         return out
@@ -280,15 +276,6 @@ class PageMover:
         self.engine.register_memory(addr, nbytes, MemKind(kind))
         if MemKind(kind) is MemKind.VRAM and self._device_sums is checksum.device_checksums:
             checksum.warm_up(checksum.device_of(addr))  # the checksum kernel compiles now, not in a request
-        elif MemKind(kind) is MemKind.DRAM and self.config.gpu_host_checksums and self.config.verify:
-            dev = self._gpu_reader(addr, nbytes)
-            if dev is not None:
-                self._gpu_host[addr] = (addr + nbytes, dev)
-                log.info("hicache-gds: pages in host memory %#x+%d are checksummed on %s (read in place)", addr,
-                         nbytes, dev)
-
-    def _gpu_reader(self, addr: int, nbytes: int) -> Any:
-        return checksum.gpu_reader_of_host(addr, nbytes)
 
     @property
     def file_ids(self) -> list[int]:
@@ -298,7 +285,6 @@ class PageMover:
     @gated
     def deregister_memory(self, addr: int) -> None:
         """Forget a buffer registered with `register_memory` (before freeing it)."""
-        self._gpu_host.pop(addr, None)
         self.engine.deregister_memory(addr)
 
     def register_tensor(self, tensor: Any) -> None:
@@ -561,17 +547,6 @@ class PageMover:
         if buf is None and pages.kind is MemKind.VRAM:
             sel = pages.select(idx)
             return self._device_sums(sel.addrs, sel.lens, self.page_bytes).tolist()
-        if buf is None and self._gpu_host:
-            dev = self._gpu_host_device(pages, idx)
-            if dev is not None:
-                sel = pages.select(idx)
-                try:
-                    return self._device_sums(sel.addrs, sel.lens, self.page_bytes, device=dev).tolist()
-                except Exception as exc:  # noqa: BLE001 -- the CPU sums the same
-                    self._gpu_host.clear()
-                    self._gpu_host_failed = True
-                    log.warning("hicache-gds: checksumming host pages on %s failed (%s: %s); on the CPU from now on",
-                                dev, type(exc).__name__, exc)
         if buf is not None:
             segs = [[(buf.addr + j * self.slot_bytes, self.page_bytes)] for j in idx]
         else:
@@ -587,33 +562,6 @@ class PageMover:
         parts = pool.map(lambda a: checksum.host_checksums(segs[a:a + step], self.page_bytes),
                          range(0, len(segs), step))
         return [c for part in parts for c in part]
-
-    def _gpu_host_device(self, pages: Pages, idx: list[int]) -> Any:
-        """The device that sums pages `idx` in place: all of them in one registered host region
-        the GPU reads (`register_memory`), else None."""
-        if pages.kind is not MemKind.DRAM:
-            return None
-        addrs, lens = pages.addrs[idx], pages.lens[idx]
-        used = lens > 0
-        if not used.any():
-            return None
-        lo, hi = int(addrs[used].min()), int((addrs + lens)[used].max())
-        for start, (end, dev) in list(self._gpu_host.items()):
-            if start <= lo and hi <= end:
-                return dev
-        return None
-
-    def _host_checksums(self) -> str:
-        """Where host pages are checksummed (`stats()`)."""
-        if not self.config.verify:
-            return "off (verify=false)"
-        if self._gpu_host:
-            devs = sorted({str(d) for _, d in self._gpu_host.values()})
-            return f"gpu ({', '.join(devs)}, registered host memory read in place; other host pages on cpu)"
-        threads = min(_hash_threads(), self.config.checksum_threads or _hash_threads())
-        why = "the GPU path failed" if self._gpu_host_failed else \
-            "no host memory the GPU reads in place" if self.config.gpu_host_checksums else "gpu_host_checksums=false"
-        return f"cpu ({threads} thread{'s' if threads != 1 else ''}; {why})"
 
     # -- maintenance -----------------------------------------------------------------------------
 
