@@ -251,6 +251,11 @@ def main() -> None:
     pool = sglang_pools.make_host_pool("mha", "page_first", layer_num=LAYERS, head_num=HEADS, head_dim=HEAD_DIM,
                                        page_size=PAGE_TOKENS, dtype=torch.bfloat16, num_pages=2 * n, fill=True)
     kv = pool.kv_buffer.view(torch.uint8)
+    if torch.cuda.is_available():  # as SGLang's own pool (alloc_with_host_register): pinned
+        rc = torch.cuda.cudart().cudaHostRegister(kv.data_ptr(), kv.numel(), 0)
+        pool.pin_memory = rc == 0
+        print(f"host pool: cudaHostRegister {'done' if rc == 0 else f'failed ({rc})'}, as SGLang registers its own",
+              flush=True)
     pbytes = page_bytes()
     src, dst = list(range(n)), list(range(n, 2 * n))
     drivers = make_backends(root, pool, n, args.rounds, which)
