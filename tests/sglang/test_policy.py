@@ -129,11 +129,13 @@ def test_policy_keys_are_the_plugins_and_checked(gds_dir):
     cfg = PolicyConfig.from_extra({"policy": POLICY, "policy_read_gbps": "1.5", "policy_host_fraction": 0.6,
                                    "policy_read_slice": "64M", "policy_stop_margin": 0, "policy_partial": "off"})
     assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.read_slice, cfg.stop_margin, cfg.partial) == (
-        POLICY, 1.5, 0.6, 64 << 20, 0.0, False)
-    assert PolicyConfig.from_extra({}).partial is True
+        POLICY, 1.5, 0.6, 64 << 20, 0.0, "off")
+    assert PolicyConfig.from_extra({}).partial == "idle"
+    assert [PolicyConfig.from_extra({"policy_partial": v}).partial for v in (False, "ALWAYS", True)] == [
+        "off", "always", "idle"]
     for bad, match in (({"policy": "fastest"}, "policy: 'fastest'"), ({"policy_read_gbps": -1}, "policy_read_gbps"),
                        ({"policy_host_fraction": 1.5}, "policy_host_fraction"), ({"policy_partial": "some"},
-                                                                                 "policy_partial"),
+                                                                                 "policy_partial: 'some'"),
                        ({"policy_read_slice": "lots"}, "policy_read_slice")):
         with pytest.raises(ConfigError, match=match):
             PolicyConfig.from_extra(bad)
@@ -467,10 +469,10 @@ def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_
 def test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_loaded(gds_dir):
     """Loading all of a hit takes 8x computing it, so alone (or all or nothing) it is recomputed;
     behind 10 s of prefill the disk reads its leading pages before the GPU gets there: SGLang's
-    own prefetch runs on that shorter key, and the GPU backlog counts only the rest. The next
-    request's part waits behind that load on the disk; a part under the minimum, or with the
-    setting off, is recomputed."""
-    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0))
+    own prefetch runs on that shorter key, and the GPU backlog counts only the rest. With
+    ``always`` the next request's part waits behind that load on the disk; by default (``idle``)
+    a busy disk takes no part; a part under the minimum, or with the setting off, is recomputed."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), policy_partial="always")
     try:
         big = req("q0", 60000)  # 10 s of prefill ahead
         cache, ctl, pol = make_cache(b, queue_reqs=[big])
@@ -504,15 +506,22 @@ def test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_loaded(gds_dir):
         assert pol2.last["action"] == "compute" and calls[-1] != "r3"
     finally:
         b.close()
-    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), policy_partial="false")
-    try:
-        cache, _, pol = make_cache(b, queue_reqs=[req("q0", 60000)])
-        pol.current_req = req("r1", 18000)
-        calls = []
-        admit(cache, "r1", 18000 - 64, calls)
-        assert pol.last["action"] == "compute" and calls == []
-    finally:
-        b.close()
+    for setting in ("idle", "false"):
+        b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), **({"policy_partial": setting}
+                                                                        if setting != "idle" else {}))
+        try:
+            cache, _, pol = make_cache(b, queue_reqs=[req("q0", 60000)])
+            calls = []
+            for rid in ("r1", "r2"):
+                pol.current_req = r = req(rid, 18000)
+                admit(cache, rid, 18000 - 64, calls)
+                cache._test_scheduler.waiting_queue.append(r)
+            # idle: the first one's part, then none while it is on the disk; false: never a part
+            want = [("part", "r1"), ("compute", None)] if setting == "idle" else [("compute", None), ("compute", None)]
+            assert pol.counts["part"] == sum(a == "part" for a, _ in want) and pol.last["action"] == "compute"
+            assert calls == [c for _, c in want if c]
+        finally:
+            b.close()
 
 
 def test_sglangs_policies_and_other_backends_are_untouched(gds_dir):
