@@ -42,7 +42,10 @@ request nothing to wait for and take ``C(n, p) - C(n - k, p + k) > 0`` off the G
 Over ``k`` in ``[0, h]`` the finish time falls until that ``k`` and is concave past it, so the
 best is one of none, ``k`` or all: admission takes the earliest of ``t_C``, ``t_P`` and ``t_L``.
 Without it a request the GPU would reach in 2 s whose whole hit takes 3 s to read is recomputed
-from its first token while the disk idles.
+from its first token while the disk idles. That is earliest finish for the request itself; the
+disk time a part takes is not there for a later request's whole load, which takes that request
+off the GPU's queue, and on an H200 parts did not pay in bursts (the SGLang policy's
+``policy_partial``, off by default, says where they were measured).
 
 Loads run slower under an engine than its gets alone say (the engine's IO thread waits for host
 memory between them, its batches leave gaps, other IO shares the disk): `LoadPace` keeps the

@@ -130,7 +130,7 @@ def test_policy_keys_are_the_plugins_and_checked(gds_dir):
                                    "policy_read_slice": "64M", "policy_stop_margin": 0, "policy_partial": "off"})
     assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.read_slice, cfg.stop_margin, cfg.partial) == (
         POLICY, 1.5, 0.6, 64 << 20, 0.0, "off")
-    assert PolicyConfig.from_extra({}).partial == "idle"
+    assert PolicyConfig.from_extra({}).partial == "off"
     assert [PolicyConfig.from_extra({"policy_partial": v}).partial for v in (False, "ALWAYS", True)] == [
         "off", "always", "idle"]
     for bad, match in (({"policy": "fastest"}, "policy: 'fastest'"), ({"policy_read_gbps": -1}, "policy_read_gbps"),
@@ -470,8 +470,9 @@ def test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_loaded(gds_dir):
     """Loading all of a hit takes 8x computing it, so alone (or all or nothing) it is recomputed;
     behind 10 s of prefill the disk reads its leading pages before the GPU gets there: SGLang's
     own prefetch runs on that shorter key, and the GPU backlog counts only the rest. With
-    ``always`` the next request's part waits behind that load on the disk; by default (``idle``)
-    a busy disk takes no part; a part under the minimum, or with the setting off, is recomputed."""
+    ``always`` the next request's part waits behind that load on the disk; with ``idle`` a busy
+    disk takes no part; a part under the minimum, or with the setting off (the default), is
+    recomputed."""
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), policy_partial="always")
     try:
         big = req("q0", 60000)  # 10 s of prefill ahead
@@ -506,9 +507,9 @@ def test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_loaded(gds_dir):
         assert pol2.last["action"] == "compute" and calls[-1] != "r3"
     finally:
         b.close()
-    for setting in ("idle", "false"):
+    for setting in ("idle", None):
         b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), **({"policy_partial": setting}
-                                                                        if setting != "idle" else {}))
+                                                                        if setting else {}))
         try:
             cache, _, pol = make_cache(b, queue_reqs=[req("q0", 60000)])
             calls = []
@@ -516,7 +517,7 @@ def test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_loaded(gds_dir):
                 pol.current_req = r = req(rid, 18000)
                 admit(cache, rid, 18000 - 64, calls)
                 cache._test_scheduler.waiting_queue.append(r)
-            # idle: the first one's part, then none while it is on the disk; false: never a part
+            # idle: the first one's part, then none while it is on the disk; off: never a part
             want = [("part", "r1"), ("compute", None)] if setting == "idle" else [("compute", None), ("compute", None)]
             assert pol.counts["part"] == sum(a == "part" for a, _ in want) and pol.last["action"] == "compute"
             assert calls == [c for _, c in want if c]
