@@ -119,11 +119,11 @@ class PolicyConfig:
     pages and 512 MiB slices, a running server read 1.05-1.41 GB/s against 1.57 GB/s unsliced).
     partial: when admission may load the part of a hit that lands before the GPU reaches the
     request (`CostModel.decide`'s ``part_min``): ``off`` (the default: all of the hit or none),
-    ``idle`` (only while no load is on the disk) or ``always``. On an H200 neither paid: offered
-    on a busy disk, parts spread its time over requests the GPU serves anyway and left less for
-    whole loads, which take a request off the GPU's queue (a burst of 8: mean TTFT 1.11x (32B)
-    and 1.24x (8B) that of all or none); offered only on an idle disk, 0.98x (32B) and 1.12x (8B),
-    and the open loop's TTFT p90 moved within its noise (0.92x and 1.08x in two runs)."""
+    ``idle`` (only while no load is on the disk) or ``always``. Measured on an H200 (8B shape,
+    ``always``: 20 parts in a run), parts spread the disk over requests the GPU serves anyway and
+    left less for whole loads, which take a request off the GPU's queue: a burst's mean TTFT was
+    1.24x that of all or none, the open loop's TTFT p90 0.92x (within its noise). ``idle`` took
+    one part in a run; the 32B shape, whose whole loads pay, took none."""
 
     policy: str | None = None
     read_gbps: float | None = None
