@@ -10,6 +10,7 @@ import queue
 import types
 
 import pytest
+import torch
 
 from hicache_gds_sglang import HiCacheGDS, trace
 from hicache_gds_sglang.plugin import _resolve
@@ -136,21 +137,22 @@ def test_queued_and_scheduled_lines(caplog):
     releases) or a batch: each request scheduled is one line, once."""
     from sglang.srt.managers.schedule_batch import NextBatchPlan
 
-    def req(rid, n, prefix):
-        return types.SimpleNamespace(rid=rid, origin_input_ids=list(range(n)), prefix_indices=list(range(prefix)),
+    def req(rid, n, prefix):  # the scheduler holds the prefix as a tensor of slots (empty: none)
+        return types.SimpleNamespace(rid=rid, origin_input_ids=list(range(n)), prefix_indices=torch.arange(prefix),
                                      extend_input_len=n - prefix)
 
-    r1, r2 = req("r-1", 300, 128), req("r-2", 200, 64)
+    r1, r2, r3 = req("r-1", 300, 128), req("r-2", 200, 64), req("r-3", 100, 0)
     with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.trace"):
         trace.after_queued(None, object(), r1)
         plan = NextBatchPlan(batch_to_run=types.SimpleNamespace(reqs=[r1]), running_batch=types.SimpleNamespace(reqs=[]))
         trace.after_scheduled(plan, object())
         trace.after_scheduled(plan, object())  # the same request again: no second line
-        trace.after_scheduled(types.SimpleNamespace(reqs=[r1, r2]), object())  # a bare batch
+        trace.after_scheduled(types.SimpleNamespace(reqs=[r1, r2, r3]), object())  # a bare batch
         trace.after_scheduled(NextBatchPlan(batch_to_run=None, running_batch=None), object())  # nothing to run
         trace.after_scheduled(None, object())
-    q, s1, s2 = lines(caplog)
+    q, s1, s2, s3 = lines(caplog)
     assert (q["ev"], q["tokens"]) == ("queued", 300)
     assert (s1["ev"], s1["rid"], s1["prefix"], s1["extend"]) == ("scheduled", "r-1", 128, 172)
     assert (s2["ev"], s2["rid"], s2["prefix"], s2["extend"]) == ("scheduled", "r-2", 64, 136)
+    assert (s3["rid"], s3["prefix"], s3["extend"]) == ("r-3", 0, 100)
     assert "scheduled" not in trace._failed

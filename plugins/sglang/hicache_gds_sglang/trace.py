@@ -140,7 +140,8 @@ def after_scheduled(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
         for req in getattr(batch, "reqs", None) or ():
             if not getattr(req, "_hgds_traced", False):
                 req._hgds_traced = True
-                _emit("scheduled", req.rid, prefix=len(getattr(req, "prefix_indices", ()) or ()),
+                pi = getattr(req, "prefix_indices", None)  # a tensor of slots: never its truth value
+                _emit("scheduled", req.rid, prefix=0 if pi is None else len(pi),
                       extend=int(getattr(req, "extend_input_len", 0) or 0))
     except Exception as exc:  # noqa: BLE001
         _once("scheduled", exc)
