@@ -40,8 +40,7 @@ def parse_size(value: Any, *, key: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def parse_bool(value: Any, key: str) -> bool:
-    """A boolean setting (a bool, or 1/0, true/false, yes/no, on/off); `ConfigError` naming `key` otherwise."""
+def _bool(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value
     s = str(value).strip().lower()
@@ -50,7 +49,6 @@ def parse_bool(value: Any, key: str) -> bool:
     if s in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{key}: {value!r} is not a boolean; use one of 1, 0, true, false, yes, no")
-
 
 
 def _choice(*accepted: str) -> Callable[[Any, str], str]:
@@ -159,12 +157,12 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
                           "capacity 0: this share of the space available plus what hicache-gds namespaces hold"),
     "max_fill": (ENV_PREFIX + "MAX_FILL", _fraction, 0.9,
                  "capacity 0: never take a file system fuller than this (1 - available/total)"),
-    "evict": (ENV_PREFIX + "EVICT", parse_bool, True,
+    "evict": (ENV_PREFIX + "EVICT", _bool, True,
               "evict least recently used pages when full (off: a put into a full store fails)"),
-    "preallocate": (ENV_PREFIX + "PREALLOCATE", parse_bool, True, "fallocate slab files at open, so a full disk fails early"),
-    "verify": (ENV_PREFIX + "VERIFY", parse_bool, True, "check each page read (host or GPU) against its checksum; a mismatch is a miss"),
-    "direct_io": (ENV_PREFIX + "DIRECT_IO", parse_bool, True, "open slab files with O_DIRECT"),
-    "sync": (ENV_PREFIX + "SYNC", parse_bool, False, "fdatasync before a page is published (power-loss durability)"),
+    "preallocate": (ENV_PREFIX + "PREALLOCATE", _bool, True, "fallocate slab files at open, so a full disk fails early"),
+    "verify": (ENV_PREFIX + "VERIFY", _bool, True, "check each page read (host or GPU) against its checksum; a mismatch is a miss"),
+    "direct_io": (ENV_PREFIX + "DIRECT_IO", _bool, True, "open slab files with O_DIRECT"),
+    "sync": (ENV_PREFIX + "SYNC", _bool, False, "fdatasync before a page is published (power-loss durability)"),
     "io_timeout": (ENV_PREFIX + "IO_TIMEOUT", _positive_float, 60.0, "seconds one batch may take before it fails"),
     "switch_interval": (ENV_PREFIX + "SWITCH_INTERVAL", _seconds_or_zero, 0.0005,
                         "a store's open lowers this process's Python thread switch interval to this, for "
