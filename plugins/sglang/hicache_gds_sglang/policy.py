@@ -260,12 +260,8 @@ def _agree(cache: Any, flag: bool, op_name: str) -> bool:
     return bool(_agree_int(cache, int(flag), op_name))
 
 
-def _agree_min(cache: Any, value: int) -> int:
-    """The smallest of every rank's `value` (how many tokens to prefetch), as `_agree` agrees."""
-    return _agree_int(cache, value, "MIN")
-
-
 def _agree_int(cache: Any, value: int, op_name: str) -> int:
+    """`value` reduced over every rank by `op_name` (MIN: how many tokens all of them prefetch), as `_agree`."""
     try:
         import torch
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):

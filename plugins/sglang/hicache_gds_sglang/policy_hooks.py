@@ -15,7 +15,7 @@ from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
-from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _agree_min, _backend, _once, _rid,  # noqa: F401
+from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _agree_int, _backend, _once, _rid,  # noqa: F401
                      policy_of, process_policies)
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
@@ -158,7 +158,7 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
         _once("admit", "hicache-gds policy: admission failed (%s: %s); loading as SGLang would", type(exc).__name__,
               exc)
         take = len(tokens)
-    take = _agree_min(cache, int(take))
+    take = _agree_int(cache, int(take), "MIN")
     if take <= 0:
         return None
     if take < len(tokens):
