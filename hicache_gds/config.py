@@ -170,8 +170,9 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
                         "and checksum threads wait for it); 0 leaves it alone"),
     "io_threads": (ENV_PREFIX + "IO_THREADS", _int_at_least(1), 16, "IO threads of the bounce engine (its queue depth)"),
     "checksum_threads": (ENV_PREFIX + "CHECKSUM_THREADS", _int_at_least(0), 0,
-                         "threads one batch's host-page checksums are cut across (0: min(8, cores)); fewer "
-                         "leave a serving engine's threads more of the cores and the GIL"),
+                         "threads one batch's host-page checksums are cut across (0, and at most: min(8, "
+                         "cores), the hashing pool's size); fewer leave a serving engine's threads more of "
+                         "the cores and the GIL"),
     "nixl_queue": (ENV_PREFIX + "NIXL_QUEUE", _choice("uring", "aio", "posix_aio"), "aio",
                    "NIXL POSIX queue: Linux AIO, io_uring or POSIX AIO"),
     "max_request_bytes": (ENV_PREFIX + "MAX_REQUEST_BYTES", _size, 0, "split requests above this size (0: engine's limit)"),
