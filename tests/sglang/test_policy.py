@@ -127,16 +127,18 @@ def ongoing(cache, rid: str, op, tokens: int) -> None:
 # -- configuration -------------------------------------------------------------------------------
 def test_policy_keys_are_the_plugins_and_checked(gds_dir):
     cfg = PolicyConfig.from_extra({"policy": POLICY, "policy_read_gbps": "1.5", "policy_host_fraction": 0.6,
-                                   "policy_read_slice": "64M", "policy_stop_margin": 0, "policy_partial": "off"})
-    assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.read_slice, cfg.stop_margin, cfg.partial) == (
-        POLICY, 1.5, 0.6, 64 << 20, 0.0, "off")
-    assert PolicyConfig.from_extra({}).partial == "off"
+                                   "policy_read_slice": "64M", "policy_stop_margin": 0, "policy_partial": "off",
+                                   "policy_ready_first": "false"})
+    assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.read_slice, cfg.stop_margin, cfg.partial,
+            cfg.ready_first) == (POLICY, 1.5, 0.6, 64 << 20, 0.0, "off", False)
+    assert PolicyConfig.from_extra({}).partial == "off" and PolicyConfig.from_extra({}).ready_first is True
     assert [PolicyConfig.from_extra({"policy_partial": v}).partial for v in (False, "ALWAYS", True)] == [
         "off", "always", "idle"]
     for bad, match in (({"policy": "fastest"}, "policy: 'fastest'"), ({"policy_read_gbps": -1}, "policy_read_gbps"),
                        ({"policy_host_fraction": 1.5}, "policy_host_fraction"), ({"policy_partial": "some"},
                                                                                  "policy_partial: 'some'"),
-                       ({"policy_read_slice": "lots"}, "policy_read_slice")):
+                       ({"policy_read_slice": "lots"}, "policy_read_slice"),
+                       ({"policy_ready_first": "maybe"}, "policy_ready_first: expected true or false")):
         with pytest.raises(ConfigError, match=match):
             PolicyConfig.from_extra(bad)
         with pytest.raises(ConfigError, match=match):  # the attach fails with the reason
@@ -705,6 +707,162 @@ def test_a_finished_load_keeps_its_host_pages_until_the_gpu_takes_the_request(gd
         b.close()
 
 
+@pytest.fixture
+def prefill_adder():
+    """SGLang's real PrefillAdder (and Req) over CPU pools: a simulated radix tree for the locks,
+    a paged token allocator, the process config a scheduler publishes (reset after)."""
+    from array import array
+    from sglang.srt import runtime_context
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+
+    runtime_context.publish(ServerArgs(model_path="dummy", device="cpu"), role="test")
+    sim = RadixCache.create_simulated()
+
+    def new_adder(cache, chunk=8192):
+        kv = types.SimpleNamespace(size=1 << 17, dtype=torch.bfloat16, device="cpu")
+        alloc = PagedTokenToKVPoolAllocator(1 << 17, PS, torch.bfloat16, "cpu", kv, False)
+        adder = PrefillAdder(PS, sim, alloc, types.SimpleNamespace(reqs=[], batch_size=lambda: 0), 0.5, 1 << 16,
+                             chunk)
+        adder.tree_cache = cache  # the policy's cache, as in a server; its locks are the simulated tree's
+        for name in ("inc_lock_ref", "dec_lock_ref", "evictable_size", "is_tree_cache", "lock", "unlock"):
+            if hasattr(sim, name):
+                setattr(cache, name, getattr(sim, name))
+        if hasattr(cache, "finish_storage_prefetch_admission"):  # 0.5.23's L3-hit metrics: not built here
+            cache.finish_storage_prefetch_admission = lambda *a, **k: None
+        return adder
+
+    def new_req(rid, n, on_gpu=0):
+        r = Req(rid, "", array("q", range(n)), SamplingParams(max_new_tokens=1))
+        r.init_next_round_input(sim)
+        r.prefix_indices = torch.arange(on_gpu, dtype=torch.int64)  # what its match (and load back) holds
+        if isinstance(getattr(r, "prefix_len", None), int):
+            r.prefix_len = on_gpu
+        return r
+
+    yield types.SimpleNamespace(adder=new_adder, req=new_req, cls=PrefillAdder, OTHER=AddReqResult.OTHER)
+    runtime_context.reset_context()
+
+
+def _extend(r) -> int:
+    """Tokens a request prefills in the batch being formed (0.5.17: its extend range)."""
+    return r.extend_range.length if hasattr(r, "extend_range") else r.extend_len
+
+
+def _batch(adder, chunked, queue):
+    """SGLang's get_new_batch_prefill over the hooks: the chunked request first, then the queue
+    in order until a request is refused."""
+    out = hooks.around_add_chunked_req(type(adder).add_chunked_req, adder, chunked)
+    taken = []
+    for r in queue:
+        res = hooks.around_add_one_req(type(adder).add_one_req, adder, r, has_chunked_req=out is not None,
+                                       truncation_align_size=None)
+        if r in adder.can_run_list:
+            taken.append(r.rid)
+        if res.name != "CONTINUE":
+            break
+    return out, taken
+
+
+@pytest.mark.parametrize("ready_first", [True, False])
+def test_a_finished_load_enters_the_next_batch_beside_a_chunked_prefill(gds_dir, prefill_adder, caplog, ready_first):
+    """A request whose load finished has a few tokens left, but a chunked prefill in progress
+    takes SGLang's whole chunk budget until its last chunk, and a request that started while the
+    load ran goes ahead of it (on the GPU machine such waits reached 1.8 s on the 8B shape, 4.7 s
+    on the 32B one). With the policy the finished load goes to the queue's front and the next
+    chunk leaves it its tokens; a long request is then refused rather than chunked beside the
+    one in progress (SGLang tracks one). With ``policy_ready_first=false``, SGLang's behaviour."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5), policy_ready_first=str(ready_first).lower())
+    try:
+        cache, _, pol = make_cache(b)
+        sched = cache._test_scheduler
+        chunked = prefill_adder.req("c", 20000, on_gpu=8192)  # its second chunk is next
+        behind = prefill_adder.req("w", 20000)  # started by SGLang while the load ran: not begun yet here
+        loaded = prefill_adder.req("r", 12288 + 70, on_gpu=12288)  # its load landed (and came back)
+        sched.waiting_queue, sched.chunked_req = [behind, loaded], chunked
+        pol._decided.update(w=("compute", 20000, 0, 0), r=("load", 12288 + 70, 0, 12288))
+        in_flight(cache, b, "r", 12288, kept=12288)  # every page read: the scheduler settles it when it gets there
+
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang"):
+            hooks.after_calc_priority(None, types.SimpleNamespace(tree_cache=cache), sched.waiting_queue)
+            adder = prefill_adder.adder(cache)
+            out, taken = _batch(adder, chunked, sched.waiting_queue)
+        assert out is chunked and adder.new_chunked_req is None  # still one chunked request
+        if not ready_first:
+            assert [r.rid for r in sched.waiting_queue] == ["w", "r"] and taken == []
+            assert _extend(chunked) == 8192  # the whole chunk: the finished load waits for the next one
+            assert pol.counts["first"] == pol.counts["beside_chunk"] == 0
+            return
+        assert [r.rid for r in sched.waiting_queue] == ["r", "w"]
+        assert taken == ["r"]  # its 70 tokens, in this batch
+        assert _extend(chunked) == 8192 - 3 * PS  # the chunk gave up three pages (two for 70 tokens, one of slack)
+        assert _extend(loaded) == 70
+        assert pol.counts["first"] == 1 and pol.counts["beside_chunk"] == 1
+        said = [r.getMessage() for r in caplog.records]
+        assert any("r finished loading with 70 tokens left" in m for m in said)
+        assert any("the next chunk of c leaves 192 of its 8192 tokens to finished loads (r)" in m for m in said)
+
+        # the chunk's last piece leaves its budget to the queue anyway: nothing held back
+        last = prefill_adder.req("c2", 8192 + 4096, on_gpu=8192)
+        sched.waiting_queue = [loaded]
+        adder = prefill_adder.adder(cache)
+        assert pol.chunk_reserve(cache, adder.rem_chunk_tokens, last) == 0
+        # a load cut short (half a chunk or more left to prefill) is not moved, nor given tokens
+        pol._decided["r"] = ("load", 12288 + 70, 0, 12288)
+        cache.ongoing_prefetch.clear()
+        in_flight(cache, b, "r", 12288, kept=12288)
+        pol._decided["r"] = ("load", 12288 + 5000, 0, 12288)
+        assert pol.ready_loads(cache, [behind, loaded]) == {}
+        # still reading, or a stop turned it into a compute: not finished
+        pol._decided["r"] = ("load", 12288 + 70, 0, 12288)
+        cache.ongoing_prefetch.clear()
+        in_flight(cache, b, "r", 12288, kept=4096)
+        assert pol.ready_loads(cache, [behind, loaded]) == {}
+        pol._decided["r"] = ("compute", 12288 + 70, 0, 0)
+        cache.ongoing_prefetch.clear()
+        in_flight(cache, b, "r", 12288, kept=12288)
+        assert pol.ready_loads(cache, [behind, loaded]) == {}
+    finally:
+        b.close()
+
+
+def test_beside_a_held_back_chunk_only_requests_that_fit_whole_are_taken(gds_dir, prefill_adder, monkeypatch):
+    """The guard: with tokens held back, a request that would need chunking is refused (a second
+    chunked request would break SGLang's scheduler), one that fits whole is taken, and a request
+    whose size cannot be read is refused. Across ranks only settled loads count (ranks may see
+    different progress of one read)."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
+    try:
+        cache, _, pol = make_cache(b)
+        adder = prefill_adder.adder(cache)
+        adder._hgds_hold, adder.rem_chunk_tokens = True, 192
+        long, short = prefill_adder.req("long", 4096), prefill_adder.req("short", 100)
+        cls = prefill_adder.cls
+        assert hooks.around_add_one_req(cls.add_one_req, adder, long, has_chunked_req=True,
+                                        truncation_align_size=None) is prefill_adder.OTHER
+        assert adder.new_chunked_req is None and long not in adder.can_run_list
+        hooks.around_add_one_req(cls.add_one_req, adder, short, has_chunked_req=True, truncation_align_size=None)
+        assert short in adder.can_run_list and adder.new_chunked_req is None
+        odd = types.SimpleNamespace(rid="odd", full_untruncated_fill_ids=object())
+        assert hooks.around_add_one_req(lambda *a, **k: pytest.fail("taken"), adder, odd) is prefill_adder.OTHER
+
+        sched = cache._test_scheduler
+        r = prefill_adder.req("r", 4096 + 70, on_gpu=4096)
+        pol._decided["r"] = ("load", 4096 + 70, 0, 4096)
+        in_flight(cache, b, "r", 4096, kept=4096)
+        assert pol.ready_loads(cache, [r]) == {"r": 70}
+        monkeypatch.setattr(policy, "_single_rank", lambda c: False)
+        assert pol.ready_loads(cache, [r]) == {}
+        sched.waiting_queue = [r]
+        assert pol.first(cache, sched.waiting_queue) == 0
+    finally:
+        b.close()
+
+
 def test_without_the_policy_a_finished_load_is_left_to_sglangs_eviction(gds_dir):
     if V23:
         pytest.skip("0.5.23 settles a finished load through its acknowledgements into its tree core")
@@ -928,6 +1086,10 @@ _REGISTER = textwrap.dedent("""
     protects = cls.__name__ == "HiRadixCache" and batch is not None
     assert hasattr(cls.check_prefetch_progress, "__wrapped__") is protects
     assert batch is None or hasattr(batch, "__wrapped__") is protects
+    # a finished load's request into the next batch: all three hooked together
+    from sglang.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
+    for m in (SchedulePolicy.calc_priority, PrefillAdder.add_chunked_req, PrefillAdder.add_one_req):
+        assert hasattr(m, "__wrapped__"), m
     print("POLICY-OK", cls.__name__)
 """)
 

@@ -37,9 +37,13 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
 7. 0.5.17's ``HiRadixCache.check_prefetch_progress`` (AROUND: a finished load's host pages are
    protected from eviction once inserted) and ``Scheduler.get_new_batch_prefill`` (AFTER: the
    protection ends when the request leaves the waiting queue, and a waiting request sent to the
-   GPU may be given to the disk: the policy's late admission).
+   GPU may be given to the disk: the policy's late admission);
+8. ``SchedulePolicy.calc_priority`` (AFTER), ``PrefillAdder.add_chunked_req`` and
+   ``PrefillAdder.add_one_req`` (AROUND): a request whose load finished goes into the next
+   prefill batch, ahead of the prefills not started and beside a chunked prefill in progress
+   (`policy.LoadOrCompute.ready_loads`; ``policy_ready_first``).
 
-8. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
+9. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
    (`trace`), from the scheduler's queue through each L3 get to the prefill batch.
 
 Caches without those points (0.5.17's hybrid-model caches) keep SGLang's policy: the name turns
@@ -88,6 +92,12 @@ _OPTIONAL = ("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache",
 # loads through acknowledgements into its tree core: not hooked there).
 _PROTECT = ("sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_progress",
             "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill")
+# The chunk budget beside a chunked prefill in progress: a finished load's few tokens go into the
+# next batch (all three or none: the chunk's reserve needs the guard that keeps a second request
+# from being chunked, and the queue's order puts the finished loads where the reserve is).
+_READY = ("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
+          "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+          "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req")
 _registered = False
 _policy_ready = False
 
@@ -261,4 +271,12 @@ def _register_policy(registry: Any, hook_type: Any) -> None:
     if check is not None and batch is not None and callable(getattr(cache_cls, "_match_prefix_helper", None)):
         registry.register(_PROTECT[0], hooks.around_check_progress, hook_type.AROUND)
         registry.register(_PROTECT[1], hooks.after_new_prefill_batch, hook_type.AFTER)
+    if all(_resolve(p) is not None for p in _READY):
+        for path, hook, kind in zip(_READY, (hooks.after_calc_priority, hooks.around_add_chunked_req,
+                                             hooks.around_add_one_req), (hook_type.AFTER, hook_type.AROUND,
+                                                                          hook_type.AROUND)):
+            registry.register(path, hook, kind)
+    else:
+        log.info("hicache-gds: SGLang's prefill batch cannot be hooked here; a finished load waits for the chunked "
+                 "prefill in progress")
     _policy_ready = True

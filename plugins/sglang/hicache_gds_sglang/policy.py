@@ -66,7 +66,7 @@ POLICY = "compute_or_load"
 SGLANG_POLICIES = ("best_effort", "wait_complete", "timeout")
 FALLBACK = "timeout"  # SGLang's default: what our name turns into where the policy cannot run
 POLICY_KEYS = ("policy", "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
-               "policy_stop_margin", "policy_read_slice", "policy_partial")
+               "policy_stop_margin", "policy_read_slice", "policy_partial", "policy_ready_first")
 # A part smaller than this is not worth a prefetch of its own (a query, host slots, a load back).
 _PART_MIN_TOKENS = 1024
 PARTIAL = ("idle", "always", "off")  # `PolicyConfig.partial`
@@ -123,7 +123,10 @@ class PolicyConfig:
     ``always``: 20 parts in a run), parts spread the disk over requests the GPU serves anyway and
     left less for whole loads, which take a request off the GPU's queue: a burst's mean TTFT was
     1.24x that of all or none, the open loop's TTFT p90 0.92x (within its noise). ``idle`` took
-    one part in a run; the 32B shape, whose whole loads pay, took none."""
+    one part in a run; the 32B shape, whose whole loads pay, took none. ready_first: a request
+    whose load has finished goes into the next prefill batch (`LoadOrCompute.ready_loads`): ahead
+    of the prefills not started, and beside a chunked prefill in progress, whose chunk gives up
+    the few tokens the request has left (on by default)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -132,6 +135,7 @@ class PolicyConfig:
     stop_margin: float = 0.05
     read_slice: int = 0
     partial: str = "off"
+    ready_first: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -167,6 +171,11 @@ class PolicyConfig:
             if v not in PARTIAL:
                 raise ConfigError(f"policy_partial: {extra['policy_partial']!r} is not one of {', '.join(PARTIAL)}")
             kw["partial"] = v
+        if "policy_ready_first" in extra:
+            v = str(extra["policy_ready_first"]).strip().lower()
+            if v not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                raise ConfigError(f"policy_ready_first: expected true or false, got {extra['policy_ready_first']!r}")
+            kw["ready_first"] = v in ("true", "1", "yes", "on")
         return cls(**kw)
 
 
@@ -189,15 +198,29 @@ def _entry_hit(entry: Any, op: Any) -> int:
     return hit if hit or getattr(op, "hash_value", None) else _entry_key_len(entry)
 
 
+def _on_gpu(req: Any) -> int:
+    """Tokens of a request's prefix held in GPU memory, from its last match."""
+    held = getattr(req, "prefix_len", None)  # 0.5.23
+    if isinstance(held, int):
+        return held
+    pi = getattr(req, "prefix_indices", None)
+    return 0 if pi is None else len(pi)
+
+
 def _req_work(req: Any) -> tuple[int, int]:
     """(tokens left to prefill, tokens already held) of a queued request, from its last match."""
     total = len(getattr(req, "origin_input_ids", None) or ()) + len(getattr(req, "output_ids", None) or ())
-    held = getattr(req, "prefix_len", None)  # 0.5.23
-    if not isinstance(held, int):
-        pi = getattr(req, "prefix_indices", None)
-        held = 0 if pi is None else len(pi)
-    held += int(getattr(req, "host_hit_length", 0) or 0)
+    held = _on_gpu(req) + int(getattr(req, "host_hit_length", 0) or 0)
     return max(0, total - held), held
+
+
+def _to_prefill(req: Any) -> int:
+    """Tokens a request would prefill in the batch being formed (its fill ids less what its last
+    match holds on GPU and host)."""
+    fill = getattr(req, "full_untruncated_fill_ids", None)
+    if fill is None:
+        return _req_work(req)[0]
+    return max(0, len(fill) - _on_gpu(req) - int(getattr(req, "host_hit_length", 0) or 0))
 
 
 def _host_free(cache: Any) -> int | None:
@@ -321,6 +344,7 @@ class LoadOrCompute:
         self._queued: dict[str, list[Any]] = {}  # rid -> [request, first seen, last seen] in the waiting queue
         self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
         self._late: set[str] = set()  # rids `late_admit` gave the disk
+        self._ahead: set[str] = set()  # rids `first` moved ahead (logged once each)
         self._late_look = 0.0
         self._lock = threading.Lock()
         self._backlog: tuple[tuple, dict[str, float], float] | None = None
@@ -457,6 +481,7 @@ class LoadOrCompute:
             self._left_queue(rid)
             del self._decided[rid]
             self._late.discard(rid)
+            self._ahead.discard(rid)
         for rid in [r for r in self._loads if r not in loading]:
             w = self._loads.pop(rid)
             self.counts["unseen"] += 1
@@ -704,6 +729,100 @@ class LoadOrCompute:
                 node.release_host()
             log.info("hicache-gds policy: %s host protection of %d tokens released after %.3f s (%s)", rid, tokens,
                      now - since, "still waiting: held too long" if late else "left the waiting queue")
+
+    # -- a finished load goes first (`PolicyConfig.ready_first`) -----------------------------------
+    def ready_loads(self, cache: Any, queue: Any) -> dict[str, int]:
+        """The queued requests whose load has finished, by rid in queue order, with the tokens
+        each has left to prefill.
+
+        Admission gave such a request to the disk because its load would end before the GPU
+        reached it; but while it loaded, SGLang started the requests behind it, and a chunked
+        prefill takes the whole batch budget until its last chunk. On the GPU machine a third of
+        the finished loads waited more than 0.5 s for the GPU (up to 1.8 s on the 8B shape, 4.7 s
+        on the 32B shape) with a few tokens left to prefill. Finished: 0.5.17 has inserted it
+        (`protect`), or, on a single rank, its operation has read all its pages (the scheduler
+        settles it when it reaches the request; ranks could see different progress, so with
+        several only the settled ones count). Left: the tokens admission saw less those loaded;
+        a request with more than half a chunk left (a load cut short) is not among them."""
+        if not self._decided:
+            return {}
+        ps = max(1, int(getattr(cache, "page_size", 1) or 1))
+        chunk = self.prefill.chunk
+        cap = chunk // 2 if chunk else math.inf
+        ongoing = {_rid(k): e for k, e in list(getattr(cache, "ongoing_prefetch", {}).items())}
+        alone = None
+        out: dict[str, int] = {}
+        for r in queue or ():
+            rid = _rid(r)
+            d = self._decided.get(rid)
+            if d is None or d[0] not in ("load", "wait"):
+                continue
+            prot = self._protected.get(rid)
+            if prot is not None:
+                loaded = prot[2]
+            else:
+                e = ongoing.get(rid)
+                if e is None:
+                    continue
+                alone = _single_rank(cache) if alone is None else alone
+                op = _entry_op(e)
+                hv = getattr(op, "hash_value", None) or ()
+                if not alone or not hv or getattr(op, "host_indices", None) is None or op.is_terminated():
+                    continue
+                loaded = int(getattr(op, "completed_tokens", 0) or 0)
+                if loaded < len(hv) * ps:
+                    continue
+            left = max(0, d[1] - loaded)
+            if left <= cap:
+                out[rid] = left
+        return out
+
+    def first(self, cache: Any, queue: list) -> int:
+        """Move the finished loads (`ready_loads`) to the front of SGLang's waiting queue, in
+        place and in order, after its own ordering: each has a few tokens to prefill, so the
+        requests it passes wait that long, and it waits no longer for their prefills. Returns how
+        many were moved ahead of another."""
+        ready = self.ready_loads(cache, queue)
+        if not ready:
+            return 0
+        head = [r for r in queue if _rid(r) in ready]
+        rest = [r for r in queue if _rid(r) not in ready]
+        moved = sum(1 for i, r in enumerate(head) if queue.index(r) != i)
+        if moved:
+            queue[:] = head + rest
+            for r in head:
+                rid = _rid(r)
+                if rid not in self._ahead:
+                    self._ahead.add(rid)
+                    self.counts["first"] += 1
+                    log.info("hicache-gds policy: %s finished loading with %d tokens left: ahead of the prefills not "
+                             "started", rid, ready[rid])
+        return moved
+
+    def chunk_reserve(self, cache: Any, budget: Any, chunked: Any) -> int:
+        """Tokens of the next chunk of `chunked` (the chunked prefill in progress) to leave to the
+        finished loads in the waiting queue, whole pages each (0: none). Only where the chunk is
+        not its last (a last chunk leaves its budget to the queue anyway), at most half of it."""
+        if not isinstance(budget, int) or budget <= 0:
+            return 0
+        fill = getattr(chunked, "full_untruncated_fill_ids", None)
+        if fill is None or len(fill) - _on_gpu(chunked) <= budget:
+            return 0
+        sched = self.scheduler()
+        ready = self.ready_loads(cache, getattr(sched, "waiting_queue", None) if sched is not None else None)
+        ps = max(1, int(getattr(cache, "page_size", 1) or 1))
+        cap = budget // 2 // ps * ps
+        reserve = 0
+        for left in ready.values():
+            need = -(-left // ps) * ps + ps  # a page of slack: SGLang pages the request's own tokens
+            if reserve + need > cap:
+                break
+            reserve += need
+        if reserve:
+            self.counts["beside_chunk"] += 1
+            log.info("hicache-gds policy: the next chunk of %s leaves %d of its %d tokens to finished loads (%s)",
+                     _rid(chunked), reserve, budget, ", ".join(list(ready)[:8]))
+        return reserve
 
     def _look_again(self, rid: str, kept: int) -> bool:
         """Whether the load of `rid` is re-decided now (see `_LATE_FACTOR`): its kept pages grew

@@ -16,11 +16,11 @@ from typing import Any
 from hicache_gds import METRICS, metric_values
 
 from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _agree_int, _backend, _once, _rid,  # noqa: F401
-                     policy_of, process_policies)
+                     _to_prefill, policy_of, process_policies)
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
            "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch", "around_forward",
-           "publish_metrics"]
+           "after_calc_priority", "around_add_chunked_req", "around_add_one_req", "publish_metrics"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -221,6 +221,72 @@ def after_new_prefill_batch(result: Any, scheduler: Any, *args: Any, **kwargs: A
     except Exception as exc:  # noqa: BLE001 -- the request stays with the GPU, as admission decided
         _once("late", "hicache-gds policy: late admission failed (%s: %s)", type(exc).__name__, exc)
     return None
+
+
+def _ready_first(cache: Any) -> "LoadOrCompute | None":
+    pol = policy_of(cache) if cache is not None else None
+    b = _backend(cache) if pol is not None else None
+    return pol if b is not None and b.policy_config.ready_first else None
+
+
+def after_calc_priority(result: Any, sched_policy: Any, waiting_queue: Any = None, *args: Any, **kwargs: Any) -> None:
+    """``SchedulePolicy.calc_priority`` (SGLang's ordering of the waiting queue, in place): the
+    finished loads go to its front (`LoadOrCompute.first`)."""
+    if waiting_queue is None:
+        waiting_queue = kwargs.get("waiting_queue")
+    try:
+        pol = _ready_first(getattr(sched_policy, "tree_cache", None))
+        if pol is not None and isinstance(waiting_queue, list) and waiting_queue:
+            pol.first(pol._cache(), waiting_queue)
+    except Exception as exc:  # noqa: BLE001 -- SGLang's order stands
+        _once("first", "hicache-gds policy: finished loads not moved ahead (%s: %s)", type(exc).__name__, exc)
+    return None
+
+
+def around_add_chunked_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """``PrefillAdder.add_chunked_req``: the chunked prefill in progress, added first to every
+    prefill batch, takes the whole chunk budget until its last chunk. Its next chunk gives up the
+    tokens the finished loads have left (`LoadOrCompute.chunk_reserve`), so they enter this batch
+    beside it; while it holds back, `around_add_one_req` admits only requests that fit whole in
+    what is left (SGLang tracks one chunked request at a time)."""
+    reserve = 0
+    try:
+        pol = _ready_first(getattr(adder, "tree_cache", None))
+        if pol is not None:
+            reserve = pol.chunk_reserve(pol._cache(), getattr(adder, "rem_chunk_tokens", None), req)
+    except Exception as exc:  # noqa: BLE001 -- the whole chunk, as SGLang would
+        _once("reserve", "hicache-gds policy: no chunk tokens left to finished loads (%s: %s)", type(exc).__name__,
+              exc)
+        reserve = 0
+    if not reserve:
+        return original(adder, req, *args, **kwargs)
+    adder.rem_chunk_tokens -= reserve
+    try:
+        out = original(adder, req, *args, **kwargs)
+    finally:
+        adder.rem_chunk_tokens += reserve
+    adder._hgds_hold = True
+    return out
+
+
+def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """``PrefillAdder.add_one_req``: beside a chunked prefill that held tokens back for finished
+    loads (`around_add_chunked_req`), a request that does not fit whole in what is left is
+    refused as SGLang refuses one past the budget (``AddReqResult.OTHER``): it would become a
+    second chunked request, which SGLang cannot track."""
+    if getattr(adder, "_hgds_hold", False):
+        try:
+            ps = max(1, int(getattr(adder, "page_size", 1) or 1))
+            need = -(-_to_prefill(req) // ps) * ps
+            left = adder.rem_chunk_tokens
+            refuse = left is not None and need > left
+        except Exception as exc:  # noqa: BLE001 -- unknown size: refuse, never a second chunked request
+            _once("fit", "hicache-gds policy: a request's size beside a held-back chunk unknown (%s)", exc)
+            refuse = True
+        if refuse:
+            import sys
+            return sys.modules[type(adder).__module__].AddReqResult.OTHER
+    return original(adder, req, *args, **kwargs)
 
 
 def around_rate_limited(original: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
