@@ -832,8 +832,9 @@ def test_a_finished_load_enters_the_next_batch_beside_a_chunked_prefill(gds_dir,
 
 def test_beside_a_held_back_chunk_only_requests_that_fit_whole_are_taken(gds_dir, prefill_adder, monkeypatch):
     """The guard: with tokens held back, a request that would need chunking is refused (a second
-    chunked request would break SGLang's scheduler), one that fits whole is taken, and a request
-    whose size cannot be read is refused. Across ranks only settled loads count (ranks may see
+    chunked request would break SGLang's scheduler), one that fits whole is taken unless the GPU
+    memory it takes is what the chunked request still needs, and a request whose size cannot be
+    read is refused. Across ranks only settled loads count (ranks may see
     different progress of one read)."""
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
     try:
@@ -847,6 +848,13 @@ def test_beside_a_held_back_chunk_only_requests_that_fit_whole_are_taken(gds_dir
         assert adder.new_chunked_req is None and long not in adder.can_run_list
         hooks.around_add_one_req(cls.add_one_req, adder, short, has_chunked_req=True, truncation_align_size=None)
         assert short in adder.can_run_list and adder.new_chunked_req is None
+        # it fits the chunk's tokens but not the GPU memory the chunked request still needs
+        tight = prefill_adder.adder(cache)
+        tight._hgds_hold, tight.rem_chunk_tokens = tight.rem_total_tokens - 100, 192
+        small = prefill_adder.req("small", 64)
+        assert hooks.around_add_one_req(cls.add_one_req, tight, small, has_chunked_req=True,
+                                        truncation_align_size=None) is prefill_adder.OTHER
+        assert small not in tight.can_run_list
         odd = types.SimpleNamespace(rid="odd", full_untruncated_fill_ids=object())
         assert hooks.around_add_one_req(lambda *a, **k: pytest.fail("taken"), adder, odd) is prefill_adder.OTHER
 

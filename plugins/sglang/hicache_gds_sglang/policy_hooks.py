@@ -16,7 +16,7 @@ from typing import Any
 from hicache_gds import METRICS, metric_values
 
 from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _agree_int, _backend, _once, _rid,  # noqa: F401
-                     _to_prefill, policy_of, process_policies)
+                     _on_gpu, _to_prefill, policy_of, process_policies)
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
            "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch", "around_forward",
@@ -260,26 +260,44 @@ def around_add_chunked_req(original: Any, adder: Any, req: Any, *args: Any, **kw
         reserve = 0
     if not reserve:
         return original(adder, req, *args, **kwargs)
+    adder._hgds_chunk = adder.rem_chunk_tokens
     adder.rem_chunk_tokens -= reserve
     try:
         out = original(adder, req, *args, **kwargs)
     finally:
         adder.rem_chunk_tokens += reserve
-    adder._hgds_hold = True
+    # What the chunked request still needs after this chunk: SGLang checked at its first chunk
+    # that all of it fits in memory, and takes each chunk from that; a request let in beside it
+    # must leave it that much (`around_add_one_req`).
+    try:
+        end = getattr(req, "extend_end", None)
+        if not isinstance(end, int):
+            end = req.extend_range.end if req in adder.can_run_list else _on_gpu(req)
+        adder._hgds_hold = max(0, len(req.full_untruncated_fill_ids) - int(end)) + 1
+    except Exception:  # noqa: BLE001 -- unknown: leave it all it had (as if no chunk ran)
+        adder._hgds_hold = len(getattr(req, "full_untruncated_fill_ids", ()) or ()) + 1
     return out
 
 
 def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """``PrefillAdder.add_one_req``: beside a chunked prefill that held tokens back for finished
-    loads (`around_add_chunked_req`), a request that does not fit whole in what is left is
-    refused as SGLang refuses one past the budget (``AddReqResult.OTHER``): it would become a
-    second chunked request, which SGLang cannot track."""
-    if getattr(adder, "_hgds_hold", False):
+    loads (`around_add_chunked_req`), a request is refused as SGLang refuses one past the budget
+    (``AddReqResult.OTHER``) where it does not fit whole in the tokens left (it would become a
+    second chunked request, which SGLang cannot track), or where the GPU memory it takes would
+    leave the chunked request less than its remaining chunks need (SGLang checked, at its first
+    chunk, that all of it fits, and does not check again: an H200 server ran out of memory in a
+    32B burst before this check)."""
+    hold = getattr(adder, "_hgds_hold", 0)
+    if hold:
         try:
             ps = max(1, int(getattr(adder, "page_size", 1) or 1))
             need = -(-_to_prefill(req) // ps) * ps
             left = adder.rem_chunk_tokens
-            refuse = left is not None and need > left
+            # GPU memory: all it holds after its load back and its output, with what the chunked
+            # request still needs (`hold`) kept out of reach, one chunk of it to spare.
+            memory = _to_prefill(req) + int(getattr(req, "host_hit_length", 0) or 0) + _max_new(req) + 2 * ps
+            refuse = (left is not None and need > left) or \
+                memory + hold + int(getattr(adder, "_hgds_chunk", 0) or 0) >= adder.rem_total_tokens
         except Exception as exc:  # noqa: BLE001 -- unknown size: refuse, never a second chunked request
             _once("fit", "hicache-gds policy: a request's size beside a held-back chunk unknown (%s)", exc)
             refuse = True
@@ -287,6 +305,11 @@ def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs
             import sys
             return sys.modules[type(adder).__module__].AddReqResult.OTHER
     return original(adder, req, *args, **kwargs)
+
+
+def _max_new(req: Any) -> int:
+    sp = getattr(req, "sampling_params", None)
+    return max(0, int(getattr(sp, "max_new_tokens", 0) or 0) - len(getattr(req, "output_ids", None) or ()))
 
 
 def around_rate_limited(original: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
