@@ -128,10 +128,10 @@ def ongoing(cache, rid: str, op, tokens: int) -> None:
 def test_policy_keys_are_the_plugins_and_checked(gds_dir):
     cfg = PolicyConfig.from_extra({"policy": POLICY, "policy_read_gbps": "1.5", "policy_host_fraction": 0.6,
                                    "policy_read_slice": "64M", "policy_stop_margin": 0, "policy_partial": "off",
-                                   "policy_ready_first": "false"})
+                                   "policy_ready_first": "yes"})
     assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.read_slice, cfg.stop_margin, cfg.partial,
-            cfg.ready_first) == (POLICY, 1.5, 0.6, 64 << 20, 0.0, "off", False)
-    assert PolicyConfig.from_extra({}).partial == "off" and PolicyConfig.from_extra({}).ready_first is True
+            cfg.ready_first) == (POLICY, 1.5, 0.6, 64 << 20, 0.0, "off", True)
+    assert PolicyConfig.from_extra({}).partial == "off" and PolicyConfig.from_extra({}).ready_first is False
     assert [PolicyConfig.from_extra({"policy_partial": v}).partial for v in (False, "ALWAYS", True)] == [
         "off", "always", "idle"]
     for bad, match in (({"policy": "fastest"}, "policy: 'fastest'"), ({"policy_read_gbps": -1}, "policy_read_gbps"),

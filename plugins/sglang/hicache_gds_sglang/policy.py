@@ -25,6 +25,10 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   host pages are protected from eviction until its request leaves the waiting queue (0.5.17's
   ``check_prefetch_progress``, released after ``Scheduler.get_new_batch_prefill``;
   `_PROTECT_MAX_S`);
+* **a finished load first** (`PolicyConfig.ready_first`, off by default; after
+  ``SchedulePolicy.calc_priority``, around ``PrefillAdder.add_chunked_req`` / ``add_one_req``):
+  a request whose load finished goes to the front of the waiting queue, and a chunked prefill in
+  progress gives up the few tokens it has left, where GPU memory allows (`ready_loads`);
 * **the log** says, per request: the decision and its estimates, when its load finished, and
   what it held when it left the waiting queue (a load whose pages were evicted before the GPU
   took the request shows there as "0 on host").
@@ -126,7 +130,10 @@ class PolicyConfig:
     one part in a run; the 32B shape, whose whole loads pay, took none. ready_first: a request
     whose load has finished goes into the next prefill batch (`LoadOrCompute.ready_loads`): ahead
     of the prefills not started, and beside a chunked prefill in progress, whose chunk gives up
-    the few tokens the request has left (on by default)."""
+    the few tokens the request has left, where GPU memory allows (off by default: on an H200 it
+    acted on 1-5 loads per run, because a finished load needs all of its prefix back in GPU memory
+    and, in bursts of 12k-24k-token prompts over a 49k-token GPU pool, the chunked prefill in
+    progress leaves no room for it; its columns stayed within the noise of those without it)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -135,7 +142,7 @@ class PolicyConfig:
     stop_margin: float = 0.05
     read_slice: int = 0
     partial: str = "off"
-    ready_first: bool = True
+    ready_first: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":

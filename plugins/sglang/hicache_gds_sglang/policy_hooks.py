@@ -10,6 +10,7 @@ would (load, wait, SGLang's host-pool limit), and the policy's name turns into S
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
@@ -302,7 +303,6 @@ def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs
             _once("fit", "hicache-gds policy: a request's size beside a held-back chunk unknown (%s)", exc)
             refuse = True
         if refuse:
-            import sys
             return sys.modules[type(adder).__module__].AddReqResult.OTHER
     return original(adder, req, *args, **kwargs)
 
