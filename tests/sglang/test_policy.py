@@ -871,6 +871,34 @@ def test_beside_a_held_back_chunk_only_requests_that_fit_whole_are_taken(gds_dir
         b.close()
 
 
+def test_a_failing_ready_first_step_leaves_sglangs_batch_as_it_was(gds_dir, prefill_adder, monkeypatch, caplog):
+    """Fail-soft: an error while finding the finished loads leaves SGLang's order and the whole
+    chunk to the chunked request (logged once), and no request is refused for it."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5), policy_ready_first="true")
+    try:
+        cache, _, pol = make_cache(b)
+        sched = cache._test_scheduler
+        chunked = prefill_adder.req("c", 20000, on_gpu=8192)
+        queue = [prefill_adder.req("w", 20000), prefill_adder.req("r", 64)]
+        sched.waiting_queue, sched.chunked_req = queue, chunked
+
+        def broken(*a, **k):
+            raise RuntimeError("no queue here")
+        monkeypatch.setattr(pol, "ready_loads", broken)
+        with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang"):
+            hooks.after_calc_priority(None, types.SimpleNamespace(tree_cache=cache), queue)
+            hooks.after_calc_priority(None, types.SimpleNamespace(tree_cache=cache), queue)
+            adder = prefill_adder.adder(cache)
+            out, taken = _batch(adder, chunked, queue)
+        assert [r.rid for r in queue] == ["w", "r"] and out is chunked and _extend(chunked) == 8192
+        assert not getattr(adder, "_hgds_hold", 0) and taken == []
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("finished loads not moved ahead (RuntimeError: no queue here)" in m for m in said) == 1
+        assert sum("no chunk tokens left to finished loads (RuntimeError: no queue here)" in m for m in said) == 1
+    finally:
+        b.close()
+
+
 def test_without_the_policy_a_finished_load_is_left_to_sglangs_eviction(gds_dir):
     if V23:
         pytest.skip("0.5.23 settles a finished load through its acknowledgements into its tree core")
