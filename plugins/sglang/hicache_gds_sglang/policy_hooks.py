@@ -292,11 +292,12 @@ def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs
     if hold:
         try:
             ps = max(1, int(getattr(adder, "page_size", 1) or 1))
-            need = -(-_to_prefill(req) // ps) * ps
+            tokens = _to_prefill(req)
+            need = -(-tokens // ps) * ps
             left = adder.rem_chunk_tokens
             # GPU memory: all it holds after its load back and its output, with what the chunked
             # request still needs (`hold`) kept out of reach, one chunk of it to spare.
-            memory = _to_prefill(req) + int(getattr(req, "host_hit_length", 0) or 0) + _max_new(req) + 2 * ps
+            memory = tokens + int(getattr(req, "host_hit_length", 0) or 0) + _max_new(req) + 2 * ps
             refuse = (left is not None and need > left) or \
                 memory + hold + int(getattr(adder, "_hgds_chunk", 0) or 0) >= adder.rem_total_tokens
         except Exception as exc:  # noqa: BLE001 -- unknown size: refuse, never a second chunked request
