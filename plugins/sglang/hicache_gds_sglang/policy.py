@@ -794,7 +794,7 @@ class LoadOrCompute:
             return 0
         head = [r for r in queue if _rid(r) in ready]
         rest = [r for r in queue if _rid(r) not in ready]
-        moved = sum(1 for i, r in enumerate(head) if queue.index(r) != i)
+        moved = sum(1 for r, at in zip(head, queue) if r is not at)
         if moved:
             queue[:] = head + rest
             for r in head:
