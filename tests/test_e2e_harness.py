@@ -137,9 +137,11 @@ def test_the_report_computes_the_issues_targets():
              cell("single", "gds-compute_or_load", 0, [1.0, 2.05]), cell("single", "nixl", 0, [1.6, 2.6], 900),
              cell("burst", "recompute", 0, [5.0, 10.0]), cell("burst", "gds-wait_complete", 0, [6.0, 9.0], 900),
              cell("burst", "gds-compute_or_load", 0, [3.0, 6.0], 500, outs=[9]),
-             cell("open", "recompute", 0, [1.0, 1.0], rate=0.1), cell("open", "recompute", 0, [3.0, 3.0], rate=0.3),
+             cell("open", "recompute", 0, [1.5, 1.5], rate=0.1), cell("open", "recompute", 0, [3.0, 3.0], rate=0.2),
+             cell("open", "recompute", 0, [4.0, 4.0], rate=0.3),
              cell("open", "gds-compute_or_load", 0, [1.0, 1.0], rate=0.1),
-             cell("open", "gds-compute_or_load", 0, [1.5, 1.5], rate=0.3)]
+             cell("open", "gds-compute_or_load", 0, [1.5, 1.5], rate=0.2),
+             cell("open", "gds-compute_or_load", 0, [2.0, 2.0], rate=0.3)]
     doc = {"cells": {str(i): c for i, c in enumerate(cells)}, "model": {"kv_bytes_per_token": 256 << 10}}
     rows = suite_report.summarize(doc)["targets"]
 
@@ -149,7 +151,14 @@ def test_the_report_computes_the_issues_targets():
     assert t("one at a time")["value"] == pytest.approx(1.525 / 1.5) and t("one at a time")["met"]
     assert t("burst: makespan")["value"] == pytest.approx(6.0 / 10.0) and t("burst: makespan")["limit"] == 0.65
     assert t("burst: mean TTFT")["value"] == pytest.approx(4.5 / 7.5) and t("burst: mean TTFT")["limit"] == 0.6
+    # the knee is where recompute's p90 doubles from its idle (one at a time: p90 of 1.0, 2.0 = 1.9 s)
+    # value, not from its lowest rate's (1.5 s, doubled at 0.2 req/s already)
     assert t("open loop at 0.3")["value"] == pytest.approx(0.5) and t("open loop at 0.3")["met"]
+    assert "one-at-a-time" in t("open loop at 0.3")["target"]
+    no_single = {"cells": {k: c for k, c in doc["cells"].items() if c["workload"] != "single"}, "model": doc["model"]}
+    fallback = next(r for r in suite_report.summarize(no_single)["targets"] if r["target"].startswith("open loop"))
+    assert fallback["target"].startswith("open loop at 0.2") and "0.1 req/s p90" in fallback["target"]
+    assert fallback["value"] == pytest.approx(0.5)
     assert t("revisit from L3")["value"] == pytest.approx(2.0 / 2.1) and t("revisit from L3")["met"]
     assert t("burst: vs the best")["value"] == pytest.approx(6.0 / 9.0)
     assert t("greedy tokens = recompute (gds-compute_or_load)")["met"] is False
@@ -188,3 +197,57 @@ def test_the_trace_report_splits_a_revisit_into_its_stages(tmp_path):
                  "sched": 0.02}.items():
         assert row[k] == pytest.approx(v), k
     assert row["n_gets"] == 2 and row["pages"] == 4 and row["GB/s"] == pytest.approx(4 * (1 << 20) / 0.4 / 1e9)
+
+
+def test_the_ideal_server_fits_the_prefill_and_bounds_the_open_loop():
+    import open_loop_bound as olb
+    true = olb.Server(a=2e-5, b=5e-9, c0=0.1, read_Bps=1.5e9, kv_bytes=128 << 10)
+    lengths = [12288, 16384, 20480, 24576]
+    c0, a, b = olb.fit_prefill([(n, true.c0 + true.compute(n)) for n in lengths])
+    assert (c0, a, b) == pytest.approx((0.1, 2e-5, 5e-9), rel=1e-6)
+    with pytest.raises(ValueError, match="two prompt lengths"):
+        olb.fit_prefill([(12288, 1.0), (12288, 1.1)])
+    with pytest.raises(ValueError, match="policy 'lmcache'"):
+        olb.simulate([0.0], [1000], "lmcache", true)
+
+    # a request alone takes min(load, compute); the disk takes the second of two at once
+    h = 20480
+    alone = {p: olb.simulate([0.0], [h], p, true)[0] for p in olb.POLICIES}
+    assert alone["recompute"] == pytest.approx(true.c0 + true.compute(h + 64))
+    assert alone["per_request"] == pytest.approx(true.c0 + min(true.compute(h + 64), true.load(h) + true.compute(64, h)))
+    assert alone["split"] < alone["per_request"]
+    fast = olb.Server(a=2e-5, b=5e-9, c0=0.0, read_Bps=20e9, kv_bytes=128 << 10)
+    two = olb.simulate([0.0, 0.0], [h, h], "per_request", fast)
+    assert max(two) < 2 * fast.compute(h + 64)
+
+    k = olb.knee(true, lengths, count=4000)
+    assert k["recompute_p90"] == pytest.approx(2 * k["idle_p90"], rel=0.15)
+    assert k["split_ratio"] <= k["per_request_ratio"] < 1.0
+
+
+def test_the_report_sets_the_open_loop_against_the_ideal_server():
+    import open_loop_bound as olb
+
+    def cell(w, cfg, rate, ttfts, lens, starts):
+        rs = [{"tag": f"p{i}", "ttft_s": t, "prompt_tokens": n + 64, "output_ids": [1], "error": None,
+               "t_start": s, "t_end": s + t} for i, (t, n, s) in enumerate(zip(ttfts, lens, starts))]
+        st = suite.cell_stats([suite.Result(**{**r, "latency_s": r["ttft_s"], "logprobs": [], "cached": {}}) for r in rs])
+        return {"workload": w, "config": cfg, "rep": 0, "results": rs, "stats": st, **({"rate": rate} if rate else {})}
+
+    srv = olb.Server(a=2e-5, b=5e-9, c0=0.1, read_Bps=1.5e9, kv_bytes=128 << 10)
+    lens = [12288, 16384, 20480, 24576]
+    single = cell("single", "recompute", None, [srv.c0 + srv.compute(n + 64) for n in lens], lens, [0, 5, 10, 15])
+    starts = [0.0, 0.4, 0.9, 1.1, 3.0, 3.2]
+    arrivals = [lens[i % 4] for i in range(6)]
+    cells = [single, cell("open", "recompute", 0.5, [2, 3, 4, 5, 2, 3], arrivals, starts),
+             cell("open", "gds-compute_or_load", 0.5, [2, 2, 3, 3, 2, 2], arrivals, starts)]
+    doc = {"cells": {str(i): c for i, c in enumerate(cells)}, "lengths": lens, "args": {"suffix_tokens": 64},
+           "model": {"kv_bytes_per_token": 128 << 10},
+           "raw_disk": {"read": {"rw": "read", "raw_MBps": 1500.0}}}
+    s = suite_report.summarize(doc)
+    text = "\n".join(suite_report.bound_lines(doc, s))
+    assert "recompute's p90 doubles" in text and "1.50 GB/s" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 0.5 |"))
+    assert row.split("|")[2].strip() == f"{3.0 / 4.5:.2f}x"  # the two cells' measured p90s
+    doc.pop("raw_disk")
+    assert "Not computed: the run has no raw read rate" in "\n".join(suite_report.bound_lines(doc, s))
