@@ -251,3 +251,22 @@ def test_the_report_sets_the_open_loop_against_the_ideal_server():
     assert row.split("|")[2].strip() == f"{3.0 / 4.5:.2f}x"  # the two cells' measured p90s
     doc.pop("raw_disk")
     assert "Not computed: the run has no raw read rate" in "\n".join(suite_report.bound_lines(doc, s))
+
+
+def test_an_open_loop_repetition_counts_only_where_every_configuration_measured_it():
+    def cell(cfg, rep, ttfts):
+        rs = [{"tag": f"p{i}", "ttft_s": t, "prompt_tokens": 1000, "output_ids": [1], "error": None, "t_start": float(i),
+               "t_end": i + t} for i, t in enumerate(ttfts)]
+        st = suite.cell_stats([suite.Result(**{**r, "latency_s": r["ttft_s"], "logprobs": [], "cached": {}}) for r in rs])
+        return {"id": f"open/{cfg}/{rep}/0.5", "workload": "open", "config": cfg, "rep": rep, "rate": 0.5,
+                "results": rs, "stats": st}
+
+    # a call cut short measured recompute's repetition 1 (a burstier draw) but not ours
+    cells = [cell("recompute", 0, [2.0] * 10), cell("gds-compute_or_load", 0, [1.0] * 10),
+             cell("recompute", 1, [9.0] * 10)]
+    doc = {"cells": {c["id"]: c for c in cells}, "model": {"kv_bytes_per_token": 128 << 10}}
+    s = suite_report.summarize(doc)
+    assert s["open_unpaired"] == ["open/recompute/1/0.5"]
+    assert s["open"]["recompute"][0.5]["p90"] == pytest.approx(2.0) and s["open"]["recompute"][0.5]["reps"] == 1
+    assert "Left out, their repetition not measured for every configuration at that rate: open/recompute/1/0.5" in \
+        suite_report.markdown(doc, s)

@@ -36,7 +36,7 @@ import heapq
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -205,12 +205,14 @@ def from_run(doc: dict[str, Any]) -> tuple[Server, list[int]]:
     return Server(a=a, b=b, c0=c0, read_Bps=float(read) * 1e6, kv_bytes=float(kv), tail=suffix), lengths
 
 
-def replay(doc: dict[str, Any], srv: Server) -> dict[float, dict[str, float]]:
+def replay(doc: dict[str, Any], srv: Server, skip: set[str] = frozenset()) -> dict[float, dict[str, float]]:
     """Each policy's p90 on the open-loop arrivals the run sent (recompute's cells: their request
-    start times and prompt lengths), pooled over repetitions as the report pools them."""
+    start times and prompt lengths), pooled over repetitions as the report pools them (`skip`:
+    ids of the cells it leaves out)."""
     out: dict[float, dict[str, list[float]]] = {}
-    for c in (doc.get("cells") or {}).values():
-        if c.get("workload") != "open" or c.get("config") != "recompute" or "results" not in c:
+    for cid, c in (doc.get("cells") or {}).items():
+        if c.get("workload") != "open" or c.get("config") != "recompute" or "results" not in c or \
+                c.get("id", cid) in skip:
             continue
         rs = [r for r in c["results"] if r.get("t_start") is not None]
         if not rs:
@@ -228,10 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("suite_json")
     ap.add_argument("--rates", default="", help="also the long stream's p90 at these rates (req/s)")
+    ap.add_argument("--read-gbps", type=float, default=None,
+                    help="the disk's read rate instead of the run's raw O_DIRECT one (e.g. what the server's loads "
+                         "took: the policy's \"load done\" log lines)")
     a = ap.parse_args(argv)
     with open(a.suite_json) as f:
         doc = json.load(f)
     srv, lengths = from_run(doc)
+    if a.read_gbps:
+        srv = replace(srv, read_Bps=a.read_gbps * 1e9)
     print(f"ideal server: prefill {srv.a:.3g}*n + {srv.b:.3g}*n*(p+n/2) s (+{srv.c0:.3f} s latency), "
           f"disk {srv.read_Bps / 1e9:.2f} GB/s ({srv.read_Bps / srv.kv_bytes:.0f} tokens/s)")
     k = knee(srv, lengths)
@@ -242,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['rate']:g} req/s: recompute p90 {row['recompute_p90']:.2f} s ({row['recompute_p90'] / row['idle_p90']:.1f}x "
               f"idle), per request {row['per_request_p90'] / row['recompute_p90']:.2f}x, split "
               f"{row['split_p90'] / row['recompute_p90']:.2f}x")
-    for rate, ps in sorted(replay(doc, srv).items()):
+    import suite_report  # the report's pairing of repetitions (same folder)
+    for rate, ps in sorted(replay(doc, srv, skip=set(suite_report.summarize(doc)["open_unpaired"])).items()):
         print(f"the run's arrivals at {rate:g} req/s: recompute p90 {ps['recompute']:.2f} s, per request "
               f"{ps['per_request'] / ps['recompute']:.2f}x, split {ps['split'] / ps['recompute']:.2f}x")
     return 0
