@@ -296,6 +296,20 @@ class PrefillModel:
             k = new / self.chunk if smooth else math.ceil(new / self.chunk)
         return a * new + b * new * (prefix + new / 2) + c * k
 
+    def predict_batch(self, news: Sequence[int], prefixes: Sequence[int]) -> float | None:
+        """Seconds of one prefill batch: per request its new tokens and cached prefix (the sum of
+        their ``a`` and ``b`` terms plus one ``c``); None when nothing is known yet."""
+        if len(news) != len(prefixes):
+            raise ValueError(f"{len(news)} new-token counts but {len(prefixes)} prefixes")
+        N, S = self._features(news, prefixes) if len(news) else (0.0, 0.0)
+        if N <= 0:
+            return 0.0
+        coef, _ = self.coefficients()
+        if coef is None:
+            return None
+        a, b, c = coef
+        return a * N + b * S + c
+
     def tokens_per_s(self, new: int = 8192, prefix: int = 0) -> float | None:
         """Prefill rate at a request of `new` tokens (attention makes it fall with length)."""
         t = self.predict(new, prefix)

@@ -297,3 +297,15 @@ def test_breakeven_and_estimates():
     assert est["read_gbps"] == pytest.approx(1.6) and est["breakeven_prefill_tokens_per_s"] == pytest.approx(
         1.6e9 / 262144)
     assert est["prefill_coefficients"] == {"a": A, "b": B, "c": C}
+
+
+def test_a_batch_costs_its_requests_terms_and_one_fixed_cost():
+    m = PrefillModel()
+    m.seed_coefficients(2e-5, 5e-9, 0.01, "test")
+    assert m.predict_batch([8192], [4096]) == pytest.approx(m.predict(8192, 4096))
+    two = m.predict_batch([8192, 1000], [0, 20000])
+    assert two == pytest.approx(m.predict(8192, 0) + m.predict(1000, 20000) - 0.01)
+    assert m.predict_batch([], []) == 0.0
+    with pytest.raises(ValueError, match="2 new-token counts but 1 prefixes"):
+        m.predict_batch([1, 2], [0])
+    assert PrefillModel().predict_batch([8192], [0]) is None

@@ -1081,6 +1081,46 @@ def test_prefill_batches_are_timed_and_decode_batches_ignored(gds_dir):
         b.close()
 
 
+class _Running:
+    """A CUDA event the GPU has not reached yet."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_prefill_in_progress_counts_in_the_gpu_backlog_once_and_chunk_after_chunk(gds_dir, monkeypatch):
+    """SGLang's overlapped scheduler launches a long prompt's next chunk while the GPU still runs
+    the one before, caches a chunk as soon as it is launched, and admits arrivals in between. The
+    backlog is the chunks one after another from the first's launch, then what of the chunked
+    request no batch has reached."""
+    b, _ = open_backend(gds_dir)
+    try:
+        cache, _, pol = make_cache(b)
+        model = pol.model(b)
+        monkeypatch.setattr(policy, "_event", _Running)
+        mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
+        long = req("long", 32768)
+        for k in range(2):  # the second chunk launched right after the first, both on the GPU
+            batch = types.SimpleNamespace(forward_mode=mode, extend_lens=[8192], prefix_lens=[8192 * k], reqs=[long])
+            hooks.around_forward(lambda w, bt: None, object(), batch)
+        t0 = pol._pending[0][4]
+        chunk = 8192 * A
+        # 0.6 chunks later: the first has 0.4 left and the second all of its own after it
+        assert pol._in_flight_prefill(t0 + 0.6 * chunk) == pytest.approx(1.4 * chunk, rel=0.01)
+        assert pol._in_flight_prefill(t0 + 3 * chunk) == 0.0
+        long.prefix_indices = list(range(16384))  # SGLang cached both chunks at launch
+        cache._test_scheduler.chunked_req = long
+        _, total = pol.gpu_backlog(cache, model)
+        in_flight = pol._in_flight_prefill(time.perf_counter())
+        assert 1.9 * chunk < in_flight <= 2 * chunk
+        assert total == pytest.approx(in_flight + 16384 * A, rel=0.01)  # the last 16k once, not the chunks again
+        long.prefix_indices = list(range(8192))  # cached one chunk behind: the same work left
+        pol._backlog = None
+        assert pol.gpu_backlog(cache, model)[1] == pytest.approx(total, rel=0.01)
+    finally:
+        b.close()
+
+
 def test_policy_metrics_reach_prometheus(gds_dir):
     prometheus_client = pytest.importorskip("prometheus_client")
     b, _ = open_backend(gds_dir, policy_read_gbps=1.25)

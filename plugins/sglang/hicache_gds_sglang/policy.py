@@ -347,7 +347,9 @@ class LoadOrCompute:
         self.current_req: Any = None
         self._decided: dict[str, tuple[str, int, int, int]] = {}  # rid -> (action, new, held, hit)
         self._loads: dict[str, list[float]] = {}  # rid -> [admitted at, forecast IO s, kept seen, last look, pace]
-        self._pending: deque[tuple[Any, Any, list[int], list[int], float, float]] = deque(maxlen=256)
+        # prefill batches launched and not yet seen finished: (start event, end event, new tokens,
+        # prefixes, launched at, forecast seconds, request ids)
+        self._pending: deque[tuple[Any, Any, list[int], list[int], float, float, list[str]]] = deque(maxlen=256)
         self._queued: dict[str, list[Any]] = {}  # rid -> [request, first seen, last seen] in the waiting queue
         self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
         self._late: set[str] = set()  # rids `late_admit` gave the disk
@@ -415,23 +417,25 @@ class LoadOrCompute:
         if not news or len(news) != len(prefixes):
             return None
         self.poll()
+        reqs = list(getattr(batch, "reqs", None) or ())
+        rids = [_rid(r) for r in reqs] if len(reqs) == len(news) else []
         start = _event()
-        return (start, news, prefixes, time.perf_counter())
+        return (start, news, prefixes, time.perf_counter(), rids)
 
     def prefill_end(self, token: Any) -> None:
         if token is None:
             return
-        start, news, prefixes, t0 = token
+        start, news, prefixes, t0, rids = token
         end = _event()
         with self._lock:
-            pred = self.prefill.predict(sum(news), 0) or 0.0
-            self._pending.append((start, end, news, prefixes, t0, pred))
+            pred = self.prefill.predict_batch(news, prefixes) or 0.0
+            self._pending.append((start, end, news, prefixes, t0, pred, rids))
 
     def poll(self) -> None:
         """Feed finished prefill batches to the model (non-blocking: CUDA events are queried)."""
         with self._lock:
             while self._pending:
-                start, end, news, prefixes, t0, _ = self._pending[0]
+                start, end, news, prefixes, t0, _, _ = self._pending[0]
                 secs = _elapsed(start, end, t0)
                 if secs is None:
                     break
@@ -439,8 +443,25 @@ class LoadOrCompute:
                 self.prefill.observe(news, prefixes, secs)
 
     def _in_flight_prefill(self, now: float) -> float:
+        """Seconds until the GPU finishes the prefill batches launched and not yet seen finished.
+
+        They run one after another on the forward stream, each from its launch or the end of the
+        one before, whichever is later. (Counted as if each ran from its own launch, the backlog
+        missed most of a long prompt in progress: SGLang's overlapped scheduler launches the next
+        chunk while the GPU still runs the last, and admits new requests between the two, so on
+        the GPU machine a request arriving behind a 20k-token prefill saw a GPU backlog of 0 s and
+        was judged as if the GPU were idle.)"""
         with self._lock:
-            return sum(max(0.0, pred - (now - t0)) for _, _, _, _, t0, pred in self._pending)
+            end = -math.inf
+            for _, _, _, _, t0, pred, _ in self._pending:
+                end = max(end, t0) + pred
+            return max(0.0, end - now)
+
+    def _launched_through(self, rid: str) -> int:
+        """How far into request `rid` the prefill batches launched and not yet seen finished reach
+        (its prefix plus new tokens in the furthest; 0 if none holds it)."""
+        with self._lock:
+            return max((p + n for e in self._pending for r, n, p in zip(e[6], e[2], e[3]) if r == rid), default=0)
 
     # -- backlogs ----------------------------------------------------------------------------------
     def _compute(self, model: CostModel, rid: str, req: Any) -> float:
@@ -468,6 +489,10 @@ class LoadOrCompute:
         acc = self._in_flight_prefill(time.perf_counter())
         if chunked is not None:
             new, held = _req_work(chunked)
+            # its chunks on the GPU are counted above (SGLang may not have cached them yet)
+            through = self._launched_through(_rid(chunked))
+            if through > held:
+                new, held = max(0, new - (through - held)), through
             acc += model.predict_compute(new, held) or 0.0
         ahead: dict[str, float] = {}
         live = set()
