@@ -246,9 +246,20 @@ def test_the_report_sets_the_open_loop_against_the_ideal_server():
            "raw_disk": {"read": {"rw": "read", "raw_MBps": 1500.0}}}
     s = suite_report.summarize(doc)
     text = "\n".join(suite_report.bound_lines(doc, s))
-    assert "recompute's p90 doubles" in text and "1.50 GB/s" in text
+    assert "recompute's p90 doubles" in text and "1.50 GB/s" in text and "burst" not in text
     row = next(line for line in text.splitlines() if line.startswith("| 0.5 |"))
     assert row.split("|")[2].strip() == f"{3.0 / 4.5:.2f}x"  # the two cells' measured p90s
+    # a burst: the measured ratios beside the model's, whichever way they fall
+    cells += [cell("burst", "recompute", None, [1.0, 2.0, 3.0, 4.0], lens, [0.0] * 4),
+              cell("burst", "gds-compute_or_load", None, [1.0, 1.5, 2.0, 2.0], lens, [0.0] * 4)]
+    doc["cells"] = {str(i): c for i, c in enumerate(cells)}
+    doc["args"]["burst"] = 4
+    s = suite_report.summarize(doc)
+    lines = suite_report.bound_lines(doc, s)
+    b = olb.burst(srv, lens)
+    assert "| burst of 4, against recompute | makespan | mean TTFT |" in lines
+    assert f"| ideal: per request | {b['per_request'][0] / b['recompute'][0]:.2f}x | " \
+           f"{b['per_request'][1] / b['recompute'][1]:.2f}x |" in lines
     doc.pop("raw_disk")
     assert "Not computed: the run has no raw read rate" in "\n".join(suite_report.bound_lines(doc, s))
 

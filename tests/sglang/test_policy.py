@@ -1097,7 +1097,8 @@ def test_a_prefill_in_progress_counts_in_the_gpu_backlog_once_and_chunk_after_ch
     try:
         cache, _, pol = make_cache(b)
         model = pol.model(b)
-        monkeypatch.setattr(policy, "_event", _Running)
+        events = iter([_Running(), _Running(), _Running(), _Running()])
+        monkeypatch.setattr(policy, "_event", lambda: next(events))
         mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
         long = req("long", 32768)
         for k in range(2):  # the second chunk launched right after the first, both on the GPU
@@ -1107,6 +1108,10 @@ def test_a_prefill_in_progress_counts_in_the_gpu_backlog_once_and_chunk_after_ch
         chunk = 8192 * A
         # 0.6 chunks later: the first has 0.4 left and the second all of its own after it
         assert pol._in_flight_prefill(t0 + 0.6 * chunk) == pytest.approx(1.4 * chunk, rel=0.01)
+        # the first seen finished (SGLang admits arrivals right then): the second has just started
+        first = pol._pending.popleft()
+        assert pol._in_flight_prefill(t0 + chunk) == pytest.approx(chunk, rel=0.01)
+        pol._pending.appendleft(first)
         assert pol._in_flight_prefill(t0 + 3 * chunk) == 0.0
         long.prefix_indices = list(range(16384))  # SGLang cached both chunks at launch
         cache._test_scheduler.chunked_req = long

@@ -350,6 +350,7 @@ class LoadOrCompute:
         # prefill batches launched and not yet seen finished: (start event, end event, new tokens,
         # prefixes, launched at, forecast seconds, request ids)
         self._pending: deque[tuple[Any, Any, list[int], list[int], float, float, list[str]]] = deque(maxlen=256)
+        self._gpu_until = -math.inf  # forecast end of the last prefill batch launched (`_in_flight_prefill`)
         self._queued: dict[str, list[Any]] = {}  # rid -> [request, first seen, last seen] in the waiting queue
         self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
         self._late: set[str] = set()  # rids `late_admit` gave the disk
@@ -430,6 +431,7 @@ class LoadOrCompute:
         with self._lock:
             pred = self.prefill.predict_batch(news, prefixes) or 0.0
             self._pending.append((start, end, news, prefixes, t0, pred, rids))
+            self._gpu_until = max(self._gpu_until, t0) + pred
 
     def poll(self) -> None:
         """Feed finished prefill batches to the model (non-blocking: CUDA events are queried)."""
@@ -445,17 +447,15 @@ class LoadOrCompute:
     def _in_flight_prefill(self, now: float) -> float:
         """Seconds until the GPU finishes the prefill batches launched and not yet seen finished.
 
-        They run one after another on the forward stream, each from its launch or the end of the
-        one before, whichever is later. (Counted as if each ran from its own launch, the backlog
-        missed most of a long prompt in progress: SGLang's overlapped scheduler launches the next
-        chunk while the GPU still runs the last, and admits new requests between the two, so on
-        the GPU machine a request arriving behind a 20k-token prefill saw a GPU backlog of 0 s and
-        was judged as if the GPU were idle.)"""
+        Batches run one after another on the forward stream, each from its launch or the forecast
+        end of the one launched before it, whichever is later (`_gpu_until`, kept across batches
+        already finished). Counted from each batch's own launch, the backlog missed most of a long
+        prompt in progress: SGLang's overlapped scheduler launches a chunk while the GPU still
+        runs the one before and admits new requests once that one ends, so the chunk then starting
+        looked mostly done. On the GPU machine a third of the requests arriving behind another's
+        prefill saw a GPU backlog of 0 s."""
         with self._lock:
-            end = -math.inf
-            for _, _, _, _, t0, pred, _ in self._pending:
-                end = max(end, t0) + pred
-            return max(0.0, end - now)
+            return max(0.0, self._gpu_until - now) if self._pending else 0.0
 
     def _launched_through(self, rid: str) -> int:
         """How far into request `rid` the prefill batches launched and not yet seen finished reach
