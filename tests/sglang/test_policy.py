@@ -1097,8 +1097,7 @@ def test_a_prefill_in_progress_counts_in_the_gpu_backlog_once_and_chunk_after_ch
     try:
         cache, _, pol = make_cache(b)
         model = pol.model(b)
-        events = iter([_Running(), _Running(), _Running(), _Running()])
-        monkeypatch.setattr(policy, "_event", lambda: next(events))
+        monkeypatch.setattr(policy, "_event", _Running)
         mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
         long = req("long", 32768)
         for k in range(2):  # the second chunk launched right after the first, both on the GPU
