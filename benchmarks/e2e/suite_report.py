@@ -191,7 +191,8 @@ def _split(sp: dict[str, float]) -> str:
     return " / ".join(f"{sp[k] / 1000:.0f}k" for k in ("device", "host", "storage", "computed"))
 
 
-def markdown(doc: dict[str, Any], s: dict[str, Any]) -> str:
+def markdown(doc: dict[str, Any], s: dict[str, Any], extra: Any = ()) -> str:
+    """The report; `extra` (lines) goes before the targets."""
     a, m = doc.get("args", {}), doc.get("model", {})
     lines = [f"# Compute or load: {m.get('name')} ({m.get('kv_bytes_per_token', 0) // 1024} KiB of KV per token), "
              f"{doc.get('machine')}", "",
@@ -235,6 +236,7 @@ def markdown(doc: dict[str, Any], s: dict[str, Any]) -> str:
         if s["open_unpaired"]:
             lines += [f"Left out, their repetition not measured for every configuration at that rate: "
                       f"{', '.join(s['open_unpaired'])}.", ""]
+    lines += list(extra)
     if s["targets"]:
         lines += ["## Targets (issue 20)", "", "| target | value | limit | met |", "|---|---|---|---|"]
         for t in s["targets"]:
@@ -274,11 +276,13 @@ def plot_p90(s: dict[str, Any], path: str, title: str) -> str | None:
     return path
 
 
-def write_report(doc: dict[str, Any], out: str, shape: str, plot: bool = False) -> dict[str, Any]:
+def write_report(doc: dict[str, Any], out: str, shape: str, plot: bool = False, bound: bool = False) -> dict[str, Any]:
+    """`<out>/suite-<shape>.md` (and the plot); `bound` adds the ideal server's section (`bound_lines`:
+    seconds of simulation, so the suite leaves it to a rerun of this script)."""
     d = _jsonable(doc)
     s = summarize(d)
     with open(os.path.join(out, f"suite-{shape}.md"), "w") as f:
-        f.write(markdown(d, s))
+        f.write(markdown(d, s, bound_lines(d, s) if bound else ()))
     if plot:
         plot_p90(s, os.path.join(out, f"suite-{shape}-ttft-p90.png"), f"{shape}: TTFT p90 against load")
     return s
@@ -301,9 +305,9 @@ def bound_lines(doc: dict[str, Any], s: dict[str, Any]) -> list[str]:
     lines = head + [
         f"`open_loop_bound.py`: the GPU prefilling one request at a time at this run's fitted cost "
         f"({srv.b:.3g}*n*(p+n/2) + {srv.a:.3g}*n s, +{srv.c0:.3f} s latency), the disk at its raw read rate "
-        f"({srv.read_Bps / 1e9:.2f} GB/s), no forecast error, GPU memory unlimited (a yardstick, not a strict bound: the model's recompute is ideal too). Per request: each request "
-        "loaded or computed, whichever finishes it first; split: the GPU computes a head while the disk loads the "
-        "rest (not in SGLang today).", ""]
+        f"({srv.read_Bps / 1e9:.2f} GB/s), no forecast error, GPU memory unlimited (a yardstick, not a strict "
+        "bound: the model's recompute is ideal too). Per request: each request loaded or computed, whichever "
+        "finishes it first; split: the GPU computes a head while the disk loads the rest (not in SGLang today).", ""]
 
     def x(a: float, b: float) -> str:
         return _f(_ratio(a, b), "x", 2)
@@ -339,23 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("results")
     p.add_argument("--plot", action="store_true")
-    p.add_argument("--bound", action="store_true", help="add the open loop against the run's ideal server "
-                   "(open_loop_bound.py; seconds of simulation)")
+    p.add_argument("--bound", action="store_true", help="add the burst and the open loop against the run's ideal "
+                   "server (open_loop_bound.py; seconds of simulation)")
     a = p.parse_args(argv)
     doc = json.load(open(a.results))
     shape = os.path.basename(a.results)[len("suite-"):-len(".json")]
     out = os.path.dirname(os.path.abspath(a.results))
-    s = write_report(doc, out, shape, plot=a.plot)
-    md = os.path.join(out, f"suite-{shape}.md")
-    if a.bound:
-        extra = bound_lines(_jsonable(doc), s)
-        if extra:
-            text = open(md).read()
-            at = text.find("## Targets")
-            text = text[:at] + "\n".join(extra) + "\n" + text[at:] if at >= 0 else text + "\n".join(extra) + "\n"
-            with open(md, "w") as f:
-                f.write(text)
-    print(open(md).read())
+    write_report(doc, out, shape, plot=a.plot, bound=a.bound)
+    print(open(os.path.join(out, f"suite-{shape}.md")).read())
     return 0
 
 
