@@ -284,31 +284,29 @@ class PrefillModel:
         two predictions over a few tokens is then the marginal cost of those tokens; with the
         ceiling it jumps by a whole batch wherever they cross a chunk boundary (64 tokens of a
         16,448-token prompt, 2 chunks of 8,192 and 64 over, "saved" a third batch)."""
-        if new <= 0:
-            return 0.0
-        coef, _ = self.coefficients()
-        if coef is None:
-            return None
-        a, b, c = coef
         if not self.chunk:
             k = 1.0
         else:
             k = new / self.chunk if smooth else math.ceil(new / self.chunk)
-        return a * new + b * new * (prefix + new / 2) + c * k
+        return self._cost(new, new * (prefix + new / 2), k)
 
     def predict_batch(self, news: Sequence[int], prefixes: Sequence[int]) -> float | None:
         """Seconds of one prefill batch: per request its new tokens and cached prefix (the sum of
         their ``a`` and ``b`` terms plus one ``c``); None when nothing is known yet."""
         if len(news) != len(prefixes):
             raise ValueError(f"{len(news)} new-token counts but {len(prefixes)} prefixes")
-        N, S = self._features(news, prefixes) if len(news) else (0.0, 0.0)
-        if N <= 0:
+        return self._cost(*(self._features(news, prefixes) if len(news) else (0.0, 0.0)), 1.0)
+
+    def _cost(self, n: float, s: float, batches: float) -> float | None:
+        """``a*n + b*s + c*batches`` for `n` new tokens whose attention sum is `s` (0 for no tokens;
+        None when nothing is known yet)."""
+        if n <= 0:
             return 0.0
         coef, _ = self.coefficients()
         if coef is None:
             return None
         a, b, c = coef
-        return a * N + b * S + c
+        return a * n + b * s + c * batches
 
     def tokens_per_s(self, new: int = 8192, prefix: int = 0) -> float | None:
         """Prefill rate at a request of `new` tokens (attention makes it fall with length)."""
