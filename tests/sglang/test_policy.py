@@ -1103,7 +1103,7 @@ def test_a_prefill_in_progress_counts_in_the_gpu_backlog_once_and_chunk_after_ch
         for k in range(2):  # the second chunk launched right after the first, both on the GPU
             batch = types.SimpleNamespace(forward_mode=mode, extend_lens=[8192], prefix_lens=[8192 * k], reqs=[long])
             hooks.around_forward(lambda w, bt: None, object(), batch)
-        t0 = pol._pending[0][4]
+        t0 = pol._pending[0].t0
         chunk = 8192 * A
         # 0.6 chunks later: the first has 0.4 left and the second all of its own after it
         assert pol._in_flight_prefill(t0 + 0.6 * chunk) == pytest.approx(1.4 * chunk, rel=0.01)

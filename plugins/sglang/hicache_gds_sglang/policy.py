@@ -58,7 +58,7 @@ import time
 import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from hicache_gds import ConfigError, CostModel, LoadPace, PrefillModel, parse_size
 
@@ -333,6 +333,19 @@ def _once(tag: str, msg: str, *args: Any) -> None:
 
 
 # -- the policy --------------------------------------------------------------------------------
+class _Launched(NamedTuple):
+    """A prefill batch launched on the forward stream: its CUDA events (start, end), per request
+    its new tokens, prefix and id, when it was launched, and the seconds forecast for it."""
+
+    start: Any
+    end: Any
+    news: list[int]
+    prefixes: list[int]
+    t0: float
+    pred: float
+    rids: list[str]
+
+
 class LoadOrCompute:
     """The policy state of one radix cache (one per scheduler process): the prefill model (kept
     across backend re-attaches), the scheduler it serves, the decisions taken and why."""
@@ -347,9 +360,7 @@ class LoadOrCompute:
         self.current_req: Any = None
         self._decided: dict[str, tuple[str, int, int, int]] = {}  # rid -> (action, new, held, hit)
         self._loads: dict[str, list[float]] = {}  # rid -> [admitted at, forecast IO s, kept seen, last look, pace]
-        # prefill batches launched and not yet seen finished: (start event, end event, new tokens,
-        # prefixes, launched at, forecast seconds, request ids)
-        self._pending: deque[tuple[Any, Any, list[int], list[int], float, float, list[str]]] = deque(maxlen=256)
+        self._pending: deque[_Launched] = deque(maxlen=256)  # prefill batches not yet seen finished
         self._gpu_until = -math.inf  # forecast end of the last prefill batch launched (`_in_flight_prefill`)
         self._queued: dict[str, list[Any]] = {}  # rid -> [request, first seen, last seen] in the waiting queue
         self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
@@ -421,28 +432,27 @@ class LoadOrCompute:
         reqs = list(getattr(batch, "reqs", None) or ())
         rids = [_rid(r) for r in reqs] if len(reqs) == len(news) else []
         start = _event()
-        return (start, news, prefixes, time.perf_counter(), rids)
+        return _Launched(start, None, news, prefixes, time.perf_counter(), 0.0, rids)
 
     def prefill_end(self, token: Any) -> None:
         if token is None:
             return
-        start, news, prefixes, t0, rids = token
         end = _event()
         with self._lock:
-            pred = self.prefill.predict_batch(news, prefixes) or 0.0
-            self._pending.append((start, end, news, prefixes, t0, pred, rids))
-            self._gpu_until = max(self._gpu_until, t0) + pred
+            pred = self.prefill.predict_batch(token.news, token.prefixes) or 0.0
+            self._pending.append(token._replace(end=end, pred=pred))
+            self._gpu_until = max(self._gpu_until, token.t0) + pred
 
     def poll(self) -> None:
         """Feed finished prefill batches to the model (non-blocking: CUDA events are queried)."""
         with self._lock:
             while self._pending:
-                start, end, news, prefixes, t0, _, _ = self._pending[0]
-                secs = _elapsed(start, end, t0)
+                b = self._pending[0]
+                secs = _elapsed(b.start, b.end, b.t0)
                 if secs is None:
                     break
                 self._pending.popleft()
-                self.prefill.observe(news, prefixes, secs)
+                self.prefill.observe(b.news, b.prefixes, secs)
 
     def _in_flight_prefill(self, now: float) -> float:
         """Seconds until the GPU finishes the prefill batches launched and not yet seen finished.
@@ -461,7 +471,8 @@ class LoadOrCompute:
         """How far into request `rid` the prefill batches launched and not yet seen finished reach
         (its prefix plus new tokens in the furthest; 0 if none holds it)."""
         with self._lock:
-            return max((p + n for e in self._pending for r, n, p in zip(e[6], e[2], e[3]) if r == rid), default=0)
+            return max((p + n for b in self._pending for r, n, p in zip(b.rids, b.news, b.prefixes) if r == rid),
+                       default=0)
 
     # -- backlogs ----------------------------------------------------------------------------------
     def _compute(self, model: CostModel, rid: str, req: Any) -> float:
