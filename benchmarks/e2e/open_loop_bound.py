@@ -99,9 +99,9 @@ def simulate(arrivals: Sequence[float], tokens: Sequence[int], policy: str, srv:
     n = len(arrivals)
     order = sorted(range(n), key=lambda i: arrivals[i])
     ttft = [math.nan] * n
-    jobs: list[tuple[float, int, float, int]] = []  # (ready at, arrival rank, GPU seconds, then) -- heap by ready
+    jobs: list[tuple[float, int, float]] = []  # (ready at, arrival rank, GPU seconds) -- heap by ready
     queued_s = 0.0  # GPU seconds committed and not started
-    after: dict[int, tuple[float, int]] = {}  # split: rank -> (load end, tokens) once its head is computed
+    after: dict[int, tuple[float, int]] = {}  # split: rank -> (load end, tokens) until its head is computed
     gpu_t = disk_t = 0.0
     k = 0
     while k < n or jobs:
@@ -124,16 +124,16 @@ def simulate(arrivals: Sequence[float], tokens: Sequence[int], policy: str, srv:
                     if t_s < best:
                         best, head = t_s, m
             if head is None:
-                heapq.heappush(jobs, (t, k, srv.compute(h + srv.tail), -1))
+                heapq.heappush(jobs, (t, k, srv.compute(h + srv.tail)))
                 queued_s += srv.compute(h + srv.tail)
             else:
                 disk_t = t + d + srv.load(h - head)
                 if head:
                     after[k] = (disk_t, h)
-                    heapq.heappush(jobs, (t, k, srv.compute(head), i))
+                    heapq.heappush(jobs, (t, k, srv.compute(head)))
                     queued_s += srv.compute(head)
                 else:
-                    heapq.heappush(jobs, (disk_t, k, tail, -1))
+                    heapq.heappush(jobs, (disk_t, k, tail))
                     queued_s += tail
             k += 1
             continue
@@ -141,13 +141,13 @@ def simulate(arrivals: Sequence[float], tokens: Sequence[int], policy: str, srv:
         job = min(ready, key=lambda j: j[1])
         jobs.remove(job)
         heapq.heapify(jobs)
-        _, rank, secs, then = job
+        _, rank, secs = job
         queued_s -= secs
         gpu_t = start + secs
-        if then >= 0:  # a split's head is done: its tail runs once the load has landed too
+        if rank in after:  # a split's head is done: its tail runs once the load has landed too
             load_end, h = after.pop(rank)
             tail = srv.compute(srv.tail, h)
-            heapq.heappush(jobs, (max(gpu_t, load_end), rank, tail, -1))
+            heapq.heappush(jobs, (max(gpu_t, load_end), rank, tail))
             queued_s += tail
         else:
             i = order[rank]
