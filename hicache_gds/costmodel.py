@@ -61,6 +61,23 @@ i.e. when the request could start on the GPU before its load ends and the load l
 than the compute the pages left would save. While the GPU is busy with others (``G >= D``),
 waiting costs nothing and the load runs on.
 
+**Split** (``split_chunk`` set): the GPU computes the hit's head while the disk loads its tail.
+SGLang computes a prefix in chunks of ``chunk`` tokens and inserts each chunk into its tree as it
+goes, so the pages read from ``k`` on can join the request at a chunk boundary ``k = j*chunk``
+(``0 < k < h``): the request needs only ``C(k, p)`` of the GPU, then the pages the disk read by
+then, then computes the rest. An overlapped scheduler forms the batch after the chunk that ends
+at ``k`` while that chunk runs, so the disk's deadline is the start of that chunk::
+
+    t_k     = G + C(k, p)                              the head computed
+    s_k     = G + C(k - chunk, p)                      when the pages are joined
+    f_k     = min(h - k, max(0, s_k - D) * R / B / pace)   tail tokens read by then
+    split:  t_S = t_k + C(n - k - f_k, p + k + f_k)
+
+Admission takes the earliest of ``t_C``, ``t_L`` and the best ``t_S`` over ``j``. A request alone
+so takes about ``max(C(k), L(h - k))``: with the GPU and the disk at equal rates, half of each.
+Pages of the tail that land after ``s_k`` are dropped and computed instead; the GPU never waits
+for the disk.
+
 `breakeven_prefill_rate` says when a tier pays one request at a time: loading an ``n``-token
 prefix takes ``n*B/R``, recomputing about ``n/P``, so loading wins when the engine prefills
 slower than ``R/B`` tokens per second (and longer prefixes, through ``b``, move it further).
@@ -324,11 +341,12 @@ class PrefillModel:
 class Decision:
     """What `CostModel.decide` chose and the two finish times it compared (seconds from now)."""
 
-    action: str  # "load" | "compute" (admission), "wait" | "stop" (in flight)
+    action: str  # "load" | "compute" | "split" (admission), "wait" | "stop" (in flight)
     t_load: float
     t_compute: float
     reason: str
-    tokens: int | None = None  # a load of the hit's leading `tokens` only (a part); None: all of it
+    tokens: int | None = None  # load: the hit's leading `tokens` only (a part; None: all of it); split: the head
+    tail: int | None = None  # split: the tokens after the head forecast to be read when they are joined
 
     @property
     def load(self) -> bool:
@@ -369,7 +387,8 @@ class CostModel:
 
     def decide(self, new: int, prefix: int, hit: int, *, kept: int = 0, fetched: int | None = None,
                in_flight: bool = False, gpu_backlog: float = 0.0, disk_backlog: float = 0.0,
-               smooth: bool = False, page: int = 1, part_min: int | None = None) -> Decision:
+               smooth: bool = False, page: int = 1, part_min: int | None = None,
+               split_chunk: int | None = None) -> Decision:
         """Load or compute (admission), wait or stop (a load in flight); see the module docstring.
 
         new: tokens to prefill after `prefix`; hit: the leading ones in L3 (<= new); kept: tokens
@@ -378,8 +397,9 @@ class CostModel:
         loads ahead of this one on the disk; smooth: batches counted fractionally
         (`PrefillModel.predict`), for judging a few tokens at the margin; part_min: at admission,
         weigh loading a part of at least this many tokens (multiples of `page`) that lands before
-        the GPU reaches the request (None: all or nothing). Unknown rates: load (the engine's own
-        behaviour)."""
+        the GPU reaches the request (None: all or nothing); split_chunk: at admission, weigh
+        computing a head of whole chunks of this many tokens while the disk loads the rest
+        (`split`; None: never). Unknown rates: load (the engine's own behaviour)."""
         hit = max(0, min(int(hit), int(new)))
         kept = max(0, min(int(kept), hit))
         fetched = kept if fetched is None else max(kept, min(int(fetched), hit))
@@ -399,6 +419,14 @@ class CostModel:
                 if t_part < t_compute and t_part <= t_load:
                     return Decision("load", t_part, t_compute, f"{k} of the {hit} tokens in L3 land before the GPU "
                                     f"reaches the request (all of them: {t_load:.3f} s)", tokens=k)
+            best = min(t_load, t_compute)
+            sp = self.split(new, prefix, hit, chunk=split_chunk, gpu_backlog=gpu_backlog,
+                            disk_backlog=disk_backlog, page=page) if split_chunk else None
+            if sp is not None and sp[1] * (1.0 + self.stop_margin) < best:
+                head, t_split, got = sp
+                return Decision("split", t_split, t_compute, f"computing {head} tokens while the disk reads "
+                                f"{got} of the {hit - head} after them finishes first (load {t_load:.3f} s)",
+                                tokens=head, tail=got)
             if t_load < t_compute:
                 return Decision("load", t_load, t_compute, "loading finishes first")
             return Decision("compute", t_load, t_compute, "computing finishes first")
@@ -406,6 +434,37 @@ class CostModel:
             return Decision("stop", t_load, t_compute, "the load left takes longer than the compute it saves")
         return Decision("wait", t_load, t_compute,
                         "the GPU is busy until then" if gpu_backlog >= t_load_io else "loading still finishes first")
+
+    def split(self, new: int, prefix: int, hit: int, *, chunk: int, gpu_backlog: float = 0.0,
+              disk_backlog: float = 0.0, page: int = 1) -> tuple[int, float, int] | None:
+        """The best head for a split (module docstring): ``(k, t_S, f_k)`` -- the tokens the GPU
+        computes first (whole chunks), the forecast finish, and the tail tokens forecast to be
+        read when they are joined -- or None where no head of whole chunks leaves a tail to read
+        or the rates are unknown."""
+        r = self.read.rate
+        chunk = int(chunk)
+        page = max(1, int(page))
+        hit = max(0, min(int(hit), int(new)))
+        if r is None or chunk <= 0 or hit <= chunk:
+            return None
+        per_token_s = self.bytes_per_token * self.pace.factor / r
+        best: tuple[int, float, int] | None = None
+        for k in range(chunk, hit, chunk):
+            t_k = self.predict_compute(k, prefix)
+            s_k = self.predict_compute(k - chunk, prefix)
+            if t_k is None or s_k is None:
+                return None
+            f = int(max(0.0, gpu_backlog + s_k - disk_backlog) / per_token_s) // page * page
+            f = min(hit - k, f)
+            if f <= 0:
+                continue
+            rest = self.predict_compute(new - k - f, prefix + k + f)
+            if rest is None:
+                return None
+            t = gpu_backlog + t_k + rest
+            if best is None or t < best[1]:
+                best = (k, t, f)
+        return best
 
     def _part(self, hit: int, page: int, gpu_backlog: float, disk_backlog: float) -> int:
         """Leading tokens of a hit (whole pages) the disk reads, behind its backlog, with

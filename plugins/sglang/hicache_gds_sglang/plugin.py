@@ -41,7 +41,9 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
 8. ``SchedulePolicy.calc_priority`` (AFTER), ``PrefillAdder.add_chunked_req`` and
    ``PrefillAdder.add_one_req`` (AROUND): a request whose load finished goes into the next
    prefill batch, ahead of the prefills not started and beside a chunked prefill in progress
-   (`policy.LoadOrCompute.ready_loads`; ``policy_ready_first``).
+   (`policy.LoadOrCompute.ready_loads`; ``policy_ready_first``);
+   0.5.17's ``HiRadixCache.cache_unfinished_req`` (AFTER): a split hit's tail joins the request's
+   prefix where its chunks reach it (`split`; ``policy_split``).
 
 9. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
    (`trace`), from the scheduler's queue through each L3 get to the prefill batch.
@@ -95,6 +97,9 @@ _PROTECT = ("sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_prog
 # The chunk budget beside a chunked prefill in progress: a finished load's few tokens go into the
 # next batch (all three or none: the chunk's reserve needs the guard that keeps a second request
 # from being chunked, and the queue's order puts the finished loads where the reserve is).
+# The join point of a split (0.5.17): SGLang caches a chunked request's chunks there before it
+# forms the next chunk (the tail's pages join the prefix right after).
+_JOIN = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.cache_unfinished_req"
 _READY = ("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
           "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
           "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req")
@@ -271,6 +276,12 @@ def _register_policy(registry: Any, hook_type: Any) -> None:
     if check is not None and batch is not None and callable(getattr(cache_cls, "_match_prefix_helper", None)):
         registry.register(_PROTECT[0], hooks.around_check_progress, hook_type.AROUND)
         registry.register(_PROTECT[1], hooks.after_new_prefill_batch, hook_type.AFTER)
+        if _resolve(_JOIN) is not None:  # a tail is joined there, and swept after each prefill batch
+            registry.register(_JOIN, hooks.after_cache_unfinished, hook_type.AFTER)
+            policy.SPLIT_HOOKED[0] = True
+    if not policy.SPLIT_HOOKED[0]:
+        log.info("hicache-gds: this SGLang has no join point for a split hit (%s); policy_split does nothing",
+                 _JOIN.rsplit(".", 2)[-2] + "." + _JOIN.rsplit(".", 1)[-1])
     if all(_resolve(p) is not None for p in _READY):
         for path, hook, kind in zip(_READY, (hooks.after_calc_priority, hooks.around_add_chunked_req,
                                              hooks.around_add_one_req), (hook_type.AFTER, hook_type.AROUND,

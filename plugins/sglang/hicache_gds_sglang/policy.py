@@ -25,6 +25,11 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   host pages are protected from eviction until its request leaves the waiting queue (0.5.17's
   ``check_prefetch_progress``, released after ``Scheduler.get_new_batch_prefill``;
   `_PROTECT_MAX_S`);
+* **split** (`PolicyConfig.split`, 0.5.17, one rank): where computing the head of a hit while the
+  disk loads its tail finishes first (`CostModel.split`), the request goes to the GPU as a
+  recompute and the tail is prefetched on its own; when the request's chunks reach it, the pages
+  read by then join its prefix (`split.join`, after ``cache_unfinished_req``) and its next chunk
+  starts after them;
 * **a finished load first** (`PolicyConfig.ready_first`, off by default; after
   ``SchedulePolicy.calc_priority``, around ``PrefillAdder.add_chunked_req`` / ``add_one_req``):
   a request whose load finished goes to the front of the waiting queue, and a chunked prefill in
@@ -62,6 +67,8 @@ from typing import Any, Mapping, NamedTuple
 
 from hicache_gds import ConfigError, CostModel, LoadPace, PrefillModel, parse_size
 
+from . import split as split_mod
+
 __all__ = ["POLICY", "SGLANG_POLICIES", "POLICY_KEYS", "PolicyConfig", "LoadOrCompute", "policy_of", "process_policies"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
@@ -70,7 +77,7 @@ POLICY = "compute_or_load"
 SGLANG_POLICIES = ("best_effort", "wait_complete", "timeout")
 FALLBACK = "timeout"  # SGLang's default: what our name turns into where the policy cannot run
 POLICY_KEYS = ("policy", "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
-               "policy_stop_margin", "policy_read_slice", "policy_partial", "policy_ready_first")
+               "policy_stop_margin", "policy_read_slice", "policy_partial", "policy_ready_first", "policy_split")
 # A part smaller than this is not worth a prefetch of its own (a query, host slots, a load back).
 _PART_MIN_TOKENS = 1024
 PARTIAL = ("idle", "always", "off")  # `PolicyConfig.partial`
@@ -96,6 +103,7 @@ _REEVAL_S = 0.02  # at most this often per load, late or not
 # host memory. The prefills' write-through then finds less room: their host backup is what gives
 # way, not a load the GPU is about to use.
 _PROTECT_MAX_S = 60.0
+SPLIT_HOOKED = [False]  # the join point of a split (``cache_unfinished_req``) is hooked in this process
 _LATE_EVERY_S = 0.01  # `LoadOrCompute.late_admit` looks at the waiting queue at most this often
 
 
@@ -107,6 +115,13 @@ def _positive(value: Any, key: str) -> float:
     if not f > 0 or not math.isfinite(f):
         raise ConfigError(f"{key}: expected a number > 0, got {value!r}")
     return f
+
+
+def _bool(value: Any, key: str) -> bool:
+    v = str(value).strip().lower()
+    if v not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return v in ("true", "1", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -133,7 +148,9 @@ class PolicyConfig:
     the few tokens the request has left, where GPU memory allows (off by default: on an H200 it
     acted on 1-5 loads per run, because a finished load needs all of its prefix back in GPU memory
     and, in bursts of 12k-24k-token prompts over a 49k-token GPU pool, the chunked prefill in
-    progress leaves no room for it; its columns stayed within the noise of those without it)."""
+    progress leaves no room for it; its columns stayed within the noise of those without it).
+    split: where computing a hit's head on the GPU while the disk loads its tail finishes a request
+    first, do that (`split`; SGLang 0.5.17 on one rank, elsewhere never)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -143,6 +160,7 @@ class PolicyConfig:
     read_slice: int = 0
     partial: str = "off"
     ready_first: bool = False
+    split: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -179,10 +197,9 @@ class PolicyConfig:
                 raise ConfigError(f"policy_partial: {extra['policy_partial']!r} is not one of {', '.join(PARTIAL)}")
             kw["partial"] = v
         if "policy_ready_first" in extra:
-            v = str(extra["policy_ready_first"]).strip().lower()
-            if v not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-                raise ConfigError(f"policy_ready_first: expected true or false, got {extra['policy_ready_first']!r}")
-            kw["ready_first"] = v in ("true", "1", "yes", "on")
+            kw["ready_first"] = _bool(extra["policy_ready_first"], "policy_ready_first")
+        if "policy_split" in extra:
+            kw["split"] = _bool(extra["policy_split"], "policy_split")
         return cls(**kw)
 
 
@@ -366,6 +383,8 @@ class LoadOrCompute:
         self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
         self._late: set[str] = set()  # rids `late_admit` gave the disk
         self._ahead: set[str] = set()  # rids `first` moved ahead (logged once each)
+        self._split_plan: dict[str, tuple[int, int]] = {}  # rid -> (head, tail forecast read), until started
+        self._tails: dict[str, tuple[split_mod.TailLoad, Any]] = {}  # rid -> (its tail in flight, its request)
         self._late_look = 0.0
         self._lock = threading.Lock()
         self._backlog: tuple[tuple, dict[str, float], float] | None = None
@@ -481,6 +500,11 @@ class LoadOrCompute:
             action, new, held, hit = d
             if action in ("load", "wait"):
                 return model.predict_compute(new - hit, held + hit) or 0.0
+            if action == "split":
+                t = self._tails.get(rid)
+                got = min(t[0].expect, t[0].tokens) if t is not None else 0
+                return (model.predict_compute(hit, held) or 0.0) + (
+                    model.predict_compute(new - hit - got, held + hit + got) or 0.0)
             return model.predict_compute(new, held) or 0.0
         new, held = _req_work(req)
         return model.predict_compute(new, held) or 0.0
@@ -599,7 +623,23 @@ class LoadOrCompute:
         _, d = self.disk_backlog(cache, model, backend)
         part = backend.policy_config.partial
         part_min = max(threshold, ps, _PART_MIN_TOKENS) if part == "always" or (part == "idle" and d <= 0) else None
-        dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps, part_min=part_min)
+        chunk = self.prefill.chunk if req is not None and self.can_split(cache, backend) else None
+        dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps, part_min=part_min,
+                           split_chunk=chunk)
+        if dec.action == "split":
+            self._decided[rid] = ("split", new, held, int(dec.tokens or 0))
+            self._split_plan[rid] = (int(dec.tokens or 0), int(dec.tail or 0))
+            self.counts["split"] += 1
+            self.last = {"rid": rid, "action": "split", "t_load": dec.t_load, "t_compute": dec.t_compute, "new": new,
+                         "held": held, "hit": hit, "head": dec.tokens, "tail": dec.tail, "gpu_backlog": g,
+                         "disk_backlog": d, "reason": dec.reason, "host_free": _host_free(cache)}
+            log.info("hicache-gds policy: %s split: compute %d, load the %d after (%d new, %d held, %d in L3; split "
+                     "%.3f s, compute %.3f s; GPU backlog %.3f s, disk backlog %.3f s; read %.2f GB/s, prefill %.0f tok/s "
+                     "at 8k; %s)", rid, dec.tokens, hit - int(dec.tokens or 0), new, held, hit, dec.t_load,
+                     dec.t_compute, g, d, (model.read.rate or 0) / 1e9, model.prefill.tokens_per_s(8192) or 0,
+                     dec.reason)
+            self.maybe_save(backend)
+            return 0
         take = hit if dec.tokens is None else dec.tokens
         room = _host_room(cache)
         if dec.load and room is not None and take > room:
@@ -883,6 +923,99 @@ class LoadOrCompute:
             return False
         w[2], w[3] = float(kept), now
         return True
+
+    # -- split: the head computed while the tail loads (`split`) ------------------------------------
+    def can_split(self, cache: Any, backend: Any) -> bool:
+        """Splits are on, this SGLang has what they use, and the cache serves one rank."""
+        return bool(backend.policy_config.split and SPLIT_HOOKED[0] and self.prefill.chunk
+                    and split_mod.supported(cache) and _single_rank(cache))
+
+    def start_tail(self, cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any,
+                   prefix_keys: Any) -> bool:
+        """Admission chose a split for `rid`: prefetch the tail of its hit. False (and the request
+        is a plain recompute) where the tail cannot be started."""
+        plan = self._split_plan.pop(rid, None)
+        req = self.current_req if self.current_req is not None and _rid(self.current_req) == rid else None
+        if plan is None or req is None:
+            return False
+        head, expect = plan
+        matched = _on_gpu(req) + int(getattr(req, "host_hit_length", 0) or 0)
+        tail = split_mod.start(cache, rid, last_host_node, tokens, last_hash, prefix_keys, matched=matched,
+                               head=head, expect=expect)
+        if tail is None:
+            d = self._decided.get(rid)
+            if d is not None:
+                self._decided[rid] = ("compute", d[1], d[2], d[3])
+            return False
+        self._tails[rid] = (tail, req)  # until it joins or is swept: the request may leave meanwhile
+        return True
+
+    def join_tail(self, cache: Any, req: Any) -> int:
+        """SGLang cached the chunks of `req`: once they reach its tail, join the pages read (or wait
+        one more chunk, where the disk reads the rest before the GPU computes it and that finishes
+        first). Returns the tokens joined."""
+        rid = _rid(req)
+        entry = self._tails.get(rid)
+        if entry is None:
+            return 0
+        tail = entry[0]
+        pi = getattr(req, "prefix_indices", None)  # a tensor: never read by its truth value
+        cached = 0 if pi is None else len(pi)
+        if cached < tail.start:
+            return 0
+        read, complete, alive = split_mod.progress(cache, tail)
+        if alive and not complete and self._wait_for_tail(cache, req, tail, cached, read):
+            return 0
+        del self._tails[rid]
+        grown = split_mod.join(cache, req, tail)
+        if grown > 0:
+            self.counts["split_joined"] += 1
+            self.counts["split_tokens"] += grown
+            if isinstance(getattr(req, "cached_tokens_storage", None), int):
+                req.cached_tokens_storage += grown  # SGLang splits its cached tokens by source at the first chunk
+        else:
+            self.counts["split_dropped"] += 1
+        log.info("hicache-gds policy: %s split joined %d of its %d tail tokens at %d (%d read, forecast %d; %.3f s "
+                 "after admission)", rid, grown, tail.tokens, cached, read, tail.expect, time.monotonic() - tail.since)
+        return grown
+
+    def _wait_for_tail(self, cache: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> bool:
+        """Whether to compute one more chunk before joining: the disk reads the rest of the tail
+        before the GPU computes that chunk, and that finishes the request first."""
+        chunk = self.prefill.chunk
+        model = self._model
+        if not chunk or model is None or cached + chunk >= tail.end:
+            return False
+        fill = getattr(req, "full_untruncated_fill_ids", None)
+        n = len(fill) if fill is not None else _req_work(req)[0] + _req_work(req)[1]
+        frontier = max(cached, tail.start + read)
+        io_left = model.predict_load((tail.end - tail.start - read) * model.bytes_per_token)
+        c_chunk = model.predict_compute(chunk, cached)
+        now = model.predict_compute(n - frontier, frontier)
+        later = model.predict_compute(n - tail.end, tail.end)
+        if None in (io_left, c_chunk, now, later):
+            return False
+        return io_left <= c_chunk and c_chunk + later < now
+
+    def sweep_tails(self, scheduler: Any) -> None:
+        """Drop the tails of requests no longer waiting or being chunked (finished, aborted, or
+        prefilled past them without a join)."""
+        if not self._tails:
+            return
+        cache = getattr(scheduler, "tree_cache", None)
+        chunked = getattr(scheduler, "chunked_req", None)
+        waiting = {id(r) for r in (getattr(scheduler, "waiting_queue", None) or ())}
+        for rid, (tail, req) in list(self._tails.items()):
+            if req is chunked or id(req) in waiting:
+                finished = getattr(req, "finished", None)
+                if not (callable(finished) and finished()):
+                    continue
+            del self._tails[rid]
+            if cache is not None:
+                split_mod.cancel(cache, tail)
+            self.counts["split_dropped"] += 1
+            log.info("hicache-gds policy: %s split tail of %d tokens dropped: the request left before its chunks "
+                     "reached it", rid, tail.tokens)
 
     def rate_limited(self, controller: Any) -> bool:
         host = controller.mem_pool_host

@@ -16,12 +16,14 @@ from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
+from . import split as split_mod
 from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _agree_int, _backend, _once, _rid,  # noqa: F401
                      _on_gpu, _to_prefill, policy_of, process_policies)
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
            "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch", "around_forward",
-           "after_calc_priority", "around_add_chunked_req", "around_add_one_req", "publish_metrics"]
+           "after_calc_priority", "around_add_chunked_req", "around_add_one_req", "after_cache_unfinished",
+           "publish_metrics"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -161,6 +163,8 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
         take = len(tokens)
     take = _agree_int(cache, int(take), "MIN")
     if take <= 0:
+        if pol._split_plan:
+            _start_tail(pol, cache, args, kwargs, tokens)
         return None
     if take < len(tokens):
         if len(args) > 2:
@@ -168,6 +172,44 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
         else:
             kwargs["new_input_tokens"] = tokens[:take]
     return original(cache, *args, **kwargs)
+
+
+def _start_tail(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: Any) -> None:
+    """Admission chose a split (one rank only, so no agreement): prefetch the tail of the hit
+    (0.5.17's ``prefetch_from_storage(req_id, last_host_node, new_input_tokens, last_hash,
+    prefix_keys)``)."""
+    names = ("req_id", "last_host_node", "new_input_tokens", "last_hash", "prefix_keys")
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    rid = _rid(bound.get("req_id", ""))
+    try:
+        pol.start_tail(cache, rid, bound.get("last_host_node"), tokens, bound.get("last_hash"),
+                       bound.get("prefix_keys"))
+    except Exception as exc:  # noqa: BLE001 -- the request is recomputed, as admission's fallback
+        pol._split_plan.pop(rid, None)
+        _once("split-start", "hicache-gds policy: a split's tail load could not start (%s: %s); the request is "
+              "recomputed", type(exc).__name__, exc)
+
+
+def after_cache_unfinished(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """0.5.17's ``cache_unfinished_req`` (SGLang cached a chunked request's chunks, before its next
+    chunk is formed): a split's tail read so far joins the request's prefix there
+    (`LoadOrCompute.join_tail`)."""
+    pol = getattr(cache, "_hgds_policy", None)
+    if pol is None or not pol._tails:
+        return None
+    try:
+        pol.join_tail(cache, req)
+    except Exception as exc:  # noqa: BLE001 -- the request computes on; its tail is dropped
+        _once("split-join", "hicache-gds policy: a split's tail could not join its request (%s: %s); it is "
+              "computed instead", type(exc).__name__, exc)
+        entry = pol._tails.pop(_rid(req), None)
+        if entry is not None:
+            try:
+                split_mod.cancel(cache, entry[0])
+            except Exception:  # noqa: BLE001
+                pass
+    return None
 
 
 def around_can_terminate(original: Any, cache: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
@@ -217,6 +259,11 @@ def after_new_prefill_batch(result: Any, scheduler: Any, *args: Any, **kwargs: A
             pol.release_protected(getattr(scheduler, "waiting_queue", None))
         except Exception as exc:  # noqa: BLE001
             _once("release", "hicache-gds policy: host protection not released (%s: %s)", type(exc).__name__, exc)
+    if pol._tails:
+        try:
+            pol.sweep_tails(scheduler)
+        except Exception as exc:  # noqa: BLE001
+            _once("split-sweep", "hicache-gds policy: split tails not swept (%s: %s)", type(exc).__name__, exc)
     try:
         pol.late_admit(scheduler)
     except Exception as exc:  # noqa: BLE001 -- the request stays with the GPU, as admission decided

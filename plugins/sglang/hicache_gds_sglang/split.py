@@ -1,0 +1,203 @@
+"""A split hit: the GPU computes a prefix's head while the disk loads its tail (SGLang 0.5.17).
+
+SGLang's prefetch loads the *head* of a prefix found in L3 and the GPU computes what follows, so
+a request is served by the disk, then by the GPU, never by both at once. A split runs them side
+by side on one request (`hicache_gds.costmodel`, "Split"): admission lets the request go to the
+GPU as a recompute, and starts a prefetch of the pages after its first ``head`` tokens (a
+`TailLoad`). SGLang computes a long prompt in chunks and caches each chunk in its radix tree when
+it forms the next batch (``cache_unfinished_req``); right after that, once the chunks reach the
+tail (`join`), the tail's pages read so far are inserted under the request's last node, loaded
+back into GPU memory, and appended to the request's prefix, so its next chunk starts after them.
+
+What keeps a wrong byte from being served:
+
+* the tail's keys are SGLang's own hash chain, continued over the head's tokens from the hash the
+  request's match ended on (``get_hash_str``): the same keys the whole prefix was stored under;
+* only pages the operation counted complete are inserted (SGLang counts a batch of pages after its
+  get returned), and only under the node the request's own cached chunks end on, at the position
+  they end (pages of the tail the GPU has already computed are freed, not inserted);
+* the request's prefix grows only by what SGLang's own ``match_prefix`` and ``init_load_back``
+  return for those tokens, the lock moving from the old last node to the new one;
+* anything unexpected (a revoked or short tail, a request no longer chunked, a partial page at the
+  end of the cached prefix) drops the tail and the request computes on, as it would have anyway.
+
+Host memory follows SGLang's ``check_prefetch_progress``: pages inserted are the tree's, pages not
+inserted but complete are freed, pages past the completed count are released through the
+controller's release queue (its IO thread may still be writing them) and the rest by that thread.
+One rank only: the pages joined depend on progress that ranks could see differently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("hicache_gds_sglang.policy")
+
+__all__ = ["TailLoad", "supported", "start", "join", "cancel"]
+
+_SUFFIX = "\x00tail"  # an ongoing_prefetch key no request id has
+
+
+def supported(cache: Any) -> bool:
+    """The cache has the 0.5.17 parts a split uses (capabilities, not a version check)."""
+    cc = getattr(cache, "cache_controller", None)
+    return (all(callable(getattr(cache, m, None)) for m in ("_insert_helper_host", "init_load_back", "match_prefix",
+                                                              "inc_lock_ref", "dec_lock_ref"))
+            and isinstance(getattr(cache, "ongoing_prefetch", None), dict)
+            and getattr(cache, "root_node", None) is not None
+            and all(callable(getattr(cc, m, None)) for m in ("prefetch", "terminate_prefetch", "get_hash_str",
+                                                              "append_host_mem_release")))
+
+
+@dataclass
+class TailLoad:
+    """The tail of one request's hit in flight: tokens ``[start, end)`` of the request (absolute
+    positions), read by the prefetch operation under ``key`` in ``cache.ongoing_prefetch``."""
+
+    rid: str
+    key: str
+    start: int
+    end: int
+    expect: int  # tail tokens admission forecast to be read when they are joined
+    since: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+def start(cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any, prefix_keys: Any, *,
+          matched: int, head: int, expect: int) -> TailLoad | None:
+    """Prefetch ``tokens[head:]`` (the request's tokens from position `matched` on, as SGLang's
+    ``prefetch_from_storage`` gets them) under the hash chain continued over ``tokens[:head]``.
+    None where the tail is shorter than SGLang's prefetch threshold."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    ps = int(cache.page_size)
+    cc = cache.cache_controller
+    if head <= 0 or head % ps:
+        raise ValueError(f"a split head must be a positive number of whole pages, got {head}")
+    extra = getattr(getattr(last_host_node, "key", None), "extra_key", None)
+    key = RadixKey(list(tokens[head:]), extra_key=extra, is_bigram=bool(getattr(cache, "is_eagle", False)))
+    key = key.page_aligned(ps)
+    if len(key) < int(getattr(cache, "prefetch_threshold", 0) or 0) or len(key) == 0:
+        return None
+    head_hashes = cc.get_hash_str(list(tokens[:head]), last_hash, page_size=ps)
+    if isinstance(head_hashes, str):
+        head_hashes = [head_hashes]
+    if len(head_hashes) != head // ps:
+        raise RuntimeError(f"SGLang's hash chain gave {len(head_hashes)} hashes for {head // ps} pages")
+    keys = None if prefix_keys is None else list(prefix_keys) + list(head_hashes)
+    op_key = f"{rid}{_SUFFIX}"
+    root = cache.root_node
+    root.protect_host()  # what SGLang's revoke and detach paths release for every ongoing prefetch
+    op = cc.prefetch(op_key, key, head_hashes[-1], keys)
+    cache.ongoing_prefetch[op_key] = (root, key, op)
+    cc.prefetch_tokens_occupied += len(key)
+    return TailLoad(rid, op_key, matched + head, matched + head + len(key), expect)
+
+
+def _settle(cache: Any, t: TailLoad, keep: int) -> int:
+    """End the tail's operation: ``keep`` leading tokens stay the caller's to insert, the other
+    complete pages are freed, the rest released as SGLang releases a stopped prefetch. Returns how
+    many leading tokens were complete (the most ``keep`` can be)."""
+    entry = cache.ongoing_prefetch.pop(t.key, None)
+    if entry is None:
+        return 0
+    root, key, op = entry
+    cc = cache.cache_controller
+    completed, _ = cc.terminate_prefetch(op)
+    backend = getattr(cc, "storage_backend", None)
+    hi = getattr(op, "host_indices", None)
+    if hi is not None and backend is not None and callable(getattr(backend, "cancel_read", None)):
+        backend.cancel_read(hi)  # reads not yet posted are skipped
+    ps = int(cache.page_size)
+    usable = int(completed) // ps * ps
+    if hi is not None:
+        keep = max(0, min(int(keep), usable))
+        if usable > keep:
+            cc.mem_pool_host.free(hi[keep:usable])
+        cc.append_host_mem_release(hi[usable:int(completed)])
+    root.release_host()
+    cc.prefetch_tokens_occupied = max(0, cc.prefetch_tokens_occupied - len(key))
+    return usable if hi is not None else 0
+
+
+def cancel(cache: Any, t: TailLoad) -> None:
+    """Drop the tail: stop its reads and free its host memory (nothing is inserted)."""
+    _settle(cache, t, 0)
+
+
+def progress(cache: Any, t: TailLoad) -> tuple[int, bool, bool]:
+    """(tail tokens read and counted, whether all of them are, whether the load is still alive)."""
+    entry = cache.ongoing_prefetch.get(t.key)
+    if entry is None:
+        return 0, False, False
+    op = entry[2]
+    ps = int(cache.page_size)
+    hv = getattr(op, "hash_value", None) or []
+    if getattr(op, "host_indices", None) is None:
+        return 0, False, not op.is_terminated()
+    done = int(op.completed_tokens) // ps * ps
+    return done, bool(hv) and done >= len(hv) * ps, not op.is_terminated() or done > 0
+
+
+def join(cache: Any, req: Any, t: TailLoad) -> int:
+    """After SGLang cached the request's chunks (``cache_unfinished_req``): insert the tail's
+    pages read so far beyond the cached prefix under its last node, load them back to GPU memory
+    and append them to the request's prefix. Ends the tail; returns the tokens the prefix grew by
+    (0: the request computes on)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    ps = int(cache.page_size)
+    cached = len(req.prefix_indices)
+    if cached != int(getattr(req, "cache_protected_len", -1)) or cached % ps or not t.start <= cached < t.end:
+        cancel(cache, t)
+        return 0
+    entry = cache.ongoing_prefetch.get(t.key)
+    if entry is None:
+        return 0
+    _, key, op = entry
+    hash_value = list(getattr(op, "hash_value", None) or [])
+    host_indices = getattr(op, "host_indices", None)
+    off = cached - t.start  # tail tokens the GPU computed already
+    usable = _settle(cache, t, keep=t.tokens)  # nothing freed past `usable`: inserted or freed below
+    if host_indices is None or usable <= off:
+        if host_indices is not None and usable > 0:
+            cache.cache_controller.mem_pool_host.free(host_indices[:usable])
+        return 0
+    cc = cache.cache_controller
+    matched = cache._insert_helper_host(req.last_node, key[off:usable], host_indices[off:usable],
+                                        hash_value[off // ps:usable // ps])
+    # the tokens the GPU computed, and those the tree held already: not inserted, so freed
+    waste = host_indices[:off + matched]
+    if len(waste):
+        cc.mem_pool_host.free(waste)
+    fill = getattr(req, "full_untruncated_fill_ids", None)
+    if fill is None:
+        fill = list(req.origin_input_ids) + list(req.output_ids)
+    upto = cached + (usable - off)
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(fill[:upto]), getattr(req, "extra_key", None),
+                                                          is_bigram=bool(getattr(cache, "is_eagle", False)))))
+    device = m.device_indices
+    if len(device) < cached:
+        return 0  # the request's own chunks are not where they were: leave it as it is
+    loaded, node = cache.init_load_back(InitLoadBackParams(best_match_node=m.last_host_node,
+                                                           host_hit_length=m.host_hit_length, req=req))
+    if len(loaded) == 0:
+        node = m.last_device_node
+    import torch
+    prefix = torch.cat([device, loaded.to(device.dtype)]) if len(loaded) else device
+    if len(prefix) <= cached:
+        return 0
+    old = req.last_node
+    cache.inc_lock_ref(node)
+    cache.dec_lock_ref(old)
+    req.prefix_indices = prefix
+    req.last_node = node
+    req.cache_protected_len = len(prefix)
+    return len(prefix) - cached

@@ -1,0 +1,275 @@
+"""A split hit (`hicache_gds_sglang.split`): the GPU computes a prefix's head while the disk loads
+its tail, and the tail joins the request's prefix where its chunks reach it.
+
+Against SGLang 0.5.17's real radix cache (``HiRadixCache``: its insert, match, host insert and
+load back), its real controller paths (``prefetch``, ``_storage_hit_query``, ``_page_transfer``,
+``_page_get_zero_copy``), its real ``cache_unfinished_req`` and ``ReqToTokenPool``, over a
+hicache-gds store on disk. The GPU is a CPU tensor of pages: "computing" a chunk writes each
+page's true bytes there, and a load back copies the host page. Every test checks, page by page,
+that what the request's prefix points at is the bytes of that page of the prompt.
+
+0.5.23 moved its tree into a core this does not hook: there the policy never splits (last test).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from hicache_gds_sglang import HiCacheGDS, policy
+from hicache_gds_sglang import policy_hooks as hooks
+from hicache_gds_sglang import split as split_mod
+from hicache_gds_sglang import backend as backend_mod
+from hicache_gds_sglang.policy import POLICY
+from sgl_helpers import make_pool, page_bytes, poison, storage_config
+
+try:
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.utils import get_hash_str
+except ImportError as exc:  # 0.5.23: no HiRadixCache; the last test runs there alone
+    HiRadixCache = None
+    _WHY = str(exc)
+
+PS = 64
+BPT = 1024  # bytes of KV per token of the pool below
+CHUNK = 4 * PS
+PAGES = 16  # the prompt's pages in L3
+N = PAGES * PS + PS  # the prompt: the stored prefix and one page of new tokens
+A = 1 / 6000  # prefill seconds per token (linear)
+
+needs_0517 = pytest.mark.skipif(HiRadixCache is None, reason="SGLang 0.5.17's HiRadixCache (this SGLang has none)")
+
+
+@pytest.fixture(autouse=True)
+def _state():
+    backend_mod._RATES.clear()
+    policy._logged.clear()
+    hooked = policy.SPLIT_HOOKED[0]
+    policy.SPLIT_HOOKED[0] = True  # as plugin.register does where the join point exists
+    if HiRadixCache is not None:
+        hooks._SUPPORTED.add(HiRadixCache)
+    yield
+    policy.SPLIT_HOOKED[0] = hooked
+    backend_mod._RATES.clear()
+
+
+class Scheduler(types.SimpleNamespace):
+    """What the policy reads of SGLang's Scheduler (held weakly by the policy, as the real one)."""
+
+
+class Device:
+    """GPU memory as a CPU tensor of pages, with SGLang's allocator contract (whole pages)."""
+
+    def __init__(self, pages: int) -> None:
+        self.pages = torch.full((pages, PS * BPT), 0x5A, dtype=torch.uint8)
+        self.free_pages = list(range(1, pages))
+        self.freed: list[int] = []
+
+    def alloc(self, tokens: int) -> torch.Tensor | None:
+        n = tokens // PS
+        if n > len(self.free_pages):
+            return None
+        got, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        return torch.cat([torch.arange(p * PS, (p + 1) * PS, dtype=torch.int64) for p in got])
+
+    def write(self, indices: torch.Tensor, page_data: list[bytes]) -> None:
+        for i, data in zip(range(0, len(indices), PS), page_data):
+            self.pages[int(indices[i]) // PS] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def page(self, index: int) -> bytes:
+        return self.pages[int(index) // PS].numpy().tobytes()
+
+    def free_segment(self, indices: torch.Tensor, start_pos: int = 0) -> None:
+        self.freed.extend(int(i) for i in indices[::PS])
+
+
+class World:
+    """One prompt stored in L3, SGLang's cache and controller over a host pool, a GPU of pages."""
+
+    def __init__(self, gds_dir: str, *, read_ratio: float = 1.0, seed: int = 7) -> None:
+        self.pool = make_pool("mha", "page_first", pages=96, page_size=PS, layer_num=2, head_num=2, head_dim=64)
+        gbps = BPT / (A * read_ratio) / 1e9  # loading a token takes read_ratio x computing it
+        self.b = HiCacheGDS(storage_config(gds_dir, extra={"policy": POLICY, "policy_split": True,
+                                                          "policy_read_gbps": gbps}), self.pool)
+        self.b.register_mem_host_pool_v2(self.pool, "kv")
+        assert self.b.kv_bytes_per_token() == BPT
+        rng = np.random.default_rng(seed)
+        self.tokens = rng.integers(1000, 30000, size=N).tolist()
+        self.hashes = get_hash_str(self.tokens[:PAGES * PS], None, page_size=PS)
+        hi = self.pool.alloc(PAGES * PS)
+        assert self.b.batch_set_v1(self.hashes, hi) == [True] * PAGES
+        self.truth = [page_bytes(self.pool, int(hi[j * PS]) // PS) for j in range(PAGES)]
+        assert len(set(self.truth)) == PAGES
+        poison(self.pool, range(PAGES))
+        self.pool.free(hi)
+        self.host_total = self.pool.available_size()
+        self.dev = Device(64)
+        self.cache = self._cache()
+        self.pol = self.cache._hgds_policy
+        self.pol.prefill.seed_coefficients(A, 0.0, 0.0, "test")
+        self.sched = Scheduler(waiting_queue=[], chunked_req=None, chunked_prefill_size=CHUNK, tree_cache=self.cache)
+        self.pol.bind(self.sched)
+
+    def _cache(self):
+        ctl = object.__new__(HiCacheController)
+        ctl.enable_storage, ctl.storage_backend, ctl.storage_backend_type = True, self.b, "gds"
+        ctl.page_size, ctl.prefetch_queue, ctl.prefetch_tokens_occupied = PS, queue.Queue(), 0
+        ctl.mem_pool_host, ctl.prefetch_capacity_limit, ctl.host_memory_mode = self.pool, 10 ** 6, "cache"
+        ctl.write_policy, ctl.host_mem_release_queue, ctl.has_draft = "write_back", queue.Queue(), False
+        ctl.get_hash_str = get_hash_str
+        ctl.page_get_func = ctl._page_get_zero_copy
+        ctl.loads = []
+
+        def load(host_indices, node_id=None, **kw):  # HiCacheController.load: H2D into fresh device slots
+            dev = self.dev.alloc(len(host_indices))
+            if dev is None:
+                return None
+            self.dev.write(dev, [page_bytes(self.pool, int(host_indices[i]) // PS)
+                                 for i in range(0, len(host_indices), PS)])
+            ctl.loads.append((len(host_indices), node_id))
+            return dev
+
+        ctl.load = load
+        cache = object.__new__(HiRadixCache)
+        cache.disable, cache.page_size, cache.is_eagle, cache.device = False, PS, False, "cpu"
+        cache.evictable_leaves, cache.evictable_host_leaves = set(), set()
+        cache.enable_storage, cache.enable_kv_cache_events = True, False
+        cache.load_back_threshold, cache.ongoing_load_back, cache.ongoing_prefetch = 10, {}, {}
+        cache.prefetch_threshold, cache.prefetch_stop_policy = 256, POLICY
+        cache.cache_controller, cache.token_to_kv_pool_host = ctl, self.pool
+        cache.req_to_token_pool = ReqToTokenPool(size=4, max_context_len=2 * N, device="cpu",
+                                                 enable_memory_saver=False)
+        cache.token_to_kv_pool_allocator = self.dev
+        RadixCache.reset(cache)
+        hooks._settle(cache)
+        return cache
+
+    def request(self, rid: str = "r1"):
+        r = types.SimpleNamespace(rid=rid, origin_input_ids=self.tokens, output_ids=[], extra_key=None,
+                                  prefix_indices=torch.empty(0, dtype=torch.int64), host_hit_length=0,
+                                  last_node=self.cache.root_node, cache_protected_len=0, req_pool_idx=1,
+                                  full_untruncated_fill_ids=self.tokens, cached_tokens_storage=0, done=False)
+        r.finished = lambda: r.done
+        r.fill_upto = 0
+        r.get_fill_ids = lambda: self.tokens[:r.fill_upto]
+        return r
+
+    def admit(self, req) -> None:
+        """Scheduler._prefetch_kvcache through the policy's hooks."""
+        self.pol.current_req = req
+        try:
+            hooks.around_admit(HiRadixCache.prefetch_from_storage, self.cache, req.rid, self.cache.root_node,
+                               self.tokens[:N - 1], None, None)
+        finally:
+            self.pol.current_req = None
+
+    def tail_op(self, rid: str = "r1"):
+        return self.cache.ongoing_prefetch[f"{rid}{split_mod._SUFFIX}"][2]
+
+    def read_tail(self, rid: str = "r1", *, pages: int | None = None) -> None:
+        """The controller's prefetch thread and IO thread for the tail: its hit query, the host
+        memory the scheduler allocates, then its pages read (the first `pages` only: a short read)."""
+        op = self.cache.cache_controller.prefetch_queue.get_nowait()
+        ctl = self.cache.cache_controller
+        hv, count = ctl._storage_hit_query(op)
+        op.hash_value, op.storage_hit_count = hv[:count // PS], count
+        op.host_indices = self.pool.alloc(count)
+        if pages is not None:
+            real = self.b.batch_get_v1
+            self.b.batch_get_v1 = lambda ks, hi, *a: [i < pages for i in range(len(ks))] if pages < len(ks) \
+                else real(ks, hi, *a)
+            if pages:
+                real(op.hash_value[:pages], op.host_indices[:pages * PS])
+        ctl._page_transfer(op)
+        if pages is not None:
+            del self.b.batch_get_v1
+        ctl.append_host_mem_release(op.host_indices[op.completed_tokens:])  # what its IO thread does after
+
+    def compute_chunk(self, req, upto: int) -> None:
+        """The GPU computes the request's next chunk (its true bytes into fresh slots), and SGLang
+        caches it before forming the next one (``cache_unfinished_req``, with the plugin's hook)."""
+        start = len(req.prefix_indices)
+        slots = self.dev.alloc(upto - start)
+        self.dev.write(slots, self.truth[start // PS:upto // PS])
+        pool = self.cache.req_to_token_pool
+        pool.write((req.req_pool_idx, slice(0, start)), req.prefix_indices.to(torch.int32))
+        pool.write((req.req_pool_idx, slice(start, upto)), slots.to(torch.int32))
+        req.fill_upto = upto
+        self.cache.cache_unfinished_req(req, chunked=True)
+        hooks.after_cache_unfinished(None, self.cache, req)
+
+    def check_prefix(self, req) -> None:
+        """Every page the request's prefix points at holds that page of the prompt."""
+        for j in range(len(req.prefix_indices) // PS):
+            assert self.dev.page(req.prefix_indices[j * PS]) == self.truth[j], f"page {j}"
+
+    def load_done(self) -> None:
+        """HiRadixCache.loading_check once the load backs finished: their transfer locks end."""
+        for node_id in list(self.cache.ongoing_load_back):
+            self.cache.dec_lock_ref(self.cache.ongoing_load_back.pop(node_id))
+
+    def drain_host(self) -> None:
+        q = self.cache.cache_controller.host_mem_release_queue
+        while not q.empty():
+            self.pool.free(q.get_nowait())
+
+    def host_in_tree(self) -> int:
+        n, stack = 0, [self.cache.root_node]
+        while stack:
+            node = stack.pop()
+            if node is not self.cache.root_node and node.host_value is not None:
+                n += len(node.host_value)
+            stack.extend(node.children.values())
+        return n
+
+    def close(self) -> None:
+        self.b.close()
+
+
+@pytest.fixture
+def world(gds_dir):
+    if HiRadixCache is None:
+        pytest.skip(f"SGLang 0.5.17's HiRadixCache: {_WHY}")
+    w = World(gds_dir)
+    yield w
+    w.close()
+
+
+@needs_0517
+def test_the_tail_joins_where_the_chunks_reach_it_byte_exact(world):
+    w = world
+    req = w.request()
+    w.admit(req)
+    assert w.pol.counts["split"] == 1 and w.pol._decided["r1"][0] == "split"
+    tail = w.pol._tails["r1"][0]
+    assert (tail.start, tail.end) == (2 * CHUNK, PAGES * PS)  # the hash chain continued over the head
+    w.read_tail()
+    assert w.tail_op().completed_tokens == tail.tokens
+    w.compute_chunk(req, CHUNK)  # not there yet: nothing joins
+    assert len(req.prefix_indices) == CHUNK and "r1" in w.pol._tails
+    w.compute_chunk(req, 2 * CHUNK)
+    assert len(req.prefix_indices) == PAGES * PS, "the whole tail joined"
+    assert req.cache_protected_len == PAGES * PS and req.cached_tokens_storage == tail.tokens
+    w.check_prefix(req)
+    assert "r1" not in w.pol._tails and f"r1{split_mod._SUFFIX}" not in w.cache.ongoing_prefetch
+    assert w.pol.counts["split_joined"] == 1 and w.pol.counts["split_tokens"] == tail.tokens
+    # the request holds its whole prefix: one lock along it, released as SGLang releases it
+    w.load_done()
+    m = w.cache.match_prefix(MatchPrefixParams(key=RadixKey(w.tokens[:PAGES * PS])))
+    assert len(m.device_indices) == PAGES * PS and m.last_device_node is req.last_node
+    assert req.last_node.lock_ref == 1 and w.cache.root_node.host_ref_counter == 0
+    w.cache.dec_lock_ref(req.last_node)
+    assert w.cache.protected_size_ == 0
+    # host memory: the tail's pages are the tree's, everything else is back in the pool
+    w.drain_host()
+    assert w.pool.available_size() == w.host_total - w.host_in_tree()
+    assert w.cache.cache_controller.prefetch_tokens_occupied == 0
