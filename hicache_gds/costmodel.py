@@ -70,7 +70,8 @@ at ``k`` while that chunk runs, so the disk's deadline is the start of that chun
 
     t_k     = G + C(k, p)                              the head computed
     s_k     = G + C(k - chunk, p)                      when the pages are joined
-    f_k     = min(h - k, max(0, s_k - D) * R / B / pace)   tail tokens read by then
+    f_k     = min(h - k, max(0, s_k - D) * R / B / pace)   tail tokens read by then, counted in
+                                               whole gets of ``grain`` tokens until all are read
     split:  t_S = t_k + C(n - k - f_k, p + k + f_k)
 
 Admission takes the earliest of ``t_C``, ``t_L`` and the best ``t_S`` over ``j``. A request alone
@@ -388,7 +389,7 @@ class CostModel:
     def decide(self, new: int, prefix: int, hit: int, *, kept: int = 0, fetched: int | None = None,
                in_flight: bool = False, gpu_backlog: float = 0.0, disk_backlog: float = 0.0,
                smooth: bool = False, page: int = 1, part_min: int | None = None,
-               split_chunk: int | None = None) -> Decision:
+               split_chunk: int | None = None, split_grain: int | None = None) -> Decision:
         """Load or compute (admission), wait or stop (a load in flight); see the module docstring.
 
         new: tokens to prefill after `prefix`; hit: the leading ones in L3 (<= new); kept: tokens
@@ -399,7 +400,8 @@ class CostModel:
         weigh loading a part of at least this many tokens (multiples of `page`) that lands before
         the GPU reaches the request (None: all or nothing); split_chunk: at admission, weigh
         computing a head of whole chunks of this many tokens while the disk loads the rest
-        (`split`; None: never). Unknown rates: load (the engine's own behaviour)."""
+        (`split`; None: never), whose tail is counted read in gets of split_grain tokens.
+        Unknown rates: load (the engine's own behaviour)."""
         hit = max(0, min(int(hit), int(new)))
         kept = max(0, min(int(kept), hit))
         fetched = kept if fetched is None else max(kept, min(int(fetched), hit))
@@ -421,7 +423,7 @@ class CostModel:
                                     f"reaches the request (all of them: {t_load:.3f} s)", tokens=k)
             best = min(t_load, t_compute)
             sp = self.split(new, prefix, hit, chunk=split_chunk, gpu_backlog=gpu_backlog,
-                            disk_backlog=disk_backlog, page=page) if split_chunk else None
+                            disk_backlog=disk_backlog, page=page, grain=split_grain) if split_chunk else None
             if sp is not None and sp[1] * (1.0 + self.stop_margin) < best:
                 head, t_split, got = sp
                 return Decision("split", t_split, t_compute, f"computing {head} tokens while the disk reads "
@@ -436,11 +438,12 @@ class CostModel:
                         "the GPU is busy until then" if gpu_backlog >= t_load_io else "loading still finishes first")
 
     def split(self, new: int, prefix: int, hit: int, *, chunk: int, gpu_backlog: float = 0.0,
-              disk_backlog: float = 0.0, page: int = 1) -> tuple[int, float, int] | None:
+              disk_backlog: float = 0.0, page: int = 1, grain: int | None = None) -> tuple[int, float, int] | None:
         """The best head for a split (module docstring): ``(k, t_S, f_k)`` -- the tokens the GPU
         computes first (whole chunks), the forecast finish, and the tail tokens forecast to be
         read when they are joined -- or None where no head of whole chunks leaves a tail to read
-        or the rates are unknown."""
+        or the rates are unknown. grain: tokens an engine's get reads before any of them count
+        (SGLang counts a prefetch's pages a batch of gets at a time; None: page by page)."""
         r = self.read.rate
         chunk = int(chunk)
         page = max(1, int(page))
@@ -455,6 +458,8 @@ class CostModel:
             if t_k is None or s_k is None:
                 return None
             f = int(max(0.0, gpu_backlog + s_k - disk_backlog) / per_token_s) // page * page
+            if f < hit - k and grain:
+                f = f // grain * grain  # the get in flight counts nothing until it returns
             f = min(hit - k, f)
             if f <= 0:
                 continue

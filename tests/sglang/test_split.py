@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from array import array
 import types
 
 import numpy as np
@@ -103,7 +104,7 @@ class World:
         self.b.register_mem_host_pool_v2(self.pool, "kv")
         assert self.b.kv_bytes_per_token() == BPT
         rng = np.random.default_rng(seed)
-        self.tokens = rng.integers(1000, 30000, size=N).tolist()
+        self.tokens = array("q", rng.integers(1000, 30000, size=N).tolist())  # SGLang's token container
         self.hashes = get_hash_str(self.tokens[:PAGES * PS], None, page_size=PS)
         hi = self.pool.alloc(PAGES * PS)
         assert self.b.batch_set_v1(self.hashes, hi) == [True] * PAGES
@@ -235,10 +236,17 @@ class World:
         self.b.close()
 
 
+BATCH = 2  # pages per get of a prefetch (SGLang's STORAGE_BATCH_SIZE, 128, shrunk to the prompt)
+
+
 @pytest.fixture
-def world(gds_dir):
+def world(gds_dir, monkeypatch):
     if HiRadixCache is None:
         pytest.skip(f"SGLang 0.5.17's HiRadixCache: {_WHY}")
+    import sglang.srt.managers.cache_controller as cc_mod
+    import sglang.srt.mem_cache.hicache_storage as hs_mod
+    monkeypatch.setattr(cc_mod, "STORAGE_BATCH_SIZE", BATCH)
+    monkeypatch.setattr(hs_mod, "STORAGE_BATCH_SIZE", BATCH)
     w = World(gds_dir)
     yield w
     w.close()

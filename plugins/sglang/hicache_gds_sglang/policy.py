@@ -625,7 +625,7 @@ class LoadOrCompute:
         part_min = max(threshold, ps, _PART_MIN_TOKENS) if part == "always" or (part == "idle" and d <= 0) else None
         chunk = self.prefill.chunk if req is not None and self.can_split(cache, backend) else None
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps, part_min=part_min,
-                           split_chunk=chunk)
+                           split_chunk=chunk, split_grain=split_mod.batch_pages() * ps)
         if dec.action == "split":
             self._decided[rid] = ("split", new, held, int(dec.tokens or 0))
             self._split_plan[rid] = (int(dec.tokens or 0), int(dec.tail or 0))
