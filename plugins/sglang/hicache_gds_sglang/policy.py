@@ -104,6 +104,7 @@ _REEVAL_S = 0.02  # at most this often per load, late or not
 # way, not a load the GPU is about to use.
 _PROTECT_MAX_S = 60.0
 SPLIT_HOOKED = [False]  # the join point of a split (``cache_unfinished_req``) is hooked in this process
+_MAX_BATCH_S = 600.0  # a prefill batch forecast beyond this is a broken forecast, not a backlog
 _LATE_EVERY_S = 0.01  # `LoadOrCompute.late_admit` looks at the waiting queue at most this often
 
 
@@ -459,8 +460,17 @@ class LoadOrCompute:
         end = _event()
         with self._lock:
             pred = self.prefill.predict_batch(token.news, token.prefixes) or 0.0
+            if not 0.0 <= pred < _MAX_BATCH_S:
+                _once("batch-forecast", "hicache-gds policy: a prefill batch forecast at %.3g s (new %s, prefixes %s, "
+                      "coefficients %s); counted as 0", pred, token.news[:8], token.prefixes[:8],
+                      self.prefill.coefficients()[0])
+                pred = 0.0
             self._pending.append(token._replace(end=end, pred=pred))
-            self._gpu_until = max(self._gpu_until, token.t0) + pred
+            # The GPU is busy no longer than every batch not yet seen finished takes from this
+            # launch: without this bound an over-forecast carried forward into every later batch
+            # (on an H200 the backlog read 2.6e6 s for 40 % of an open loop's admissions).
+            self._gpu_until = min(max(self._gpu_until, token.t0) + pred,
+                                  token.t0 + sum(b.pred for b in self._pending))
 
     def poll(self) -> None:
         """Feed finished prefill batches to the model (non-blocking: CUDA events are queried)."""
@@ -484,7 +494,13 @@ class LoadOrCompute:
         looked mostly done. On the GPU machine a third of the requests arriving behind another's
         prefill saw a GPU backlog of 0 s."""
         with self._lock:
-            return max(0.0, self._gpu_until - now) if self._pending else 0.0
+            left = max(0.0, self._gpu_until - now) if self._pending else 0.0
+            if left > _MAX_BATCH_S:
+                _once("backlog-forecast", "hicache-gds policy: the GPU's launched prefill batches forecast %.3g s "
+                      "from now (%d pending, %.3g s forecast for them); counted as 0", left, len(self._pending),
+                      sum(b.pred for b in self._pending))
+                left = 0.0
+            return left
 
     def _launched_through(self, rid: str) -> int:
         """How far into request `rid` the prefill batches launched and not yet seen finished reach
