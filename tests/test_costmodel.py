@@ -309,3 +309,58 @@ def test_a_batch_costs_its_requests_terms_and_one_fixed_cost():
     with pytest.raises(ValueError, match="2 new-token counts but 1 prefixes"):
         m.predict_batch([1, 2], [0])
     assert PrefillModel().predict_batch([8192], [0]) is None
+
+
+# -- split: the head computed while the tail loads ---------------------------------------------------
+def split_time(m: CostModel, n: int, h: int, k: int, g: float, d: float, chunk: int, grain: int | None) -> tuple[float, int]:
+    """The module docstring's t_S for head k, written out independently of `CostModel.split`."""
+    tok_s = m.read.rate / m.bytes_per_token
+    readable = int(max(0.0, g + m.predict_compute(k - chunk, 0) - d) * tok_s) // 64 * 64
+    if readable < h - k and grain:
+        readable = readable // grain * grain
+    f = min(h - k, readable)
+    return g + m.predict_compute(k, 0) + m.predict_compute(n - k - f, k + f), f
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2048, 40000), g=st.floats(0.0, 8.0), d=st.floats(0.0, 4.0), gbps=st.floats(0.3, 6.0),
+       grain=st.sampled_from([None, 64 * 128]))
+def test_a_split_is_the_best_head_of_whole_chunks_and_taken_only_where_it_finishes_first(n, g, d, gbps, grain):
+    m = model(gbps, chunk=4096)
+    h = (n - 1) // 64 * 64
+    base = m.decide(n, 0, h, gpu_backlog=g, disk_backlog=d)
+    dec = m.decide(n, 0, h, gpu_backlog=g, disk_backlog=d, page=64, split_chunk=4096, split_grain=grain)
+    heads = [(split_time(m, n, h, k, g, d, 4096, grain), k) for k in range(4096, h, 4096)]
+    heads = [(t, f, k) for (t, f), k in heads if f > 0]
+    if dec.action == "split":
+        t, f, k = min(heads)
+        assert (dec.tokens, dec.tail) == (k, f) and k % 4096 == 0 and 0 < k < h
+        assert dec.t_load == pytest.approx(t) and t * 1.05 < min(base.t_load, base.t_compute)
+        assert grain is None or f == h - k or f % grain == 0  # a tail counts read a get at a time
+    else:
+        assert dec.action == base.action
+        assert not heads or min(heads)[0] * 1.05 >= min(base.t_load, base.t_compute) - 1e-9
+
+
+def test_a_split_needs_a_tail_read_in_time_and_pays_alone_where_load_and_compute_are_close():
+    m = model(1.6, chunk=8192)  # an 18k-token hit: recompute 2.35 s, load 3.0 s
+    n = 18496
+    h = n - 64
+    assert m.split(n, 0, h, chunk=8192) is not None
+    dec = m.decide(n, 0, h, page=64, split_chunk=8192)
+    assert dec.action == "split" and dec.tokens == 16384 and dec.tail == h - 16384
+    assert dec.t_load < min(m.decide(n, 0, h).t_load, m.decide(n, 0, h).t_compute)
+    # the overlapped scheduler joins a chunk early: a head of one chunk gives the disk no time alone
+    assert m.split(12352, 0, 12288, chunk=8192) is None
+    # behind a GPU backlog the disk reads the tail of a one-chunk head
+    assert m.split(12352, 0, 12288, chunk=8192, gpu_backlog=2.0)[0] == 8192
+    # a hit no longer than a chunk, or unknown rates: no split
+    assert m.split(8000, 0, 8000, chunk=8192) is None
+    assert CostModel(256 * KIB, prefill=m.prefill).split(n, 0, h, chunk=8192) is None
+    # a tail counts read a get at a time: never sooner than page by page
+    slow = model(0.6, chunk=8192)
+    got = slow.split(40064, 0, 40000, chunk=8192, gpu_backlog=0.5)
+    grained = slow.split(40064, 0, 40000, chunk=8192, gpu_backlog=0.5, grain=8192)
+    assert got is not None and got[2] % 64 == 0
+    assert grained is not None and (grained[2] == 40000 - grained[0] or grained[2] % 8192 == 0)
+    assert grained[1] >= got[1]

@@ -1125,6 +1125,39 @@ def test_a_prefill_in_progress_counts_in_the_gpu_backlog_once_and_chunk_after_ch
         b.close()
 
 
+def test_a_broken_batch_forecast_never_becomes_a_gpu_backlog(gds_dir, monkeypatch, caplog):
+    """On an H200 an early fit had attention alone (0.055 s per unit of attention sum): one
+    8192-token batch was forecast at 1.8e6 s, and the chain of forecast batch ends carried it into
+    every later admission. Such a forecast is logged once and counted as 0, and over-forecasts
+    never outlast the batches pending (the backlog is at most their forecasts from now)."""
+    b, _ = open_backend(gds_dir)
+    try:
+        cache, _, pol = make_cache(b)
+        monkeypatch.setattr(policy, "_event", _Running)
+        mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
+
+        def launch(n: int) -> None:
+            batch = types.SimpleNamespace(forward_mode=mode, extend_lens=[n], prefix_lens=[0], reqs=[req("x", n)])
+            hooks.around_forward(lambda w, bt: None, object(), batch)
+
+        pol.prefill.seed_coefficients(0.0, 0.055, 0.0, "a broken fit")
+        with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang.policy"):
+            launch(8192)
+        assert "forecast at 1.8" in caplog.text and "counted as 0" in caplog.text
+        assert pol._in_flight_prefill(pol._pending[0].t0) == 0.0
+        pol.prefill.seed_coefficients(A, 0.0, 0.0, "test")
+        launch(8192)  # a sane forecast after it: the broken one left nothing behind
+        t1 = pol._pending[-1].t0
+        assert pol._in_flight_prefill(t1) == pytest.approx(8192 * A, rel=0.01)
+        # batches seen finished leave the backlog; a forecast never carries past the ones pending
+        pol._pending.clear()
+        pol._gpu_until = t1 + 1e6  # as the carried forecast was
+        launch(4096)
+        assert pol._in_flight_prefill(pol._pending[-1].t0) == pytest.approx(4096 * A, rel=0.01)
+    finally:
+        b.close()
+
+
 def test_policy_metrics_reach_prometheus(gds_dir):
     prometheus_client = pytest.importorskip("prometheus_client")
     b, _ = open_backend(gds_dir, policy_read_gbps=1.25)

@@ -176,22 +176,28 @@ class World:
     def tail_op(self, rid: str = "r1"):
         return self.cache.ongoing_prefetch[f"{rid}{split_mod._SUFFIX}"][2]
 
-    def read_tail(self, rid: str = "r1", *, pages: int | None = None) -> None:
+    def read_tail(self, rid: str = "r1", *, gets: int | None = None) -> None:
         """The controller's prefetch thread and IO thread for the tail: its hit query, the host
-        memory the scheduler allocates, then its pages read (the first `pages` only: a short read)."""
-        op = self.cache.cache_controller.prefetch_queue.get_nowait()
+        memory the scheduler allocates, then its pages read, a get of `BATCH` pages at a time (the
+        first `gets` only: the next get fails, a short read, and SGLang ends the operation)."""
         ctl = self.cache.cache_controller
+        op = ctl.prefetch_queue.get_nowait()
         hv, count = ctl._storage_hit_query(op)
+        if count < self.cache.prefetch_threshold:  # SGLang revokes it (the drain of its revoke queue)
+            self.cache._revoke_pending_prefetch(op.request_id)
+            return
         op.hash_value, op.storage_hit_count = hv[:count // PS], count
         op.host_indices = self.pool.alloc(count)
-        if pages is not None:
-            real = self.b.batch_get_v1
-            self.b.batch_get_v1 = lambda ks, hi, *a: [i < pages for i in range(len(ks))] if pages < len(ks) \
-                else real(ks, hi, *a)
-            if pages:
-                real(op.hash_value[:pages], op.host_indices[:pages * PS])
-        ctl._page_transfer(op)
-        if pages is not None:
+        real, calls = self.b.batch_get_v1, []
+
+        def get(ks, hi, *a):
+            calls.append(len(ks))
+            return real(ks, hi, *a) if gets is None or len(calls) <= gets else [False] * len(ks)
+
+        self.b.batch_get_v1 = get
+        try:
+            ctl._page_transfer(op)
+        finally:
             del self.b.batch_get_v1
         ctl.append_host_mem_release(op.host_indices[op.completed_tokens:])  # what its IO thread does after
 
@@ -281,3 +287,143 @@ def test_the_tail_joins_where_the_chunks_reach_it_byte_exact(world):
     w.drain_host()
     assert w.pool.available_size() == w.host_total - w.host_in_tree()
     assert w.cache.cache_controller.prefetch_tokens_occupied == 0
+
+
+@needs_0517
+def test_a_short_read_joins_only_the_pages_read_and_the_gpu_computes_the_rest(world):
+    w = world
+    req = w.request()
+    w.admit(req)
+    tail = w.pol._tails["r1"][0]
+    w.read_tail(gets=2)  # 2 gets of 2 pages, then a failed get
+    assert w.tail_op().completed_tokens == 2 * BATCH * PS
+    w.compute_chunk(req, CHUNK)
+    w.compute_chunk(req, 2 * CHUNK)
+    assert len(req.prefix_indices) == tail.start + 2 * BATCH * PS
+    w.check_prefix(req)
+    # the GPU computes on from there, and SGLang caches it over the joined pages
+    w.load_done()
+    w.compute_chunk(req, PAGES * PS)
+    assert len(req.prefix_indices) == PAGES * PS
+    w.check_prefix(req)
+    w.cache.dec_lock_ref(req.last_node)
+    w.drain_host()
+    assert w.pool.available_size() == w.host_total - w.host_in_tree()
+
+
+@needs_0517
+def test_a_tail_not_read_when_the_chunks_reach_it_is_dropped_and_its_query_finds_it_gone(world):
+    w = world
+    req = w.request()
+    w.admit(req)
+    w.compute_chunk(req, CHUNK)
+    w.compute_chunk(req, 2 * CHUNK)  # the disk has not even queried it: nothing joins
+    assert len(req.prefix_indices) == 2 * CHUNK and not w.pol._tails and not w.cache.ongoing_prefetch
+    assert w.pol.counts["split_dropped"] == 1 and w.cache.root_node.host_ref_counter == 0
+    op = w.cache.cache_controller.prefetch_queue.get_nowait()
+    assert op.is_terminated()  # the controller's thread skips its query and revokes it: a no-op now
+    w.cache._revoke_pending_prefetch(op.request_id)
+    w.check_prefix(req)
+    assert w.cache.cache_controller.prefetch_tokens_occupied == 0 and w.pool.available_size() == w.host_total
+
+
+@needs_0517
+def test_a_request_that_leaves_before_its_chunks_reach_the_tail_frees_it(world):
+    w = world
+    req = w.request()
+    w.admit(req)
+    w.read_tail()
+    w.sched.chunked_req = req
+    hooks.after_new_prefill_batch(None, w.sched)
+    assert "r1" in w.pol._tails  # still being chunked
+    req.done = True  # aborted
+    hooks.after_new_prefill_batch(None, w.sched)
+    assert not w.pol._tails and not w.cache.ongoing_prefetch and w.pol.counts["split_dropped"] == 1
+    w.drain_host()
+    assert w.pool.available_size() == w.host_total and w.cache.root_node.host_ref_counter == 0
+
+
+@needs_0517
+def test_pages_stored_under_another_prefix_never_join(world):
+    """A prompt that shares the tail's tokens but not the head's: the tail's keys continue this
+    prompt's own hash chain, so the pages of the stored prompt are not found, and nothing joins."""
+    w = world
+    other = array("q", w.tokens)
+    other[5] += 1  # the first page differs
+    w.tokens = other
+    req = w.request()
+    w.admit(req)
+    assert "r1" in w.pol._tails
+    w.read_tail()  # no hit: SGLang revokes it
+    assert not w.cache.ongoing_prefetch
+    slots = w.dev.alloc(2 * CHUNK)  # the GPU computed this prompt's head: its own slots, no stored page
+    pool = w.cache.req_to_token_pool
+    pool.write((req.req_pool_idx, slice(0, 2 * CHUNK)), slots.to(torch.int32))
+    req.fill_upto = 2 * CHUNK
+    w.cache.cache_unfinished_req(req, chunked=True)
+    hooks.after_cache_unfinished(None, w.cache, req)
+    assert len(req.prefix_indices) == 2 * CHUNK and torch.equal(req.prefix_indices, slots)
+    assert not w.pol._tails and w.pol.counts["split_joined"] == 0
+
+
+@needs_0517
+def test_a_failure_inside_the_join_leaves_the_request_as_sglang_left_it(world, monkeypatch, caplog):
+    w = world
+    req = w.request()
+    w.admit(req)
+    w.read_tail()
+    w.compute_chunk(req, CHUNK)
+
+    def broken(*a, **k):
+        raise RuntimeError("injected: load back failed")
+
+    monkeypatch.setattr(w.cache, "init_load_back", broken)
+    with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang.policy"):
+        w.compute_chunk(req, 2 * CHUNK)
+    assert "could not join" in caplog.text and "injected" in caplog.text
+    assert len(req.prefix_indices) == 2 * CHUNK and req.cache_protected_len == 2 * CHUNK
+    w.check_prefix(req)
+    assert not w.pol._tails and not w.cache.ongoing_prefetch and w.cache.root_node.host_ref_counter == 0
+    # the pages read are in the tree as host pages under the request's chunks, byte for byte
+    m = w.cache.match_prefix(MatchPrefixParams(key=RadixKey(w.tokens[:PAGES * PS])))
+    assert m.host_hit_length == PAGES * PS - 2 * CHUNK
+    node, host = m.last_host_node, []
+    while node.evicted:
+        host[:0] = [int(node.host_value[i]) // PS for i in range(0, len(node.host_value), PS)]
+        node = node.parent
+    assert [page_bytes(w.pool, p) for p in host] == w.truth[2 * CHUNK // PS:]
+    monkeypatch.undo()
+    w.cache.dec_lock_ref(req.last_node)
+    w.drain_host()
+    assert w.pool.available_size() == w.host_total - w.host_in_tree()
+
+
+@needs_0517
+def test_a_cached_prefix_ending_in_a_partial_page_drops_the_tail(world):
+    w = world
+    req = w.request()
+    w.admit(req)
+    w.read_tail()
+    w.compute_chunk(req, CHUNK)
+    tail = w.pol._tails["r1"][0]
+    req.prefix_indices = torch.cat([req.prefix_indices, w.dev.alloc(CHUNK)])  # as if 2 chunks held
+    req.cache_protected_len = CHUNK  # ... but only the first cached: SGLang's partial-page state
+    assert split_mod.join(w.cache, req, tail) == 0
+    assert not w.cache.ongoing_prefetch and len(req.prefix_indices) == 2 * CHUNK
+    w.drain_host()
+    assert w.pool.available_size() == w.host_total
+
+
+def test_policy_split_is_checked_and_off_where_sglang_has_no_join_point(gds_dir):
+    from hicache_gds import ConfigError
+    from hicache_gds_sglang import plugin
+    from hicache_gds_sglang.policy import PolicyConfig
+    assert PolicyConfig.from_extra({}).split == "idle"
+    assert [PolicyConfig.from_extra({"policy_split": v}).split for v in ("off", "IDLE", True, "no")] == [
+        "off", "idle", "always", "off"]
+    with pytest.raises(ConfigError, match="policy_split: 'sometimes'"):
+        PolicyConfig.from_extra({"policy_split": "sometimes"})
+    with pytest.raises(ConfigError, match="policy_split"):
+        HiCacheGDS(storage_config(gds_dir, extra={"policy_split": 3}), {})
+    # 0.5.23 keeps its tree in a core the join does not reach: there is no HiRadixCache to hook
+    assert (plugin._resolve(plugin._JOIN) is None) == (HiRadixCache is None)
