@@ -164,6 +164,11 @@ class World:
         r.get_fill_ids = lambda: self.tokens[:r.fill_upto]
         return r
 
+    def admitted(self, rid: str = "r1"):
+        req = self.request(rid)
+        self.admit(req)
+        return req
+
     def admit(self, req) -> None:
         """Scheduler._prefetch_kvcache through the policy's hooks."""
         self.pol.current_req = req
@@ -219,6 +224,15 @@ class World:
         for j in range(len(req.prefix_indices) // PS):
             assert self.dev.page(req.prefix_indices[j * PS]) == self.truth[j], f"page {j}"
 
+    def release(self, req) -> None:
+        """The request finished: SGLang drops its lock; every host page not in the tree is free."""
+        self.load_done()
+        self.cache.dec_lock_ref(req.last_node)
+        self.drain_host()
+        assert self.pool.available_size() == self.host_total - self.host_in_tree()
+        assert self.cache.cache_controller.prefetch_tokens_occupied == 0
+        assert self.cache.root_node.host_ref_counter == 0
+
     def load_done(self) -> None:
         """HiRadixCache.loading_check once the load backs finished: their transfer locks end."""
         for node_id in list(self.cache.ongoing_load_back):
@@ -261,8 +275,7 @@ def world(gds_dir, monkeypatch):
 @needs_0517
 def test_the_tail_joins_where_the_chunks_reach_it_byte_exact(world):
     w = world
-    req = w.request()
-    w.admit(req)
+    req = w.admitted()
     assert w.pol.counts["split"] == 1 and w.pol._decided["r1"][0] == "split"
     tail = w.pol._tails["r1"][0]
     assert (tail.start, tail.end) == (2 * CHUNK, PAGES * PS)  # the hash chain continued over the head
@@ -281,19 +294,14 @@ def test_the_tail_joins_where_the_chunks_reach_it_byte_exact(world):
     m = w.cache.match_prefix(MatchPrefixParams(key=RadixKey(w.tokens[:PAGES * PS])))
     assert len(m.device_indices) == PAGES * PS and m.last_device_node is req.last_node
     assert req.last_node.lock_ref == 1 and w.cache.root_node.host_ref_counter == 0
-    w.cache.dec_lock_ref(req.last_node)
+    w.release(req)  # host memory: the tail's pages are the tree's, everything else is back in the pool
     assert w.cache.protected_size_ == 0
-    # host memory: the tail's pages are the tree's, everything else is back in the pool
-    w.drain_host()
-    assert w.pool.available_size() == w.host_total - w.host_in_tree()
-    assert w.cache.cache_controller.prefetch_tokens_occupied == 0
 
 
 @needs_0517
 def test_a_short_read_joins_only_the_pages_read_and_the_gpu_computes_the_rest(world):
     w = world
-    req = w.request()
-    w.admit(req)
+    req = w.admitted()
     tail = w.pol._tails["r1"][0]
     w.read_tail(gets=2)  # 2 gets of 2 pages, then a failed get
     assert w.tail_op().completed_tokens == 2 * BATCH * PS
@@ -306,16 +314,13 @@ def test_a_short_read_joins_only_the_pages_read_and_the_gpu_computes_the_rest(wo
     w.compute_chunk(req, PAGES * PS)
     assert len(req.prefix_indices) == PAGES * PS
     w.check_prefix(req)
-    w.cache.dec_lock_ref(req.last_node)
-    w.drain_host()
-    assert w.pool.available_size() == w.host_total - w.host_in_tree()
+    w.release(req)
 
 
 @needs_0517
 def test_a_tail_not_read_when_the_chunks_reach_it_is_dropped_and_its_query_finds_it_gone(world):
     w = world
-    req = w.request()
-    w.admit(req)
+    req = w.admitted()
     w.compute_chunk(req, CHUNK)
     w.compute_chunk(req, 2 * CHUNK)  # the disk has not even queried it: nothing joins
     assert len(req.prefix_indices) == 2 * CHUNK and not w.pol._tails and not w.cache.ongoing_prefetch
@@ -330,8 +335,7 @@ def test_a_tail_not_read_when_the_chunks_reach_it_is_dropped_and_its_query_finds
 @needs_0517
 def test_a_request_that_leaves_before_its_chunks_reach_the_tail_frees_it(world):
     w = world
-    req = w.request()
-    w.admit(req)
+    req = w.admitted()
     w.read_tail()
     w.sched.chunked_req = req
     hooks.after_new_prefill_batch(None, w.sched)
@@ -369,8 +373,7 @@ def test_pages_stored_under_another_prefix_never_join(world):
 @needs_0517
 def test_a_failure_inside_the_join_leaves_the_request_as_sglang_left_it(world, monkeypatch, caplog):
     w = world
-    req = w.request()
-    w.admit(req)
+    req = w.admitted()
     w.read_tail()
     w.compute_chunk(req, CHUNK)
 
@@ -393,16 +396,13 @@ def test_a_failure_inside_the_join_leaves_the_request_as_sglang_left_it(world, m
         node = node.parent
     assert [page_bytes(w.pool, p) for p in host] == w.truth[2 * CHUNK // PS:]
     monkeypatch.undo()
-    w.cache.dec_lock_ref(req.last_node)
-    w.drain_host()
-    assert w.pool.available_size() == w.host_total - w.host_in_tree()
+    w.release(req)
 
 
 @needs_0517
 def test_a_cached_prefix_ending_in_a_partial_page_drops_the_tail(world):
     w = world
-    req = w.request()
-    w.admit(req)
+    req = w.admitted()
     w.read_tail()
     w.compute_chunk(req, CHUNK)
     tail = w.pol._tails["r1"][0]

@@ -125,6 +125,15 @@ def _bool(value: Any, key: str) -> bool:
     return v in ("true", "1", "yes", "on")
 
 
+def _mode(value: Any, key: str, *, true: str) -> str:
+    """One of `PARTIAL`; a boolean spelling means `true` or ``off``."""
+    v = str(value).strip().lower()
+    v = {"false": "off", "0": "off", "no": "off", "true": true, "1": true, "yes": true}.get(v, v)
+    if v not in PARTIAL:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(PARTIAL)}")
+    return v
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """The policy's settings, from the backend's extra config (``policy*`` keys).
@@ -198,19 +207,11 @@ class PolicyConfig:
         if "policy_read_slice" in extra:
             kw["read_slice"] = parse_size(extra["policy_read_slice"], key="policy_read_slice")
         if "policy_partial" in extra:
-            v = str(extra["policy_partial"]).strip().lower()
-            v = {"false": "off", "0": "off", "no": "off", "true": "idle", "1": "idle", "yes": "idle"}.get(v, v)
-            if v not in PARTIAL:
-                raise ConfigError(f"policy_partial: {extra['policy_partial']!r} is not one of {', '.join(PARTIAL)}")
-            kw["partial"] = v
+            kw["partial"] = _mode(extra["policy_partial"], "policy_partial", true="idle")
         if "policy_ready_first" in extra:
             kw["ready_first"] = _bool(extra["policy_ready_first"], "policy_ready_first")
         if "policy_split" in extra:
-            v = str(extra["policy_split"]).strip().lower()
-            v = {"false": "off", "0": "off", "no": "off", "true": "always", "1": "always", "yes": "always"}.get(v, v)
-            if v not in PARTIAL:
-                raise ConfigError(f"policy_split: {extra['policy_split']!r} is not one of {', '.join(PARTIAL)}")
-            kw["split"] = v
+            kw["split"] = _mode(extra["policy_split"], "policy_split", true="always")
         return cls(**kw)
 
 
