@@ -427,3 +427,24 @@ def test_policy_split_is_checked_and_off_where_sglang_has_no_join_point(gds_dir)
         HiCacheGDS(storage_config(gds_dir, extra={"policy_split": 3}), {})
     # 0.5.23 keeps its tree in a core the join does not reach: there is no HiRadixCache to hook
     assert (plugin._resolve(plugin._JOIN) is None) == (HiRadixCache is None)
+
+
+@needs_0517
+def test_a_request_admitted_again_keeps_its_one_tail(world):
+    """SGLang admits a request again when it is retracted, and the policy's late admission asks
+    again for a queued one: a request with a tail in flight is never split twice."""
+    w = world
+    req = w.admitted()
+    first = w.pol._tails["r1"][0]
+    w.admit(req)
+    assert w.pol._tails["r1"][0] is first and len(w.cache.ongoing_prefetch) <= 1
+    assert w.pol.counts["split"] == 1
+    for key in list(w.cache.ongoing_prefetch):
+        if key != first.key:  # admission's own prefetch of the whole hit, as SGLang runs it
+            w.cache._revoke_pending_prefetch(key)
+    w.read_tail()
+    w.compute_chunk(req, CHUNK)
+    w.compute_chunk(req, 2 * CHUNK)
+    assert len(req.prefix_indices) == PAGES * PS
+    w.check_prefix(req)
+    w.release(req)

@@ -395,7 +395,7 @@ class LoadOrCompute:
         self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
         self._late: set[str] = set()  # rids `late_admit` gave the disk
         self._ahead: set[str] = set()  # rids `first` moved ahead (logged once each)
-        self._split_plan: dict[str, tuple[int, int]] = {}  # rid -> (head, tail forecast read), until started
+        self._split_plan: dict[str, tuple[int, int, int]] = {}  # rid -> (head, tail forecast read, hit), until started
         self._tails: dict[str, tuple[split_mod.TailLoad, Any]] = {}  # rid -> (its tail in flight, its request)
         self._late_look = 0.0
         self._lock = threading.Lock()
@@ -651,13 +651,13 @@ class LoadOrCompute:
         part = backend.policy_config.partial
         part_min = max(threshold, ps, _PART_MIN_TOKENS) if part == "always" or (part == "idle" and d <= 0) else None
         split = backend.policy_config.split
-        chunk = self.prefill.chunk if req is not None and (split == "always" or d <= 0) and \
-            self.can_split(cache, backend) else None
+        chunk = self.prefill.chunk if req is not None and rid not in self._tails and \
+            (split == "always" or d <= 0) and self.can_split(cache, backend) else None
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps, part_min=part_min,
                            split_chunk=chunk, split_grain=split_mod.batch_pages() * ps)
         if dec.action == "split":
             self._decided[rid] = ("split", new, held, int(dec.tokens or 0))
-            self._split_plan[rid] = (int(dec.tokens or 0), int(dec.tail or 0))
+            self._split_plan[rid] = (int(dec.tokens or 0), int(dec.tail or 0), hit)
             self.counts["split"] += 1
             self.last = {"rid": rid, "action": "split", "t_load": dec.t_load, "t_compute": dec.t_compute, "new": new,
                          "held": held, "hit": hit, "head": dec.tokens, "tail": dec.tail, "gpu_backlog": g,
@@ -965,16 +965,16 @@ class LoadOrCompute:
         is a plain recompute) where the tail cannot be started."""
         plan = self._split_plan.pop(rid, None)
         req = self.current_req if self.current_req is not None and _rid(self.current_req) == rid else None
-        if plan is None or req is None:
+        if plan is None or req is None or rid in self._tails:
             return False
-        head, expect = plan
+        head, expect, hit = plan
         matched = _on_gpu(req) + int(getattr(req, "host_hit_length", 0) or 0)
         tail = split_mod.start(cache, rid, last_host_node, tokens, last_hash, prefix_keys, matched=matched,
                                head=head, expect=expect)
         if tail is None:
             d = self._decided.get(rid)
             if d is not None:
-                self._decided[rid] = ("compute", d[1], d[2], d[3])
+                self._decided[rid] = ("compute", d[1], d[2], hit)
             return False
         self._tails[rid] = (tail, req)  # until it joins or is swept: the request may leave meanwhile
         return True
