@@ -74,10 +74,12 @@ at ``k`` while that chunk runs, so the disk's deadline is the start of that chun
                                                whole gets of ``grain`` tokens until all are read
     split:  t_S = t_k + C(n - k - f_k, p + k + f_k)
 
-Admission takes the earliest of ``t_C``, ``t_L`` and the best ``t_S`` over ``j``. A request alone
-so takes about ``max(C(k), L(h - k))``: with the GPU and the disk at equal rates, half of each.
-Pages of the tail that land after ``s_k`` are dropped and computed instead; the GPU never waits
-for the disk.
+Admission takes the earliest of ``t_C``, ``t_L`` and the best ``t_S`` over ``j`` (with
+``stop_margin`` to spare). A request alone so takes ``C(k, p)`` and the few tokens after the hit
+where its tail is read within ``C(k - chunk, p)``: less than both its load and its recompute
+where the disk and the GPU run at similar rates and the hit spans at least two chunks (an H200,
+8B shape: 0.76x the recompute of a 19k-token prefix). Pages of the tail that land after ``s_k``
+are dropped and computed instead; the GPU never waits for the disk.
 
 `breakeven_prefill_rate` says when a tier pays one request at a time: loading an ``n``-token
 prefix takes ``n*B/R``, recomputing about ``n/P``, so loading wins when the engine prefills
