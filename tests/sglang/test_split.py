@@ -448,3 +448,27 @@ def test_a_request_admitted_again_keeps_its_one_tail(world):
     assert len(req.prefix_indices) == PAGES * PS
     w.check_prefix(req)
     w.release(req)
+
+
+@needs_0517
+def test_where_the_disk_reads_the_rest_before_the_gpu_computes_a_chunk_the_join_waits_one_chunk(world):
+    """A tail still reading when the chunks reach it: where its rest lands before the GPU computes
+    one more chunk, and that finishes first, the request computes that chunk and joins the rest
+    after it; the pages the chunk computed are freed, not inserted twice."""
+    w = world
+    req = w.admitted()
+    tail = w.pol._tails["r1"][0]
+    ctl = w.cache.cache_controller
+    op = ctl.prefetch_queue.get_nowait()
+    hv, count = ctl._storage_hit_query(op)
+    op.hash_value, op.storage_hit_count, op.host_indices = hv, count, w.pool.alloc(count)
+    ctl._page_get_zero_copy(op, hv[:2], op.host_indices[:2 * PS])  # the first get: 2 of 8 pages
+    w.b.read_rate.seed(100e9, "test: a disk far faster than the GPU")
+    w.compute_chunk(req, CHUNK)
+    w.compute_chunk(req, 2 * CHUNK)
+    assert len(req.prefix_indices) == 2 * CHUNK and "r1" in w.pol._tails  # waits one chunk
+    ctl._page_get_zero_copy(op, hv[2:], op.host_indices[2 * PS:])  # the rest lands meanwhile
+    w.compute_chunk(req, 3 * CHUNK)
+    assert len(req.prefix_indices) == tail.end and not w.pol._tails
+    w.check_prefix(req)
+    w.release(req)

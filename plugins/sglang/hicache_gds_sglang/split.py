@@ -145,17 +145,16 @@ def cancel(cache: Any, t: TailLoad) -> None:
 
 
 def progress(cache: Any, t: TailLoad) -> tuple[int, bool, bool]:
-    """(tail tokens read and counted, whether all of them are, whether the load is still alive)."""
+    """(tail tokens read and counted, whether all of them are, whether it may still read more: not
+    ended by SGLang, as after a short read)."""
     entry = cache.ongoing_prefetch.get(t.key)
     if entry is None:
         return 0, False, False
     op = entry[2]
     ps = int(cache.page_size)
     hv = getattr(op, "hash_value", None) or []
-    if getattr(op, "host_indices", None) is None:
-        return 0, False, not op.is_terminated()
-    done = int(op.completed_tokens) // ps * ps
-    return done, bool(hv) and done >= len(hv) * ps, not op.is_terminated() or done > 0
+    done = int(op.completed_tokens) // ps * ps if getattr(op, "host_indices", None) is not None else 0
+    return done, bool(hv) and done >= len(hv) * ps, not op.is_terminated()
 
 
 def join(cache: Any, req: Any, t: TailLoad) -> int:
