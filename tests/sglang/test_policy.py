@@ -1071,12 +1071,15 @@ def test_prefill_batches_are_timed_and_decode_batches_ignored(gds_dir):
             time.sleep(0.002)  # the GPU's time (wall clock on a machine without one)
             return "ran", bt
 
+        slow = types.SimpleNamespace(forward_mode=mode, extend_lens=[64], prefix_lens=[0])
+        hooks.around_forward(lambda w, bt: time.sleep(0.05), worker, slow)  # the first: kernels compile
         for _ in range(3):
             assert hooks.around_forward(forward, worker, batch) == ("ran", batch)
         hooks.around_forward(lambda w, bt: None, worker, types.SimpleNamespace(forward_mode=decode))
         pol.poll()
-        assert pol.prefill.batches == 3
+        assert pol.prefill.batches == 3  # the first batch a server runs is not a prefill cost
         assert pol.stats()["prefill_batches_observed"] == 3
+        assert pol.prefill.predict(64) < 0.01
     finally:
         b.close()
 
