@@ -162,12 +162,15 @@ def join(cache: Any, req: Any, t: TailLoad) -> int:
     pages read so far beyond the cached prefix under its last node, load them back to GPU memory
     and append them to the request's prefix. Ends the tail; returns the tokens the prefix grew by
     (0: the request computes on)."""
+    import torch
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     ps = int(cache.page_size)
     cached = len(req.prefix_indices)
-    if cached != int(getattr(req, "cache_protected_len", -1)) or cached % ps or not t.start <= cached < t.end:
+    fill = getattr(req, "full_untruncated_fill_ids", None)  # SGLang's own container: the tree's key type
+    if fill is None or cached != int(getattr(req, "cache_protected_len", -1)) or cached % ps or \
+            not t.start <= cached < t.end:
         cancel(cache, t)
         return 0
     entry = cache.ongoing_prefetch.get(t.key)
@@ -189,9 +192,6 @@ def join(cache: Any, req: Any, t: TailLoad) -> int:
     waste = host_indices[:off + matched]
     if len(waste):
         cc.mem_pool_host.free(waste)
-    fill = getattr(req, "full_untruncated_fill_ids", None)
-    if fill is None:
-        fill = list(req.origin_input_ids) + list(req.output_ids)
     upto = cached + (usable - off)
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(fill[:upto], getattr(req, "extra_key", None),
                                                           is_bigram=bool(getattr(cache, "is_eagle", False)))))
@@ -202,7 +202,6 @@ def join(cache: Any, req: Any, t: TailLoad) -> int:
                                                            host_hit_length=m.host_hit_length, req=req))
     if len(loaded) == 0:
         node = m.last_device_node
-    import torch
     prefix = torch.cat([device, loaded.to(device.dtype)]) if len(loaded) else device
     if len(prefix) <= cached:
         return 0
