@@ -387,7 +387,7 @@ class LoadOrCompute:
         self._model_backend: Any = None
         self._scheduler: Any = None
         self.current_req: Any = None
-        self._decided: dict[str, tuple[str, int, int, int]] = {}  # rid -> (action, new, held, hit)
+        self._decided: dict[str, tuple[str, int, int, int]] = {}  # rid -> (action, new, held, hit); "split": the head, not the hit
         self._loads: dict[str, list[float]] = {}  # rid -> [admitted at, forecast IO s, kept seen, last look, pace]
         self._pending: deque[_Launched] = deque(maxlen=256)  # prefill batches not yet seen finished
         self._gpu_until = -math.inf  # forecast end of the last prefill batch launched (`_in_flight_prefill`)
@@ -1000,7 +1000,7 @@ class LoadOrCompute:
         if cached < tail.start:
             return 0
         read, complete, alive = split_mod.progress(cache, tail)
-        if alive and not complete and self._wait_for_tail(cache, req, tail, cached, read):
+        if alive and not complete and self._wait_for_tail(req, tail, cached, read):
             return 0
         del self._tails[rid]
         grown = split_mod.join(cache, req, tail)
@@ -1015,15 +1015,14 @@ class LoadOrCompute:
                  "after admission)", rid, grown, tail.tokens, cached, read, tail.expect, time.monotonic() - tail.since)
         return grown
 
-    def _wait_for_tail(self, cache: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> bool:
+    def _wait_for_tail(self, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> bool:
         """Whether to compute one more chunk before joining: the disk reads the rest of the tail
         before the GPU computes that chunk, and that finishes the request first."""
         chunk = self.prefill.chunk
         model = self._model
         if not chunk or model is None or cached + chunk >= tail.end:
             return False
-        fill = getattr(req, "full_untruncated_fill_ids", None)
-        n = len(fill) if fill is not None else _req_work(req)[0] + _req_work(req)[1]
+        n = sum(_req_work(req))  # the request's tokens: left to prefill and held
         frontier = max(cached, tail.start + read)
         io_left = model.predict_load((tail.end - tail.start - read) * model.bytes_per_token)
         c_chunk = model.predict_compute(chunk, cached)
