@@ -31,7 +31,12 @@ Policies, each decided at arrival with exact backlogs (no forecast error):
 * ``split``: the GPU computes a request's head while the disk loads the rest of its prefix at
   once, the head chosen per request for the earliest finish. SGLang has no way to do this today
   (its prefetch loads a prefix's head and the GPU computes the tail, one after the other); it is
-  here to say what such a mode would be worth.
+  here to say what such a mode would be worth;
+* ``joined``: what SGLang 0.5.17 lets a split do (the plugin's ``policy_split``), with the
+  choices of ``per_request`` besides: the head is whole chunks (``--chunk``), the tail pages join
+  when the head's *last* chunk starts (the overlapped scheduler forms the next batch while a chunk
+  runs), counted a get (``--grain`` tokens) at a time, and the GPU computes whatever of the tail
+  had not been counted by then. The best any per-request policy can do inside that engine.
 
     python benchmarks/e2e/open_loop_bound.py <out>/suite-<shape>.json [--rates 0.3,0.5,0.7]
 """
@@ -48,7 +53,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-POLICIES = ("recompute", "per_request", "split")
+POLICIES = ("recompute", "per_request", "split", "joined")
 TARGET = 0.6
 
 
@@ -63,6 +68,8 @@ class Server:
     read_Bps: float
     kv_bytes: float
     tail: int = 64
+    chunk: int = 8192  # the engine's chunked prefill (``joined``)
+    grain: int = 64  # tokens a get reads before any of them count (``joined``)
 
     def compute(self, n: int, p: int = 0) -> float:
         return self.a * n + self.b * n * (p + n / 2)
@@ -114,16 +121,32 @@ def simulate(arrivals: Sequence[float], tokens: Sequence[int], policy: str, srv:
             tail = srv.compute(srv.tail, h)
             t_c = g + srv.compute(h + srv.tail)
             best, head = t_c, None
-            if policy == "per_request":
+            read_to = None  # joined: tokens the disk reads (the rest of the tail is computed)
+            if policy in ("per_request", "joined"):
                 t_l = max(d + srv.load(h), g) + tail
                 if t_l < t_c:
                     best, head = t_l, 0
+            if policy == "joined":
+                per_tok = srv.kv_bytes / srv.read_Bps
+                for m in range(srv.chunk, h, srv.chunk):
+                    raw = max(0.0, g + srv.compute(m - srv.chunk) - d) / per_tok
+                    f = min(h - m, int(raw) // srv.grain * srv.grain)
+                    if f <= 0:
+                        continue
+                    secs = srv.compute(m) + srv.compute(h - m - f + srv.tail, m + f)
+                    if g + secs < best:
+                        best, head = g + secs, m
+                        read_to = (f, secs, min(h - m, -(-int(raw) // srv.grain) * srv.grain))
             elif policy == "split":
                 for m in range(0, h + 1, 256):
                     t_s = max(g + srv.compute(m), d + srv.load(h - m)) + tail
                     if t_s < best:
                         best, head = t_s, m
-            if head is None:
+            if read_to is not None:  # one GPU job, its tail joined; the disk reads to the end of its get
+                disk_t = t + d + srv.load(read_to[2])
+                heapq.heappush(jobs, (t, k, read_to[1]))
+                queued_s += read_to[1]
+            elif head is None:
                 heapq.heappush(jobs, (t, k, srv.compute(h + srv.tail)))
                 queued_s += srv.compute(h + srv.tail)
             else:
@@ -217,9 +240,11 @@ def from_run(doc: dict[str, Any]) -> tuple[Server, list[int]]:
     kv = (doc.get("model") or {}).get("kv_bytes_per_token")
     if not read or not kv:
         raise ValueError("the run has no raw read rate or KV bytes per token")
-    suffix = int((doc.get("args") or {}).get("suffix_tokens") or 64)
+    args = doc.get("args") or {}
+    suffix = int(args.get("suffix_tokens") or 64)
     lengths = [int(x) for x in doc.get("lengths") or []]
-    return Server(a=a, b=b, c0=c0, read_Bps=float(read) * 1e6, kv_bytes=float(kv), tail=suffix), lengths
+    return Server(a=a, b=b, c0=c0, read_Bps=float(read) * 1e6, kv_bytes=float(kv), tail=suffix,
+                  chunk=int(args.get("chunk") or 8192), grain=int(args.get("page_size") or 64)), lengths
 
 
 def replay(doc: dict[str, Any], srv: Server, skip: set[str] = frozenset()) -> dict[float, dict[str, float]]:
@@ -250,30 +275,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-gbps", type=float, default=None,
                     help="the disk's read rate instead of the run's raw O_DIRECT one (e.g. what the server's loads "
                          "took: the policy's \"load done\" log lines)")
+    ap.add_argument("--chunk", type=int, default=None, help="the engine's chunked prefill in tokens (``joined``; "
+                    "default: the run's, else 8192)")
+    ap.add_argument("--grain", type=int, default=None, help="tokens a get of a tail reads before any count "
+                    "(``joined``; default: one page, the finest the engine could count)")
     a = ap.parse_args(argv)
     with open(a.suite_json) as f:
         doc = json.load(f)
     srv, lengths = from_run(doc)
     if a.read_gbps:
         srv = replace(srv, read_Bps=a.read_gbps * 1e9)
+    if a.chunk:
+        srv = replace(srv, chunk=a.chunk)
+    if a.grain:
+        srv = replace(srv, grain=a.grain)
     print(f"ideal server: prefill {srv.a:.3g}*n + {srv.b:.3g}*n*(p+n/2) s (+{srv.c0:.3f} s latency), "
           f"disk {srv.read_Bps / 1e9:.2f} GB/s ({srv.read_Bps / srv.kv_bytes:.0f} tokens/s)")
     k = knee(srv, lengths)
     print(f"knee (recompute p90 = 2x its idle {k['idle_p90']:.2f} s): {k['rate']:.3f} req/s; p90 there: recompute "
-          f"{k['recompute_p90']:.2f} s, per request {k['per_request_ratio']:.2f}x, split {k['split_ratio']:.2f}x "
+          f"{k['recompute_p90']:.2f} s, per request {k['per_request_ratio']:.2f}x, joined {k['joined_ratio']:.2f}x, "
+          f"split {k['split_ratio']:.2f}x "
           f"(target {TARGET}x)")
     for row in steady(srv, lengths, [float(x) for x in a.rates.split(",") if x]):
         print(f"{row['rate']:g} req/s: recompute p90 {row['recompute_p90']:.2f} s ({row['recompute_p90'] / row['idle_p90']:.1f}x "
-              f"idle), per request {row['per_request_p90'] / row['recompute_p90']:.2f}x, split "
-              f"{row['split_p90'] / row['recompute_p90']:.2f}x")
+              f"idle), per request {row['per_request_p90'] / row['recompute_p90']:.2f}x, joined "
+              f"{row['joined_p90'] / row['recompute_p90']:.2f}x, split {row['split_p90'] / row['recompute_p90']:.2f}x")
     import suite_report  # the report's pairing of repetitions (same folder)
     b = burst(srv, lengths[:int((doc.get("args") or {}).get("burst") or len(lengths))])
     print(f"a burst of {len(lengths)}: last / mean TTFT against recompute's, per request "
-          f"{b['per_request'][0] / b['recompute'][0]:.2f}x / {b['per_request'][1] / b['recompute'][1]:.2f}x, split "
+          f"{b['per_request'][0] / b['recompute'][0]:.2f}x / {b['per_request'][1] / b['recompute'][1]:.2f}x, joined "
+          f"{b['joined'][0] / b['recompute'][0]:.2f}x / {b['joined'][1] / b['recompute'][1]:.2f}x, split "
           f"{b['split'][0] / b['recompute'][0]:.2f}x / {b['split'][1] / b['recompute'][1]:.2f}x")
     for rate, ps in sorted(replay(doc, srv, skip=set(suite_report.summarize(doc)["open_unpaired"])).items()):
         print(f"the run's arrivals at {rate:g} req/s: recompute p90 {ps['recompute']:.2f} s, per request "
-              f"{ps['per_request'] / ps['recompute']:.2f}x, split {ps['split'] / ps['recompute']:.2f}x")
+              f"{ps['per_request'] / ps['recompute']:.2f}x, joined {ps['joined'] / ps['recompute']:.2f}x, split "
+              f"{ps['split'] / ps['recompute']:.2f}x")
     return 0
 
 

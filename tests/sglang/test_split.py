@@ -96,11 +96,11 @@ class Device:
 class World:
     """One prompt stored in L3, SGLang's cache and controller over a host pool, a GPU of pages."""
 
-    def __init__(self, gds_dir: str, *, read_ratio: float = 1.0, seed: int = 7) -> None:
+    def __init__(self, gds_dir: str, *, read_ratio: float = 1.0, seed: int = 7, extra: dict | None = None) -> None:
         self.pool = make_pool("mha", "page_first", pages=96, page_size=PS, layer_num=2, head_num=2, head_dim=64)
         gbps = BPT / (A * read_ratio) / 1e9  # loading a token takes read_ratio x computing it
         self.b = HiCacheGDS(storage_config(gds_dir, extra={"policy": POLICY, "policy_split": True,
-                                                          "policy_read_gbps": gbps}), self.pool)
+                                                          "policy_read_gbps": gbps, **(extra or {})}), self.pool)
         self.b.register_mem_host_pool_v2(self.pool, "kv")
         assert self.b.kv_bytes_per_token() == BPT
         rng = np.random.default_rng(seed)
@@ -178,33 +178,52 @@ class World:
         finally:
             self.pol.current_req = None
 
-    def tail_op(self, rid: str = "r1"):
-        return self.cache.ongoing_prefetch[f"{rid}{split_mod._SUFFIX}"][2]
+    def tail_ops(self, rid: str = "r1") -> list:
+        """The tail's prefetch operations still in flight, in token order."""
+        return [e[2] for k, e in sorted(self.cache.ongoing_prefetch.items()) if k.startswith(f"{rid}{split_mod._SUFFIX}")]
 
-    def read_tail(self, rid: str = "r1", *, gets: int | None = None) -> None:
-        """The controller's prefetch thread and IO thread for the tail: its hit query, the host
-        memory the scheduler allocates, then its pages read, a get of `BATCH` pages at a time (the
-        first `gets` only: the next get fails, a short read, and SGLang ends the operation)."""
+    def tail_op(self, rid: str = "r1", i: int = 0):
+        return self.cache.ongoing_prefetch[f"{rid}{split_mod._SUFFIX}{i}"][2]
+
+    def query(self, op) -> bool:
+        """The controller's prefetch thread for one operation (its hit query) and the host memory the
+        scheduler allocates for it; False where SGLang revokes it (no hit)."""
         ctl = self.cache.cache_controller
-        op = ctl.prefetch_queue.get_nowait()
+        if op.is_terminated():  # the thread skips its query and revokes it
+            self.cache._revoke_pending_prefetch(op.request_id)
+            return False
         hv, count = ctl._storage_hit_query(op)
         if count < self.cache.prefetch_threshold:  # SGLang revokes it (the drain of its revoke queue)
             self.cache._revoke_pending_prefetch(op.request_id)
-            return
+            return False
         op.hash_value, op.storage_hit_count = hv[:count // PS], count
         op.host_indices = self.pool.alloc(count)
+        return True
+
+    def read_tail(self, rid: str = "r1", *, gets: int | None = None, ops: int | None = None) -> None:
+        """The controller's prefetch thread and IO thread for the tail's operations (the first `ops`
+        of them), one after another: each one's query, host memory, then its pages read, a get of
+        `BATCH` pages at a time (the first `gets` in all only: the next get fails, a short read,
+        and SGLang ends that operation)."""
+        ctl = self.cache.cache_controller
         real, calls = self.b.batch_get_v1, []
 
         def get(ks, hi, *a):
             calls.append(len(ks))
             return real(ks, hi, *a) if gets is None or len(calls) <= gets else [False] * len(ks)
 
-        self.b.batch_get_v1 = get
-        try:
-            ctl._page_transfer(op)
-        finally:
-            del self.b.batch_get_v1
-        ctl.append_host_mem_release(op.host_indices[op.completed_tokens:])  # what its IO thread does after
+        done = 0
+        while not ctl.prefetch_queue.empty() and (ops is None or done < ops):
+            op = ctl.prefetch_queue.get_nowait()
+            done += 1
+            if not self.query(op):
+                continue
+            self.b.batch_get_v1 = get
+            try:
+                ctl._page_transfer(op)
+            finally:
+                del self.b.batch_get_v1
+            ctl.append_host_mem_release(op.host_indices[op.completed_tokens:])  # what its IO thread does after
 
     def compute_chunk(self, req, upto: int) -> None:
         """The GPU computes the request's next chunk (its true bytes into fresh slots), and SGLang
@@ -279,15 +298,16 @@ def test_the_tail_joins_where_the_chunks_reach_it_byte_exact(world):
     assert w.pol.counts["split"] == 1 and w.pol._decided["r1"][0] == "split"
     tail = w.pol._tails["r1"][0]
     assert (tail.start, tail.end) == (2 * CHUNK, PAGES * PS)  # the hash chain continued over the head
+    assert len(tail.keys) == 2  # 4-page operations (SGLang's threshold: 256 tokens), each read in 2 gets
     w.read_tail()
-    assert w.tail_op().completed_tokens == tail.tokens
+    assert sum(op.completed_tokens for op in w.tail_ops()) == tail.tokens
     w.compute_chunk(req, CHUNK)  # not there yet: nothing joins
     assert len(req.prefix_indices) == CHUNK and "r1" in w.pol._tails
     w.compute_chunk(req, 2 * CHUNK)
     assert len(req.prefix_indices) == PAGES * PS, "the whole tail joined"
     assert req.cache_protected_len == PAGES * PS and req.cached_tokens_storage == tail.tokens
     w.check_prefix(req)
-    assert "r1" not in w.pol._tails and f"r1{split_mod._SUFFIX}" not in w.cache.ongoing_prefetch
+    assert "r1" not in w.pol._tails and not w.tail_ops()
     assert w.pol.counts["split_joined"] == 1 and w.pol.counts["split_tokens"] == tail.tokens
     # the request holds its whole prefix: one lock along it, released as SGLang releases it
     w.load_done()
@@ -303,8 +323,8 @@ def test_a_short_read_joins_only_the_pages_read_and_the_gpu_computes_the_rest(wo
     w = world
     req = w.admitted()
     tail = w.pol._tails["r1"][0]
-    w.read_tail(gets=2)  # 2 gets of 2 pages, then a failed get
-    assert w.tail_op().completed_tokens == 2 * BATCH * PS
+    w.read_tail(gets=2)  # 2 gets of 2 pages (the first operation), then a failed get
+    assert w.tail_op(i=0).completed_tokens == 2 * BATCH * PS and w.tail_op(i=1).completed_tokens == 0
     w.compute_chunk(req, CHUNK)
     w.compute_chunk(req, 2 * CHUNK)
     assert len(req.prefix_indices) == tail.start + 2 * BATCH * PS
@@ -325,9 +345,12 @@ def test_a_tail_not_read_when_the_chunks_reach_it_is_dropped_and_its_query_finds
     w.compute_chunk(req, 2 * CHUNK)  # the disk has not even queried it: nothing joins
     assert len(req.prefix_indices) == 2 * CHUNK and not w.pol._tails and not w.cache.ongoing_prefetch
     assert w.pol.counts["split_dropped"] == 1 and w.cache.root_node.host_ref_counter == 0
-    op = w.cache.cache_controller.prefetch_queue.get_nowait()
-    assert op.is_terminated()  # the controller's thread skips its query and revokes it: a no-op now
-    w.cache._revoke_pending_prefetch(op.request_id)
+    q = w.cache.cache_controller.prefetch_queue
+    assert q.qsize() == 2
+    while not q.empty():
+        op = q.get_nowait()
+        assert op.is_terminated()  # the controller's thread skips its query and revokes it: a no-op now
+        w.cache._revoke_pending_prefetch(op.request_id)
     w.check_prefix(req)
     assert w.cache.cache_controller.prefetch_tokens_occupied == 0 and w.pool.available_size() == w.host_total
 
@@ -425,6 +448,11 @@ def test_policy_split_is_checked_and_off_where_sglang_has_no_join_point(gds_dir)
         PolicyConfig.from_extra({"policy_split": "sometimes"})
     with pytest.raises(ConfigError, match="policy_split"):
         HiCacheGDS(storage_config(gds_dir, extra={"policy_split": 3}), {})
+    assert PolicyConfig.from_extra({}).split_get == 128 << 20
+    assert PolicyConfig.from_extra({"policy_split_get": "64M"}).split_get == 64 << 20
+    assert PolicyConfig.from_extra({"policy_split_get": 0}).split_get == 0
+    with pytest.raises(ConfigError, match="policy_split_get"):
+        PolicyConfig.from_extra({"policy_split_get": "lots"})
     # 0.5.23 keeps its tree in a core the join does not reach: there is no HiRadixCache to hook
     assert (plugin._resolve(plugin._JOIN) is None) == (HiRadixCache is None)
 
@@ -437,11 +465,16 @@ def test_a_request_admitted_again_keeps_its_one_tail(world):
     req = w.admitted()
     first = w.pol._tails["r1"][0]
     w.admit(req)
-    assert w.pol._tails["r1"][0] is first and len(w.cache.ongoing_prefetch) <= 1
+    assert w.pol._tails["r1"][0] is first and len(set(w.cache.ongoing_prefetch) - set(first.keys)) <= 1
     assert w.pol.counts["split"] == 1
+    ctl = w.cache.cache_controller
     for key in list(w.cache.ongoing_prefetch):
-        if key != first.key:  # admission's own prefetch of the whole hit, as SGLang runs it
+        if key not in first.keys:  # admission's own prefetch of the whole hit, as SGLang runs it
             w.cache._revoke_pending_prefetch(key)
+    ops = [ctl.prefetch_queue.get_nowait() for _ in range(ctl.prefetch_queue.qsize())]
+    for op in ops:
+        if op.request_id in first.keys:
+            ctl.prefetch_queue.put(op)
     w.read_tail()
     w.compute_chunk(req, CHUNK)
     w.compute_chunk(req, 2 * CHUNK)
@@ -459,16 +492,90 @@ def test_where_the_disk_reads_the_rest_before_the_gpu_computes_a_chunk_the_join_
     req = w.admitted()
     tail = w.pol._tails["r1"][0]
     ctl = w.cache.cache_controller
-    op = ctl.prefetch_queue.get_nowait()
-    hv, count = ctl._storage_hit_query(op)
-    op.hash_value, op.storage_hit_count, op.host_indices = hv, count, w.pool.alloc(count)
-    ctl._page_get_zero_copy(op, hv[:2], op.host_indices[:2 * PS])  # the first get: 2 of 8 pages
+    first, second = ctl.prefetch_queue.get_nowait(), ctl.prefetch_queue.get_nowait()
+    assert w.query(first) and w.query(second)
+    ctl._page_get_zero_copy(first, first.hash_value[:2], first.host_indices[:2 * PS])  # a get: 2 of 8 pages
     w.b.read_rate.seed(100e9, "test: a disk far faster than the GPU")
     w.compute_chunk(req, CHUNK)
     w.compute_chunk(req, 2 * CHUNK)
     assert len(req.prefix_indices) == 2 * CHUNK and "r1" in w.pol._tails  # waits one chunk
-    ctl._page_get_zero_copy(op, hv[2:], op.host_indices[2 * PS:])  # the rest lands meanwhile
+    ctl._page_get_zero_copy(first, first.hash_value[2:], first.host_indices[2 * PS:])  # the rest lands meanwhile
+    ctl._page_transfer(second)
     w.compute_chunk(req, 3 * CHUNK)
     assert len(req.prefix_indices) == tail.end and not w.pol._tails
     w.check_prefix(req)
     w.release(req)
+
+
+@needs_0517
+def test_a_tail_read_as_several_operations_joins_those_counted_when_the_chunks_reach_it(world):
+    """The second of the tail's operations has not been read (not even queried) when the chunks
+    reach the tail: the first one's pages join, and the GPU computes the rest."""
+    w = world
+    req = w.admitted()
+    tail = w.pol._tails["r1"][0]
+    w.read_tail(ops=1)
+    w.compute_chunk(req, CHUNK)
+    w.compute_chunk(req, 2 * CHUNK)
+    assert len(req.prefix_indices) == tail.start + 4 * PS and req.cached_tokens_storage == 4 * PS
+    w.check_prefix(req)
+    assert not w.tail_ops() and w.pol.counts["split_tokens"] == 4 * PS
+    w.read_tail()  # the controller's thread reaches the second one: ended, it is skipped and revoked
+    w.load_done()
+    w.compute_chunk(req, PAGES * PS)
+    w.check_prefix(req)
+    w.release(req)
+
+
+@needs_0517
+def test_an_operation_sglang_revoked_ends_the_join_before_it(world):
+    """SGLang revokes the tail's first operation (no host memory for it) and reads the second:
+    nothing past the revoked pages is contiguous with the head, so nothing joins and the second
+    one's pages go back to the pool."""
+    w = world
+    req = w.admitted()
+    ctl = w.cache.cache_controller
+    first = ctl.prefetch_queue.get_nowait()
+    w.cache._revoke_pending_prefetch(first.request_id)  # what its drain does when host memory is short
+    w.read_tail()
+    assert w.tail_ops()[0].completed_tokens == 4 * PS
+    w.compute_chunk(req, CHUNK)
+    w.compute_chunk(req, 2 * CHUNK)
+    assert len(req.prefix_indices) == 2 * CHUNK and w.pol.counts["split_joined"] == 0
+    assert not w.pol._tails and not w.tail_ops() and w.pol.counts["split_dropped"] == 1
+    w.check_prefix(req)
+    w.release(req)
+
+
+@needs_0517
+def test_policy_split_get_0_reads_the_tail_as_one_operation(gds_dir, monkeypatch):
+    if HiRadixCache is None:
+        pytest.skip(f"SGLang 0.5.17's HiRadixCache: {_WHY}")
+    import sglang.srt.managers.cache_controller as cc_mod
+    import sglang.srt.mem_cache.hicache_storage as hs_mod
+    monkeypatch.setattr(cc_mod, "STORAGE_BATCH_SIZE", 8)
+    monkeypatch.setattr(hs_mod, "STORAGE_BATCH_SIZE", 8)
+    w = World(gds_dir, extra={"policy_split_get": 0})
+    try:
+        req = w.admitted()
+        tail = w.pol._tails["r1"][0]
+        assert len(tail.keys) == 1
+        w.read_tail()
+        for upto in range(CHUNK, tail.start + 1, CHUNK):
+            w.compute_chunk(req, upto)
+        assert len(req.prefix_indices) == tail.end and w.pol.counts["split_tokens"] == tail.tokens
+        w.check_prefix(req)
+        w.release(req)
+    finally:
+        w.close()
+
+
+def test_tail_pages_are_whole_gets_no_shorter_than_sglangs_threshold(monkeypatch):
+    import sglang.srt.mem_cache.hicache_storage as hs_mod
+    monkeypatch.setattr(hs_mod, "STORAGE_BATCH_SIZE", 128)
+    mib = 1 << 20
+    assert split_mod.tail_pages(8 * mib, 128 * mib, 4) == 16  # 8B shape, 64-token pages
+    assert split_mod.tail_pages(16 * mib, 128 * mib, 4) == 8  # 32B shape
+    assert split_mod.tail_pages(64 << 10, 128 * mib, 4) == 128  # never more than one of SGLang's gets
+    assert split_mod.tail_pages(64 * mib, 128 * mib, 4) == 4  # never below the prefetch threshold
+    assert split_mod.tail_pages(8 * mib, 0, 4) is None  # 0: one operation

@@ -77,7 +77,8 @@ POLICY = "compute_or_load"
 SGLANG_POLICIES = ("best_effort", "wait_complete", "timeout")
 FALLBACK = "timeout"  # SGLang's default: what our name turns into where the policy cannot run
 POLICY_KEYS = ("policy", "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
-               "policy_stop_margin", "policy_read_slice", "policy_partial", "policy_ready_first", "policy_split")
+               "policy_stop_margin", "policy_read_slice", "policy_partial", "policy_ready_first", "policy_split",
+               "policy_split_get")
 # A part smaller than this is not worth a prefetch of its own (a query, host slots, a load back).
 _PART_MIN_TOKENS = 1024
 PARTIAL = ("idle", "always", "off")  # `PolicyConfig.partial` and `PolicyConfig.split`
@@ -166,7 +167,10 @@ class PolicyConfig:
     the mean TTFT (a request alone is faster than both its load and its recompute: 0.76x the
     recompute of a 19k-token prefix), a burst of 8 0.90x the makespan and 0.87x the mean TTFT,
     the open loop's TTFT p90 within its noise (1.02x); ``always`` split inside bursts too, where
-    whole loads serve better (makespan 1.10x ``off``)."""
+    whole loads serve better (makespan 1.10x ``off``). split_get: bytes per get of a split's tail
+    (0: SGLang's own gets of 128 pages): the tail is prefetched as operations of that many bytes
+    of pages, each counted when its get returns, so the part of a tail read by the time the
+    chunks reach it joins (`split.tail_pages`)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -177,6 +181,7 @@ class PolicyConfig:
     partial: str = "off"
     ready_first: bool = False
     split: str = "idle"
+    split_get: int = 128 << 20
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -212,6 +217,8 @@ class PolicyConfig:
             kw["ready_first"] = _bool(extra["policy_ready_first"], "policy_ready_first")
         if "policy_split" in extra:
             kw["split"] = _mode(extra["policy_split"], "policy_split", true="always")
+        if "policy_split_get" in extra:
+            kw["split_get"] = parse_size(extra["policy_split_get"], key="policy_split_get")
         return cls(**kw)
 
 
@@ -661,7 +668,7 @@ class LoadOrCompute:
         chunk = self.prefill.chunk if req is not None and rid not in self._tails and \
             (split == "always" or d <= 0) and self.can_split(cache, backend) else None
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps, part_min=part_min,
-                           split_chunk=chunk, split_grain=split_mod.batch_pages() * ps)
+                           split_chunk=chunk, split_grain=self._tail_pages(cache, backend, model) * ps)
         if dec.action == "split":
             self._decided[rid] = ("split", new, held, int(dec.tokens or 0))
             self._split_plan[rid] = (int(dec.tokens or 0), int(dec.tail or 0), hit)
@@ -966,6 +973,13 @@ class LoadOrCompute:
         return bool(backend.policy_config.split != "off" and SPLIT_HOOKED[0] and self.prefill.chunk
                     and split_mod.supported(cache) and _single_rank(cache))
 
+    def _tail_pages(self, cache: Any, backend: Any, model: CostModel) -> int:
+        """Pages per operation (and get) of a split's tail (`split.tail_pages`)."""
+        ps = max(1, int(getattr(cache, "page_size", 1) or 1))
+        threshold = -(-int(getattr(cache, "prefetch_threshold", 0) or 0) // ps)
+        n = split_mod.tail_pages(int(model.bytes_per_token * ps), backend.policy_config.split_get, threshold)
+        return split_mod.batch_pages() if n is None else n
+
     def start_tail(self, cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any,
                    prefix_keys: Any) -> bool:
         """Admission chose a split for `rid`: prefetch the tail of its hit. False (and the request
@@ -976,8 +990,11 @@ class LoadOrCompute:
             return False
         head, expect, hit = plan
         matched = _on_gpu(req) + int(getattr(req, "host_hit_length", 0) or 0)
+        backend, model = _backend(cache), self._model
+        per_op = None if backend is None or model is None or not backend.policy_config.split_get else \
+            self._tail_pages(cache, backend, model)
         tail = split_mod.start(cache, rid, last_host_node, tokens, last_hash, prefix_keys, matched=matched,
-                               head=head, expect=expect)
+                               head=head, expect=expect, pages_per_op=per_op)
         if tail is None:
             d = self._decided.get(rid)
             if d is not None:
@@ -1012,7 +1029,8 @@ class LoadOrCompute:
         else:
             self.counts["split_dropped"] += 1
         log.info("hicache-gds policy: %s split joined %d of its %d tail tokens at %d (%d read, forecast %d; %.3f s "
-                 "after admission)", rid, grown, tail.tokens, cached, read, tail.expect, time.monotonic() - tail.since)
+                 "after admission; %d prefetch operations)", rid, grown, tail.tokens, cached, read, tail.expect,
+                 time.monotonic() - tail.since, len(tail.keys))
         return grown
 
     def _wait_for_tail(self, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
-__all__ = ["TailLoad", "supported", "start", "join", "cancel"]
+__all__ = ["TailLoad", "supported", "tail_pages", "start", "join", "cancel", "progress"]
 
 _SUFFIX = "\x00tail"  # an ongoing_prefetch key no request id has
 
@@ -63,13 +63,27 @@ def supported(cache: Any) -> bool:
                                                               "append_host_mem_release")))
 
 
+def tail_pages(page_bytes: int, get_bytes: int, threshold_pages: int) -> int | None:
+    """Pages per prefetch operation of a tail read in gets of about `get_bytes` (None: the whole
+    tail in one operation). SGLang counts an operation's pages only when a get of up to
+    `batch_pages` returns, so a tail read as one operation joins nothing until its first get of
+    128 pages (1 GiB for the 8B shape, 0.6 s on an H200's disk) has returned; several small
+    operations, read one after another, each count when their own get returns. Each is at least
+    SGLang's prefetch threshold, below which its prefetch thread revokes an operation."""
+    if get_bytes <= 0 or page_bytes <= 0:
+        return None
+    return max(1, int(threshold_pages), min(batch_pages(), int(get_bytes) // int(page_bytes)))
+
+
 @dataclass
 class TailLoad:
     """The tail of one request's hit in flight: tokens ``[start, end)`` of the request (absolute
-    positions), read by the prefetch operation under ``key`` in ``cache.ongoing_prefetch``."""
+    positions), read by prefetch operations, one after another, under ``keys`` in
+    ``cache.ongoing_prefetch`` (in token order); ``key`` is the tail's radix key."""
 
     rid: str
-    key: str
+    keys: tuple[str, ...]
+    key: Any
     start: int
     end: int
     expect: int  # tail tokens admission forecast to be read when they are joined
@@ -81,9 +95,10 @@ class TailLoad:
 
 
 def start(cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any, prefix_keys: Any, *,
-          matched: int, head: int, expect: int) -> TailLoad | None:
+          matched: int, head: int, expect: int, pages_per_op: int | None = None) -> TailLoad | None:
     """Prefetch ``tokens[head:]`` (the request's tokens from position `matched` on, as SGLang's
-    ``prefetch_from_storage`` gets them) under the hash chain continued over ``tokens[:head]``.
+    ``prefetch_from_storage`` gets them) under the hash chain continued over ``tokens[:head]``, as
+    operations of `pages_per_op` pages (the last one takes the remainder; None: one operation).
     None where the tail is shorter than SGLang's prefetch threshold."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -98,45 +113,71 @@ def start(cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any
     key = key.page_aligned(ps)
     if len(key) < int(getattr(cache, "prefetch_threshold", 0) or 0) or len(key) == 0:
         return None
-    head_hashes = cc.get_hash_str(list(tokens[:head]), last_hash, page_size=ps)
-    if isinstance(head_hashes, str):
-        head_hashes = [head_hashes]
-    if len(head_hashes) != head // ps:
-        raise RuntimeError(f"SGLang's hash chain gave {len(head_hashes)} hashes for {head // ps} pages")
-    keys = None if prefix_keys is None else list(prefix_keys) + list(head_hashes)
-    op_key = f"{rid}{_SUFFIX}"
+    pages = len(key) // ps
+    hashes = cc.get_hash_str(list(tokens[:head + len(key)]), last_hash, page_size=ps)
+    if isinstance(hashes, str):
+        hashes = [hashes]
+    hp = head // ps
+    if len(hashes) != hp + pages:
+        raise RuntimeError(f"SGLang's hash chain gave {len(hashes)} hashes for {hp + pages} pages")
+    step = pages if not pages_per_op else max(1, int(pages_per_op))
+    cuts = list(range(0, pages, step))
+    if len(cuts) > 1 and pages - cuts[-1] < step:
+        cuts.pop()  # the last operation takes the remainder: none is shorter than the others
+    cuts.append(pages)
     root = cache.root_node
-    root.protect_host()  # what SGLang's revoke and detach paths release for every ongoing prefetch
-    op = cc.prefetch(op_key, key, head_hashes[-1], keys)
-    cache.ongoing_prefetch[op_key] = (root, key, op)
-    cc.prefetch_tokens_occupied += len(key)
-    return TailLoad(rid, op_key, matched + head, matched + head + len(key), expect)
+    keys = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        sub = key[a * ps:b * ps]
+        before = None if prefix_keys is None else list(prefix_keys) + list(hashes[:hp + a])
+        op_key = f"{rid}{_SUFFIX}{i}"
+        root.protect_host()  # what SGLang's revoke and detach paths release for every ongoing prefetch
+        op = cc.prefetch(op_key, sub, hashes[hp + a - 1], before)
+        cache.ongoing_prefetch[op_key] = (root, sub, op)
+        cc.prefetch_tokens_occupied += len(sub)
+        keys.append(op_key)
+    return TailLoad(rid, tuple(keys), key, matched + head, matched + head + len(key), expect)
 
 
-def _settle(cache: Any, t: TailLoad, keep: int) -> int:
-    """End the tail's operation: ``keep`` leading tokens stay the caller's to insert, the other
-    complete pages are freed, the rest released as SGLang releases a stopped prefetch. Returns how
-    many leading tokens were complete (the most ``keep`` can be)."""
-    entry = cache.ongoing_prefetch.pop(t.key, None)
-    if entry is None:
-        return 0
-    root, key, op = entry
+def _settle(cache: Any, t: TailLoad, keep: int) -> tuple[int, Any, list]:
+    """End the tail's operations: of the pages complete in token order from the tail's start,
+    ``keep`` leading tokens stay the caller's to insert; the other complete pages are freed, the
+    rest released as SGLang releases a stopped prefetch. Returns (leading tokens complete, the
+    host indices and hashes of those kept)."""
+    import torch
+
     cc = cache.cache_controller
-    completed, _ = cc.terminate_prefetch(op)
     backend = getattr(cc, "storage_backend", None)
-    hi = getattr(op, "host_indices", None)
-    if hi is not None and backend is not None and callable(getattr(backend, "cancel_read", None)):
-        backend.cancel_read(hi)  # reads not yet posted are skipped
     ps = int(cache.page_size)
-    usable = int(completed) // ps * ps
-    if hi is not None:
-        keep = max(0, min(int(keep), usable))
-        if usable > keep:
-            cc.mem_pool_host.free(hi[keep:usable])
-        cc.append_host_mem_release(hi[usable:int(completed)])
-    root.release_host()
-    cc.prefetch_tokens_occupied = max(0, cc.prefetch_tokens_occupied - len(key))
-    return usable if hi is not None else 0
+    lead, contiguous, kept_hi, kept_hv = 0, True, [], []
+    for op_key in t.keys:
+        entry = cache.ongoing_prefetch.pop(op_key, None)
+        if entry is None:  # revoked by SGLang (no hit, no host memory): nothing past it joins
+            contiguous = False
+            continue
+        root, key, op = entry
+        completed, _ = cc.terminate_prefetch(op)
+        hi = getattr(op, "host_indices", None)
+        if hi is not None and backend is not None and callable(getattr(backend, "cancel_read", None)):
+            backend.cancel_read(hi)  # reads not yet posted are skipped
+        usable = int(completed) // ps * ps
+        if hi is None:
+            contiguous = False
+        else:
+            mine = min(usable, max(0, int(keep) - lead)) if contiguous else 0
+            if mine:
+                kept_hi.append(hi[:mine])
+                kept_hv.extend(list(op.hash_value)[:mine // ps])
+            if usable > mine:
+                cc.mem_pool_host.free(hi[mine:usable])
+            cc.append_host_mem_release(hi[usable:int(completed)])
+            if contiguous:
+                lead += usable
+                contiguous = usable >= len(key)
+        root.release_host()
+        cc.prefetch_tokens_occupied = max(0, cc.prefetch_tokens_occupied - len(key))
+    hi = torch.cat(kept_hi) if kept_hi else None
+    return lead, hi, kept_hv
 
 
 def cancel(cache: Any, t: TailLoad) -> None:
@@ -145,16 +186,22 @@ def cancel(cache: Any, t: TailLoad) -> None:
 
 
 def progress(cache: Any, t: TailLoad) -> tuple[int, bool, bool]:
-    """(tail tokens read and counted, whether all of them are, whether it may still read more: not
-    ended by SGLang, as after a short read)."""
-    entry = cache.ongoing_prefetch.get(t.key)
-    if entry is None:
-        return 0, False, False
-    op = entry[2]
+    """(tail tokens read and counted, in order from its start; whether all of them are; whether
+    it may still read more: not ended by SGLang, as after a short read or a revoked operation)."""
     ps = int(cache.page_size)
-    hv = getattr(op, "hash_value", None) or []
-    done = int(op.completed_tokens) // ps * ps if getattr(op, "host_indices", None) is not None else 0
-    return done, bool(hv) and done >= len(hv) * ps, not op.is_terminated()
+    done = 0
+    for op_key in t.keys:
+        entry = cache.ongoing_prefetch.get(op_key)
+        if entry is None:
+            return done, False, False
+        _, key, op = entry
+        n = int(op.completed_tokens) // ps * ps if getattr(op, "host_indices", None) is not None else 0
+        done += min(n, len(key))
+        if n < len(key):
+            hv = getattr(op, "hash_value", None) or []
+            short = getattr(op, "host_indices", None) is not None and n >= len(hv) * ps  # read all it got
+            return done, False, not (op.is_terminated() or short)
+    return done, True, False
 
 
 def join(cache: Any, req: Any, t: TailLoad) -> int:
@@ -173,20 +220,14 @@ def join(cache: Any, req: Any, t: TailLoad) -> int:
             not t.start <= cached < t.end:
         cancel(cache, t)
         return 0
-    entry = cache.ongoing_prefetch.get(t.key)
-    if entry is None:
-        return 0
-    _, key, op = entry
-    hash_value = list(getattr(op, "hash_value", None) or [])
-    host_indices = getattr(op, "host_indices", None)
     off = cached - t.start  # tail tokens the GPU computed already
-    usable = _settle(cache, t, keep=t.tokens)  # nothing freed past `usable`: inserted or freed below
-    if host_indices is None or usable <= off:
-        if host_indices is not None and usable > 0:
-            cache.cache_controller.mem_pool_host.free(host_indices[:usable])
-        return 0
+    usable, host_indices, hash_value = _settle(cache, t, keep=t.tokens)  # kept: inserted or freed below
     cc = cache.cache_controller
-    matched = cache._insert_helper_host(req.last_node, key[off:usable], host_indices[off:usable],
+    if host_indices is None or usable <= off:
+        if host_indices is not None:
+            cc.mem_pool_host.free(host_indices)
+        return 0
+    matched = cache._insert_helper_host(req.last_node, t.key[off:usable], host_indices[off:usable],
                                         hash_value[off // ps:usable // ps])
     # the tokens the GPU computed, and those the tree held already: not inserted, so freed
     waste = host_indices[:off + matched]
