@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -216,13 +217,23 @@ def test_the_ideal_server_fits_the_prefill_and_bounds_the_open_loop():
     assert alone["recompute"] == pytest.approx(true.c0 + true.compute(h + 64))
     assert alone["per_request"] == pytest.approx(true.c0 + min(true.compute(h + 64), true.load(h) + true.compute(64, h)))
     assert alone["split"] < alone["per_request"]
+    # what SGLang can join lies between: a head of whole chunks, the tail joined when its last chunk starts
+    assert alone["split"] <= alone["joined"] <= alone["per_request"]
+    chunked = olb.Server(a=2e-5, b=5e-9, c0=0.1, read_Bps=1.5e9, kv_bytes=128 << 10, chunk=4096, grain=1024)
+    m, f_raw = 4096 * 3, (chunked.compute(4096 * 2)) * 1.5e9 / (128 << 10)  # the best head, here
+    f = min(h - m, int(f_raw) // 1024 * 1024)
+    joined = olb.simulate([0.0], [h], "joined", chunked)[0]
+    assert joined <= chunked.c0 + chunked.compute(m) + chunked.compute(h - m - f + 64, m + f) + 1e-12
+    assert joined < olb.simulate([0.0], [h], "per_request", chunked)[0]
+    whole = replace(chunked, chunk=h)  # no head of whole chunks leaves a tail: as per request
+    assert olb.simulate([0.0], [h], "joined", whole) == olb.simulate([0.0], [h], "per_request", whole)
     fast = olb.Server(a=2e-5, b=5e-9, c0=0.0, read_Bps=20e9, kv_bytes=128 << 10)
     two = olb.simulate([0.0, 0.0], [h, h], "per_request", fast)
     assert max(two) < 2 * fast.compute(h + 64)
 
     k = olb.knee(true, lengths, count=4000)
     assert k["recompute_p90"] == pytest.approx(2 * k["idle_p90"], rel=0.15)
-    assert k["split_ratio"] <= k["per_request_ratio"] < 1.0
+    assert k["split_ratio"] <= k["joined_ratio"] <= k["per_request_ratio"] < 1.0
 
 
 def test_the_report_sets_the_open_loop_against_the_ideal_server():

@@ -243,8 +243,15 @@ def from_run(doc: dict[str, Any]) -> tuple[Server, list[int]]:
     args = doc.get("args") or {}
     suffix = int(args.get("suffix_tokens") or 64)
     lengths = [int(x) for x in doc.get("lengths") or []]
+    page = int(args.get("page_size") or 64)
+    try:  # the plugin's tail gets (``policy_split_get``'s default), else page by page
+        from hicache_gds_sglang.policy import PolicyConfig
+        from hicache_gds_sglang.split import tail_pages
+        grain = page * (tail_pages(int(kv) * page, PolicyConfig().split_get, -(-256 // page)) or 1)
+    except ImportError:
+        grain = page
     return Server(a=a, b=b, c0=c0, read_Bps=float(read) * 1e6, kv_bytes=float(kv), tail=suffix,
-                  chunk=int(args.get("chunk") or 8192), grain=int(args.get("page_size") or 64)), lengths
+                  chunk=int(args.get("chunk") or 8192), grain=grain), lengths
 
 
 def replay(doc: dict[str, Any], srv: Server, skip: set[str] = frozenset()) -> dict[float, dict[str, float]]:
@@ -278,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=None, help="the engine's chunked prefill in tokens (``joined``; "
                     "default: the run's, else 8192)")
     ap.add_argument("--grain", type=int, default=None, help="tokens a get of a tail reads before any count "
-                    "(``joined``; default: one page, the finest the engine could count)")
+                    "(``joined``; default: the plugin's tail gets of about 128 MiB)")
     a = ap.parse_args(argv)
     with open(a.suite_json) as f:
         doc = json.load(f)
@@ -290,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.grain:
         srv = replace(srv, grain=a.grain)
     print(f"ideal server: prefill {srv.a:.3g}*n + {srv.b:.3g}*n*(p+n/2) s (+{srv.c0:.3f} s latency), "
-          f"disk {srv.read_Bps / 1e9:.2f} GB/s ({srv.read_Bps / srv.kv_bytes:.0f} tokens/s)")
+          f"disk {srv.read_Bps / 1e9:.2f} GB/s ({srv.read_Bps / srv.kv_bytes:.0f} tokens/s); joined: chunk "
+          f"{srv.chunk}, tail gets of {srv.grain} tokens")
     k = knee(srv, lengths)
     print(f"knee (recompute p90 = 2x its idle {k['idle_p90']:.2f} s): {k['rate']:.3f} req/s; p90 there: recompute "
           f"{k['recompute_p90']:.2f} s, per request {k['per_request_ratio']:.2f}x, joined {k['joined_ratio']:.2f}x, "

@@ -307,7 +307,9 @@ def bound_lines(doc: dict[str, Any], s: dict[str, Any]) -> list[str]:
         f"({srv.b:.3g}*n*(p+n/2) + {srv.a:.3g}*n s, +{srv.c0:.3f} s latency), the disk at its raw read rate "
         f"({srv.read_Bps / 1e9:.2f} GB/s), no forecast error, GPU memory unlimited (a yardstick, not a strict "
         "bound: the model's recompute is ideal too). Per request: each request loaded or computed, whichever "
-        "finishes it first; split: the GPU computes a head while the disk loads the rest (not in SGLang today).", ""]
+        "finishes it first; joined: besides those, the split SGLang 0.5.17 can join (`policy_split`: a head of whole "
+        f"chunks of {srv.chunk}, the tail counted in gets of {srv.grain} tokens by the time the head's last chunk starts); "
+        "split: the GPU computes any head while the disk loads the rest (beyond what SGLang can join).", ""]
 
     def x(a: float, b: float) -> str:
         return _f(_ratio(a, b), "x", 2)
@@ -321,21 +323,22 @@ def bound_lines(doc: dict[str, Any], s: dict[str, Any]) -> list[str]:
                   f"{x(ours.get('mean_ttft', math.nan), rc.get('mean_ttft', math.nan))} |",
                   f"| ideal: per request | {x(b['per_request'][0], b['recompute'][0])} | "
                   f"{x(b['per_request'][1], b['recompute'][1])} |",
+                  f"| ideal: joined | {x(b['joined'][0], b['recompute'][0])} | {x(b['joined'][1], b['recompute'][1])} |",
                   f"| ideal: split | {x(b['split'][0], b['recompute'][0])} | {x(b['split'][1], b['recompute'][1])} |", ""]
     if not s["open"]:
         return lines
     k = olb.knee(srv, lengths)
     lines += [f"Open loop: on a long Poisson stream recompute's p90 doubles from its idle {k['idle_p90']:.2f} s at "
               f"**{k['rate']:.2f} req/s**; there, per request reaches **{k['per_request_ratio']:.2f}x** recompute's p90, "
-              f"split {k['split_ratio']:.2f}x (the target: 0.6x).", "",
-              "| rate (req/s) | measured: ours / recompute p90 | ideal on the same arrivals: per request | split |",
-              "|---|---|---|---|"]
+              f"joined {k['joined_ratio']:.2f}x, split {k['split_ratio']:.2f}x (the target: 0.6x).", "",
+              "| rate (req/s) | measured: ours / recompute p90 | ideal on the same arrivals: per request | joined | split |",
+              "|---|---|---|---|---|"]
     ours = s["open"].get(OURS, {})
     for rate, ps in sorted(olb.replay(doc, srv, skip=set(s["open_unpaired"])).items()):
         rc = s["open"].get("recompute", {}).get(rate, {}).get("p90", math.nan)
         mine = ours.get(rate, {}).get("p90", math.nan)
         lines.append(f"| {rate:g} | {x(mine, rc)} | {x(ps['per_request'], ps['recompute'])} | "
-                     f"{x(ps['split'], ps['recompute'])} |")
+                     f"{x(ps['joined'], ps['recompute'])} | {x(ps['split'], ps['recompute'])} |")
     return lines + [""]
 
 

@@ -163,11 +163,12 @@ class PolicyConfig:
     split: when a hit may be split, its head computed on the GPU while the disk loads its tail
     (`split`; SGLang 0.5.17 on one rank, elsewhere never), where that finishes the request first:
     ``idle`` (the default: only while no load is on the disk), ``always`` (``true``) or ``off``.
-    Measured on an H200 (8B shape, the same server and run, against ``off``): one at a time 0.90x
-    the mean TTFT (a request alone is faster than both its load and its recompute: 0.76x the
-    recompute of a 19k-token prefix), a burst of 8 0.90x the makespan and 0.87x the mean TTFT,
-    the open loop's TTFT p90 within its noise (1.02x); ``always`` split inside bursts too, where
-    whole loads serve better (makespan 1.10x ``off``). split_get: bytes per get of a split's tail
+    Measured on an H200 (the same server and run, against ``off``; runs 12-13): one at a time a
+    request alone is faster than both its load and its recompute (32B shape: 0.83x the mean TTFT,
+    0.66-0.68x the recompute of 21k-25k-token prefixes; 8B: 0.90x), a burst of 8 0.84-0.90x the
+    makespan; at the 8B open loop's knee ``always`` made the TTFT p90 0.67x recompute's against
+    ``idle``'s 0.76x, but it splits inside bursts too, where whole loads serve better (makespan
+    1.10-1.12x ``idle``'s). split_get: bytes per get of a split's tail
     (0: SGLang's own gets of 128 pages): the tail is prefetched as operations of that many bytes
     of pages, each counted when its get returns, so the part of a tail read by the time the
     chunks reach it joins (`split.tail_pages`)."""
