@@ -579,3 +579,27 @@ def test_tail_pages_are_whole_gets_no_shorter_than_sglangs_threshold(monkeypatch
     assert split_mod.tail_pages(64 << 10, 128 * mib, 4) == 128  # never more than one of SGLang's gets
     assert split_mod.tail_pages(64 * mib, 128 * mib, 4) == 4  # never below the prefetch threshold
     assert split_mod.tail_pages(8 * mib, 0, 4) is None  # 0: one operation
+
+
+@needs_0517
+def test_a_failed_cancel_of_the_tails_reads_still_joins_what_was_read(world, monkeypatch, caplog):
+    """The backend's cancel of unposted reads raises (injected) while the join ends the tail's
+    operations: the pages counted join byte for byte, the rest are released as SGLang releases a
+    stopped prefetch, and nothing is left in flight."""
+    w = world
+    req = w.admitted()
+    w.read_tail(ops=1)
+
+    def broken(*a, **k):
+        raise OSError("injected: cancel failed")
+
+    monkeypatch.setattr(w.b, "cancel_read", broken)
+    w.compute_chunk(req, CHUNK)
+    with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang.policy"):
+        w.compute_chunk(req, 2 * CHUNK)
+    assert "injected: cancel failed" in caplog.text
+    assert len(req.prefix_indices) == 2 * CHUNK + 4 * PS and not w.tail_ops() and not w.pol._tails
+    w.check_prefix(req)
+    monkeypatch.undo()
+    w.read_tail()  # the second operation, ended before its query: skipped and revoked
+    w.release(req)

@@ -1021,7 +1021,11 @@ class LoadOrCompute:
         if alive and not complete and self._wait_for_tail(req, tail, cached, read):
             return 0
         del self._tails[rid]
-        grown = split_mod.join(cache, req, tail)
+        try:
+            grown = split_mod.join(cache, req, tail)
+        except Exception:
+            split_mod.cancel(cache, tail)  # what it left in flight (ended operations are gone: a no-op for them)
+            raise
         if grown > 0:
             self.counts["split_joined"] += 1
             self.counts["split_tokens"] += grown

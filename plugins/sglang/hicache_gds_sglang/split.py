@@ -159,7 +159,11 @@ def _settle(cache: Any, t: TailLoad, keep: int) -> tuple[int, Any, list]:
         completed, _ = cc.terminate_prefetch(op)
         hi = getattr(op, "host_indices", None)
         if hi is not None and backend is not None and callable(getattr(backend, "cancel_read", None)):
-            backend.cancel_read(hi)  # reads not yet posted are skipped
+            try:
+                backend.cancel_read(hi)  # reads not yet posted are skipped
+            except Exception as exc:  # noqa: BLE001 -- they are read, then released as below
+                log.warning("hicache-gds policy: cancelling a split tail's reads failed (%s: %s); they run to "
+                            "the end", type(exc).__name__, exc)
         usable = int(completed) // ps * ps
         if hi is None:
             contiguous = False
