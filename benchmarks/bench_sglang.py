@@ -82,9 +82,10 @@ class Driver:
     """One backend, driven as SGLang's controller drives it, under the thread switch interval its
     server process would have (`switch_interval`)."""
 
-    def __init__(self, name, backend, pool, zero_copy, switch_interval=None):
+    def __init__(self, name, backend, pool, zero_copy, switch_interval=None, get_pages=128):
         self.name, self.b, self.pool, self.zero_copy = name, backend, pool, zero_copy
         self.switch_interval = switch_interval
+        self.get_pages = get_pages  # pages per get (SGLang's 128; a split's tail reads in smaller ones)
 
     def _idx(self, pages):
         return torch.cat([torch.arange(p * PAGE_TOKENS, (p + 1) * PAGE_TOKENS) for p in pages])
@@ -110,14 +111,17 @@ def make_backends(root, pool, npages, rounds, which):
     python_default = sys.getswitchinterval()  # before any store lowers it
     for i, spec in enumerate(w for w in which if w.split(":")[0] == "gds"):
         # "gds" is the default setup; "gds:engine=bounce:nixl_queue=uring" adds a column with those keys
+        # (get_pages=N: the column reads in gets of N pages, as a split's tail is read; not a store key)
         from hicache_gds_sglang import HiCacheGDS
         opts = dict(o.split("=", 1) for o in spec.split(":")[1:])
+        get_pages = int(opts.pop("get_pages", 128))
         d = os.path.join(root, f"gds{i}")
         os.makedirs(d, exist_ok=True)
         sys.setswitchinterval(python_default)
         b = HiCacheGDS(storage_config({"gds_path": d, "capacity": (rounds + 1) * npages * page_bytes(), **opts}), pool)
-        name = "HiCacheGDS" + (f" ({', '.join(f'{k}={v}' for k, v in opts.items())})" if opts else "")
-        out.append(Driver(name, b, pool, True, sys.getswitchinterval()))
+        shown = {**opts, **({"get_pages": get_pages} if get_pages != 128 else {})}
+        name = "HiCacheGDS" + (f" ({', '.join(f'{k}={v}' for k, v in shown.items())})" if shown else "")
+        out.append(Driver(name, b, pool, True, sys.getswitchinterval(), get_pages))
     sys.setswitchinterval(python_default)
     if "file" in which:
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile
@@ -221,7 +225,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", type=int, default=512, help="pages per backend per round (batches of 128)")
     ap.add_argument("--backends", default="gds,file,nixl,fio",
-                    help="any of gds,file,nixl,fio,raw; gds:key=value:... adds a HiCacheGDS column with those keys")
+                    help="any of gds,file,nixl,fio,raw; gds:key=value:... adds a HiCacheGDS column with those keys "
+                         "(gds:get_pages=16: its gets of 16 pages, as a split's tail is read)")
     ap.add_argument("--busy", action="store_true", help="a thread spinning in Python beside every backend's calls")
     ap.add_argument("--profile", action="store_true", help="cProfile the HiCacheGDS columns' gets in the last round")
     ap.add_argument("--timeline", action="store_true",
@@ -296,7 +301,8 @@ def main() -> None:
             with busy(), timeline as reads:
                 if prof is not None:
                     prof.enable()
-                ok = ok and all(d.get(keys[i:i + 128], dst[i:i + 128]) for i in range(0, n, 128))
+                g = d.get_pages
+                ok = ok and all(d.get(keys[i:i + g], dst[i:i + g]) for i in range(0, n, g))
                 if prof is not None:
                     prof.disable()
             t_get = time.perf_counter() - t0

@@ -1,6 +1,7 @@
 """`benchmarks/bench_sglang.py`'s request timeline (`--timeline`), on SGLang's own host pool: every
 read of the last round gets a record, one wait per posted request, in order, and the bytes still
-check (the timeline wraps the store's read path; it must not change what it returns)."""
+check (the timeline wraps the store's read path; it must not change what it returns); a column
+may read in gets of fewer pages (``get_pages``, a split's tail)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_timeline_records_every_request_of_each_read(tmp_path):
                                                        os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_sglang.py"), "--dir",
                            str(tmp_path / "bench"), "--rounds", "2", "--pages", "256", "--page-tokens", "16",
-                           "--backends", "gds", "--timeline", "--json", str(out)],
+                           "--backends", "gds,gds:get_pages=32", "--timeline", "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())["results"]["HiCacheGDS"]
@@ -33,3 +34,6 @@ def test_timeline_records_every_request_of_each_read(tmp_path):
         assert r["waits_ms"][0] >= r["posted_ms"][0] and r["end_ms"] >= r["waits_ms"][-1]
     assert proc.stdout.count("timeline of HiCacheGDS: 128 pages") == 2
     assert len(res["get"]) == 2 and not os.path.exists(tmp_path / "bench")  # bytes checked; nothing left behind
+    # a column reading in smaller gets (a split's tail): 8 gets of 32 pages, the bytes checked as well
+    small = json.loads(out.read_text())["results"]["HiCacheGDS (get_pages=32)"]
+    assert [r["pages"] for r in small["timeline"]] == [32] * 8 and len(small["get"]) == 2
