@@ -669,7 +669,7 @@ class LoadOrCompute:
         chunk = self.prefill.chunk if req is not None and rid not in self._tails and \
             (split == "always" or d <= 0) and self.can_split(cache, backend) else None
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps, part_min=part_min,
-                           split_chunk=chunk, split_grain=self._tail_pages(cache, backend, model) * ps)
+                           split_chunk=chunk, split_grain=self._tail_pages(cache, backend, model) * ps if chunk else None)
         if dec.action == "split":
             self._decided[rid] = ("split", new, held, int(dec.tokens or 0))
             self._split_plan[rid] = (int(dec.tokens or 0), int(dec.tail or 0), hit)
