@@ -171,7 +171,9 @@ class PolicyConfig:
     1.10-1.12x ``idle``'s). split_get: bytes per get of a split's tail
     (0: SGLang's own gets of 128 pages): the tail is prefetched as operations of that many bytes
     of pages, each counted when its get returns, so the part of a tail read by the time the
-    chunks reach it joins (`split.tail_pages`)."""
+    chunks reach it joins (`split.tail_pages`). Each get returns once its pages are verified, so
+    small gets read slower where checksums are slow (a 2-core machine: 128 MiB gets at 0.42-0.51x
+    the rate of 1 GiB gets; an H200's 16 cores kept up with the forecast)."""
 
     policy: str | None = None
     read_gbps: float | None = None
