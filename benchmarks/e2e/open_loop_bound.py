@@ -121,7 +121,7 @@ def simulate(arrivals: Sequence[float], tokens: Sequence[int], policy: str, srv:
             tail = srv.compute(srv.tail, h)
             t_c = g + srv.compute(h + srv.tail)
             best, head = t_c, None
-            read_to = None  # joined: tokens the disk reads (the rest of the tail is computed)
+            read_to = None  # joined: (GPU seconds, tail tokens the disk reads); the rest of the tail is computed
             if policy in ("per_request", "joined"):
                 t_l = max(d + srv.load(h), g) + tail
                 if t_l < t_c:
@@ -136,16 +136,17 @@ def simulate(arrivals: Sequence[float], tokens: Sequence[int], policy: str, srv:
                     secs = srv.compute(m) + srv.compute(h - m - f + srv.tail, m + f)
                     if g + secs < best:
                         best, head = g + secs, m
-                        read_to = (f, secs, min(h - m, -(-int(raw) // srv.grain) * srv.grain))
+                        read_to = (secs, min(h - m, -(-int(raw) // srv.grain) * srv.grain))
             elif policy == "split":
                 for m in range(0, h + 1, 256):
                     t_s = max(g + srv.compute(m), d + srv.load(h - m)) + tail
                     if t_s < best:
                         best, head = t_s, m
             if read_to is not None:  # one GPU job, its tail joined; the disk reads to the end of its get
-                disk_t = t + d + srv.load(read_to[2])
-                heapq.heappush(jobs, (t, k, read_to[1]))
-                queued_s += read_to[1]
+                secs, reads = read_to
+                disk_t = t + d + srv.load(reads)
+                heapq.heappush(jobs, (t, k, secs))
+                queued_s += secs
             elif head is None:
                 heapq.heappush(jobs, (t, k, srv.compute(h + srv.tail)))
                 queued_s += srv.compute(h + srv.tail)
@@ -246,8 +247,9 @@ def from_run(doc: dict[str, Any]) -> tuple[Server, list[int]]:
     page = int(args.get("page_size") or 64)
     try:  # the plugin's tail gets (``policy_split_get``'s default), else page by page
         from hicache_gds_sglang.policy import PolicyConfig
-        from hicache_gds_sglang.split import tail_pages
-        grain = page * (tail_pages(int(kv) * page, PolicyConfig().split_get, -(-256 // page)) or 1)
+        from hicache_gds_sglang.split import batch_pages, tail_pages
+        # 256: SGLang's default prefetch threshold, below which its prefetch thread revokes an operation
+        grain = page * (tail_pages(int(kv) * page, PolicyConfig().split_get, -(-256 // page)) or batch_pages())
     except ImportError:
         grain = page
     return Server(a=a, b=b, c0=c0, read_Bps=float(read) * 1e6, kv_bytes=float(kv), tail=suffix,

@@ -281,7 +281,7 @@ def _register_policy(registry: Any, hook_type: Any) -> None:
             policy.SPLIT_HOOKED[0] = True
     if not policy.SPLIT_HOOKED[0]:
         log.info("hicache-gds: this SGLang has no join point for a split hit (%s); policy_split does nothing",
-                 _JOIN.rsplit(".", 2)[-2] + "." + _JOIN.rsplit(".", 1)[-1])
+                 ".".join(_JOIN.rsplit(".", 2)[-2:]))
     if all(_resolve(p) is not None for p in _READY):
         for path, hook, kind in zip(_READY, (hooks.after_calc_priority, hooks.around_add_chunked_req,
                                              hooks.around_add_one_req), (hook_type.AFTER, hook_type.AROUND,

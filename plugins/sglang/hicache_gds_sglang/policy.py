@@ -671,7 +671,9 @@ class LoadOrCompute:
         chunk = self.prefill.chunk if req is not None and rid not in self._tails and \
             (split == "always" or d <= 0) and self.can_split(cache, backend) else None
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps, part_min=part_min,
-                           split_chunk=chunk, split_grain=self._tail_pages(cache, backend, model) * ps if chunk else None)
+                           split_chunk=chunk,
+                           split_grain=(self._tail_pages(cache, backend, model) or split_mod.batch_pages()) * ps
+                           if chunk else None)
         if dec.action == "split":
             self._decided[rid] = ("split", new, held, int(dec.tokens or 0))
             self._split_plan[rid] = (int(dec.tokens or 0), int(dec.tail or 0), hit)
@@ -976,12 +978,13 @@ class LoadOrCompute:
         return bool(backend.policy_config.split != "off" and SPLIT_HOOKED[0] and self.prefill.chunk
                     and split_mod.supported(cache) and _single_rank(cache))
 
-    def _tail_pages(self, cache: Any, backend: Any, model: CostModel) -> int:
-        """Pages per operation (and get) of a split's tail (`split.tail_pages`)."""
+    @staticmethod
+    def _tail_pages(cache: Any, backend: Any, model: CostModel) -> int | None:
+        """Pages per operation (and get) of a split's tail (`split.tail_pages`; None: the tail is
+        one operation, read in SGLang's own gets)."""
         ps = max(1, int(getattr(cache, "page_size", 1) or 1))
         threshold = -(-int(getattr(cache, "prefetch_threshold", 0) or 0) // ps)
-        n = split_mod.tail_pages(int(model.bytes_per_token * ps), backend.policy_config.split_get, threshold)
-        return split_mod.batch_pages() if n is None else n
+        return split_mod.tail_pages(int(model.bytes_per_token * ps), backend.policy_config.split_get, threshold)
 
     def start_tail(self, cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any,
                    prefix_keys: Any) -> bool:
@@ -994,8 +997,7 @@ class LoadOrCompute:
         head, expect, hit = plan
         matched = _on_gpu(req) + int(getattr(req, "host_hit_length", 0) or 0)
         backend, model = _backend(cache), self._model
-        per_op = None if backend is None or model is None or not backend.policy_config.split_get else \
-            self._tail_pages(cache, backend, model)
+        per_op = None if backend is None or model is None else self._tail_pages(cache, backend, model)
         tail = split_mod.start(cache, rid, last_host_node, tokens, last_hash, prefix_keys, matched=matched,
                                head=head, expect=expect, pages_per_op=per_op)
         if tail is None:
@@ -1022,12 +1024,8 @@ class LoadOrCompute:
         read, complete, alive = split_mod.progress(cache, tail)
         if alive and not complete and self._wait_for_tail(req, tail, cached, read):
             return 0
+        grown = split_mod.join(cache, req, tail)  # where it raises, the hook drops the tail (`cancel`)
         del self._tails[rid]
-        try:
-            grown = split_mod.join(cache, req, tail)
-        except Exception:
-            split_mod.cancel(cache, tail)  # what it left in flight (ended operations are gone: a no-op for them)
-            raise
         if grown > 0:
             self.counts["split_joined"] += 1
             self.counts["split_tokens"] += grown
