@@ -161,8 +161,9 @@ def test_swapped_repeated_and_torn_blocks_change_it():
     assert C.checksum(np.zeros(4096, np.uint8)) != C.checksum(np.zeros(8192, np.uint8))
 
 
-def test_the_store_checksums_with_this_definition(gds_dir):
-    from hicache_gds import PageStore, Pages
+def test_the_store_checksums_host_pages_with_xxh3(gds_dir):
+    """Host pages are recorded with xxh3 (even); hgc1 is what GPU memory writes (tests/test_pagesum.py)."""
+    from hicache_gds import PageStore, Pages, pagesum
     page = 3 * 4096 + 512
     with PageStore(page, {"t": "ck"}, config={"gds_path": gds_dir, "capacity": 8 * 16384, "engine": "bounce"}) as s:
         buf = HostBuffer(4 * page)
@@ -171,7 +172,8 @@ def test_the_store_checksums_with_this_definition(gds_dir):
         buf.numpy()[:] = data
         assert s.put(["a", "b", "c", "d"], Pages.contiguous(buf.addr, page, range(4))) == [True] * 4
         rows = s.index.peek(["a", "b", "c", "d"])
-        assert [rows[k].csum for k in "abcd"] == [C.checksum(data[i * page:(i + 1) * page]) for i in range(4)]
+        assert [rows[k].csum for k in "abcd"] == [pagesum.page_sum(data[i * page:(i + 1) * page]) for i in range(4)]
+        assert all(pagesum.kind_of(rows[k].csum) == pagesum.XXH3 for k in "abcd")
 
 
 _TRITON = textwrap.dedent("""

@@ -140,8 +140,8 @@ def test_device_pages_carry_a_checksum_and_a_damaged_one_reads_as_a_miss(gds_dir
         ks = [f"d{i}" for i in range(n)]
         assert s.put(ks, Pages.contiguous(src.addr, PAGE, range(n), MemKind.VRAM)) == [True] * n
         rows = s.index.peek(ks)
-        # one definition: the device-side value is the host checksum of the same bytes
-        assert [rows[k].csum for k in ks] == [C.checksum(data[i * PAGE:(i + 1) * PAGE]) for i in range(n)]
+        # device pages carry hgc1 (odd): the GPU kernel's value is the host definition's for the same bytes
+        assert [rows[k].csum for k in ks] == [C.checksum(data[i * PAGE:(i + 1) * PAGE]) | 1 for i in range(n)]
         _damage(s, ks[2], PAGE)
         _damage(s, ks[5], PAGE)
         dst.numpy()[:] = 0xEE
@@ -191,7 +191,7 @@ def test_device_pages_in_segments_are_checksummed_as_their_concatenation(gds_dir
         assert all(s.put(ks, Pages(addrs, lens, MemKind.VRAM)))
         rows = s.index.peek(ks)
         arr = data.reshape(nseg, n, seg)
-        assert [rows[k].csum for k in ks] == [C.checksum(arr[:, i, :].ravel()) for i in range(n)]
+        assert [rows[k].csum for k in ks] == [C.checksum(arr[:, i, :].ravel()) | 1 for i in range(n)]
         pool.numpy()[:] = 0
         assert all(s.get(ks, Pages(addrs, lens, MemKind.VRAM))) and np.array_equal(pool.numpy(), data)
 
@@ -228,7 +228,7 @@ def test_device_pages_spanning_requests_are_verified_once_after_their_last_reque
         assert s.put(ks, wide) == [True] * n
         arr = data.reshape(nseg, n, seg)
         rows = s.index.peek(ks)
-        assert [rows[k].csum for k in ks] == [C.checksum(arr[:, i, :].ravel()) for i in range(n)]
+        assert [rows[k].csum for k in ks] == [C.checksum(arr[:, i, :].ravel()) | 1 for i in range(n)]
         _damage(s, ks[1], 2 * page - seg)  # the page's 8th segment: rows of its last request
         pool.numpy()[:] = 0xEE
         judged.clear()

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_ROOT, "plugins", "sglang"))
 
-from hicache_gds import checksum as C  # noqa: E402
+from hicache_gds import MemKind, pagesum  # noqa: E402
 from hicache_gds_sglang.linker import GDSLinker  # noqa: E402
 
 import linker_helpers as lh  # noqa: E402
@@ -50,9 +50,10 @@ def test_a_damaged_page_fails_the_load_before_its_last_layers_and_is_dropped(gds
         assert lh.wait_offloads(lk, 1) == [True]
         stored = lk.scheme.keys(keys)
         rows = lk.store.index.peek(stored)
-        # the offloaded pages' checksums: the one definition, over the page as stored
-        assert [rows[k].csum for k in stored] == [C.checksum(lh.page_bytes(pool, p).numpy(), lk.store_page_bytes)
-                                                  for p in range(4)]
+        # the offloaded pages' checksums, over the page as stored: xxh3 from host memory, hgc1 from device memory
+        kind = pagesum.HGC1 if lk.kind is MemKind.VRAM else pagesum.XXH3
+        assert [rows[k].csum for k in stored] == [pagesum.page_sum(lh.page_bytes(pool, p).numpy(), lk.store_page_bytes,
+                                                                   kind) for p in range(4)]
         assert lh.run_load(lk, pool, "ok", keys, range(8, 12))
         _damage(lk, stored[1])
         done = []
@@ -79,7 +80,7 @@ def test_verification_off_loads_without_checking(gds_dir):
         assert lh.wait_offloads(lk, 1) == [True]
         lk.page_checksums_called = 0
         real = lk.store.page_checksums
-        lk.store.page_checksums = lambda p: (setattr(lk, "page_checksums_called", 1), real(p))[1]
+        lk.store.page_checksums = lambda p, **kw: (setattr(lk, "page_checksums_called", 1), real(p, **kw))[1]
         assert lh.run_load(lk, pool, "r", keys, [8, 9]) and lk.page_checksums_called == 0
     finally:
         lk.close()

@@ -477,11 +477,12 @@ def test_checksum_threads_cut_a_batch_across_that_many_tasks(gds_dir, monkeypatc
     """`checksum_threads` (0: the hashing pool's size, here made 4) is how many tasks one batch's
     host checksums are cut into; 1 sums them on the calling thread. Whatever the cut, every byte
     round-trips and a flipped byte is still a miss."""
-    from hicache_gds import checksum as ck
+    from hicache_gds import pagesum as ps
     from hicache_gds.store import mover as store_mod
     monkeypatch.setattr(store_mod, "_hash_threads", lambda: 4)
-    sizes, real = [], ck.host_checksums
-    monkeypatch.setattr(ck, "host_checksums", lambda segs, nbytes: sizes.append(len(segs)) or real(segs, nbytes))
+    monkeypatch.setattr(store_mod, "_XXH3_SPLIT_BYTES", 0)  # cut even these few small pages
+    sizes, real = [], ps.host_sums
+    monkeypatch.setattr(ps, "host_sums", lambda segs, nbytes, odd=None: sizes.append(len(segs)) or real(segs, nbytes, odd))
     if threads == 1:
         monkeypatch.setattr(store_mod, "_hasher", lambda: pytest.fail("checksum_threads=1 used the hashing pool"))
     with open_store(gds_dir, config={"checksum_threads": threads, "max_request_bytes": 8 * P}) as s:

@@ -303,6 +303,42 @@ def raw_disk(directory: str, size: str) -> dict[str, Any]:
     return res
 
 
+def written_sectors(directories: Sequence[str]) -> dict[str, int]:
+    """Sectors written so far by the block device under each directory (/sys/dev/block/M:m/stat,
+    field 7), by device. The one drain signal that works for slab files, which are preallocated:
+    `du` and file sizes do not move when their pages are written."""
+    out: dict[str, int] = {}
+    for d in directories:
+        st = os.stat(d).st_dev
+        dev = f"{os.major(st)}:{os.minor(st)}"
+        if dev in out:
+            continue
+        try:
+            with open(f"/sys/dev/block/{dev}/stat") as f:
+                out[dev] = int(f.read().split()[6])
+        except (OSError, IndexError, ValueError):
+            out[dev] = -1  # no block device behind it (tmpfs, overlay): nothing to wait for
+    return out
+
+
+def wait_writes_quiet(directories: Sequence[str], quiet_s: float, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Wait until no device under `directories` has written a sector for `quiet_s` seconds (the
+    store's write-back drained), at most `timeout_s`. Returns how long it waited and what was written."""
+    t0 = time.monotonic()
+    first = last = written_sectors(directories)
+    since = t0
+    while quiet_s > 0 and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.25)
+        now = written_sectors(directories)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    moved = {k: (last[k] - first[k]) * 512 for k in last if first.get(k, -1) >= 0}
+    return {"waited_s": round(time.monotonic() - t0, 2), "quiet": time.monotonic() - since >= quiet_s,
+            "bytes_written": moved}
+
+
 def overwrite(directory: str, gib: float) -> dict[str, Any]:
     """Write `gib` GiB of random data to a file in `directory` (O_DIRECT, fsynced) and delete it.
 

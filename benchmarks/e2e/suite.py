@@ -57,7 +57,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2elib import (Result, Server, _jsonable, admin, backed_up_tokens, drop_caches, free_port,  # noqa: E402
                     generate, install_guard, log_facts, machine, metrics_lines, model_info, overwrite, pct, raw_disk,
-                    stop_leftovers, tokens, versions)
+                    stop_leftovers, tokens, versions, wait_writes_quiet)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEY = "hicache-gds-suite"
@@ -175,14 +175,25 @@ def server_command(a: argparse.Namespace, port: int) -> tuple[list[str], dict[st
         "--hicache-storage-backend", "gds", "--hicache-storage-prefetch-policy", "wait_complete",
         "--hicache-storage-backend-extra-config", json.dumps(gds_extra(a))]
     env = dict(os.environ)
-    env["GDS_PATH"] = os.path.join(a.dir, "gds")
+    env["GDS_PATH"] = ",".join(gds_dirs(a))
     env["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] = os.path.join(a.dir, "nixl")
-    for d in (env["GDS_PATH"], env["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"]):
+    for d in (*gds_dirs(a), env["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"]):
         os.makedirs(d, mode=0o700, exist_ok=True)  # the server opens its backend at start: GDS_PATH must exist
     env["SGLANG_HICACHE_NIXL_BACKEND_PLUGIN"] = "POSIX"
     if getattr(a, "trace", False):  # the prefetch timeline of every backend (trace_report.py reads it)
         env["HICACHE_GDS_TRACE"] = "1"
     return cmd, env
+
+
+def gds_dirs(a: argparse.Namespace) -> list[str]:
+    """hicache-gds' directories (its GDS_PATH): ``--gds-path``'s, else ``<dir>/gds``."""
+    given = [d for d in (getattr(a, "gds_path", "") or "").split(",") if d]
+    return [os.path.join(d, "gds") for d in given] if given else [os.path.join(a.dir, "gds")]
+
+
+def l3_dirs(a: argparse.Namespace) -> list[str]:
+    """Every directory an L3 of this run writes to (the devices whose writes must drain)."""
+    return [*gds_dirs(a), os.path.join(a.dir, "nixl")]
 
 
 def stored_pages(a: argparse.Namespace, backend: str) -> int:
@@ -198,7 +209,8 @@ def stored_pages(a: argparse.Namespace, backend: str) -> int:
             return 0
     from hicache_gds import read_keys
     from hicache_gds.index import INDEX_FILE
-    return sum(len(read_keys(os.path.dirname(p))) for p in glob.glob(os.path.join(d, "**", INDEX_FILE), recursive=True))
+    return sum(len(read_keys(os.path.dirname(p))) for g in gds_dirs(a)
+               for p in glob.glob(os.path.join(g, "**", INDEX_FILE), recursive=True))
 
 
 class Switch:
@@ -398,7 +410,8 @@ class Suite:
                 break
             time.sleep(0.5)
         pages = stored_pages(self.a, backend)
-        self.doc["populated"][backend] = {"prompts": idx, "pages": pages, "expected_pages": want,
+        quiet = {} if self.a.fake else wait_writes_quiet(l3_dirs(self.a), self.a.quiet_s)
+        self.doc["populated"][backend] = {"prompts": idx, "pages": pages, "expected_pages": want, "write_quiet": quiet,
                                           "min_pages": min(pages, want), "errors": [r.error for r in rs if r.error],
                                           "seconds": round(time.monotonic() - t, 1),
                                           "backed_up_tokens": backed_up_tokens(self.srv)}
@@ -412,11 +425,13 @@ class Suite:
         t = time.monotonic()
         self.switch.to(cell["config"])
         self.switch.flush()
+        # the write-back of the cell before has drained (a device busy writing reads slower)
+        quiet = {} if self.a.fake else wait_writes_quiet(l3_dirs(self.a), self.a.quiet_s, timeout_s=60.0)
         page_cache = drop_caches()
         time.sleep(0.5)
         t_run = time.monotonic()
         rs = run_workload(self.srv, cell, self.a, self.lens)
-        rec = dict(cell, results=rs, stats=cell_stats(rs), page_cache=page_cache,
+        rec = dict(cell, results=rs, stats=cell_stats(rs), page_cache=page_cache, write_quiet=quiet,
                    switch_s=round(t_run - t, 2), wall_s=round(time.monotonic() - t, 1),
                    at=time.strftime("%H:%M:%S"))
         if cell["config"].startswith("gds"):
@@ -504,6 +519,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overwrite-gib", type=float, default=0.0,
                    help="after writing the L3s, write (and delete) this many GiB on the same disk, so a virtual "
                         "disk's host cache holds neither backend's pages (disk_recency.sh measures the effect)")
+    g.add_argument("--gds-path", default="",
+                   help="comma-separated directories for hicache-gds' L3 (one per device: pages striped across "
+                        "them; each gets a gds/ folder); default <dir>/gds")
+    g.add_argument("--quiet-s", type=float, default=5.0,
+                   help="before each measurement and after writing the L3s, wait until the L3 devices have "
+                        "written nothing for this long (their sectors written, /sys/dev/block; 0: no wait)")
     g.add_argument("--trace", action="store_true",
                    help="log each request's prefetch timeline in the server (HICACHE_GDS_TRACE=1; trace_report.py)")
 

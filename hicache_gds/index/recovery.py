@@ -68,7 +68,7 @@ def open_database(db_path: str, meta: Mapping[str, str] | None, nslots: int, *, 
                             "namespace's slab file remains; starting the namespace empty", db_path)
             if changed == [ondisk.FORMAT_KEY]:  # an earlier version's namespace: its pages are never served
                 log.info("index %s holds pages of on-disk format %s (an earlier hicache-gds); this version writes "
-                         "format %s (one checksum for host and GPU pages, directory order recorded): starting the "
+                         "format %s (checksums host reads verify at xxh3 speed; see hicache_gds.slabs.ondisk): starting the "
                          "namespace empty", db_path, ondisk.legacy_format(stored), meta[ondisk.FORMAT_KEY])
             elif changed:
                 log.warning("index %s was written with other settings (%s); starting the namespace empty",

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .. import checksum
+from .. import pagesum
 from ..config import Config
 from ..engines.base import MemKind, TransferEngine
 from ..layout import Pages
@@ -148,12 +148,13 @@ class TieredStore(Store):
         """The local tier's engine's (None without a local tier)."""
         return self.local.capabilities if self.local is not None else None
 
-    def page_checksums(self, pages: Pages) -> Any:
+    def page_checksums(self, pages: Pages, like: Any = None) -> Any:
         # docstring inherited
         if self.local is None:
-            return np.array([checksum.host_checksum(zip(pages.addrs[j].tolist(), pages.lens[j].tolist()),
-                                                    self.page_bytes) for j in range(len(pages))], dtype=np.int64)
-        return self.local.page_checksums(pages)
+            segs = [list(zip(pages.addrs[j].tolist(), pages.lens[j].tolist())) for j in range(len(pages))]
+            odd = None if like is None else pagesum.kinds_of(like).tolist()
+            return np.array(pagesum.host_sums(segs, self.page_bytes, odd), dtype=np.int64)
+        return self.local.page_checksums(pages, like)
 
     def lease(self, keys: Sequence[str]) -> Lease:
         """The local tier's lease (GPU-direct reads come from NVMe); pages only in the remote tier

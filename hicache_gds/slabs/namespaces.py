@@ -326,7 +326,7 @@ def _check(reader: _SlotReader, entry: Any, csum: Callable[[Any, int], int]) -> 
         return got
     if entry.nbytes > reader.slot_bytes:
         return f"its row says {entry.nbytes} bytes, more than a slot"
-    return "" if csum(got[:entry.nbytes], entry.nbytes) == entry.csum else "checksum mismatch"
+    return "" if csum(got[:entry.nbytes], entry.nbytes, entry.csum) == entry.csum else "checksum mismatch"
 
 
 def verify(ns: Namespace, *, drop: bool = True, progress: Callable[[int, int], None] | None = None) -> VerifyReport:

@@ -2,7 +2,7 @@
 how a page is checksummed. The store (`PageStore`, `PageReader`) and `hicache-gds verify` both use
 this module, so they can never disagree.
 
-Format 2 (`FORMAT`), recorded with the namespace (its index's ``format`` setting, and
+Format 3 (`FORMAT`), recorded with the namespace (its index's ``format`` setting, and
 ``namespace.json``):
 
 * **Slot placement** (`place`): slot s lives in the namespace's directory s % n, at offset
@@ -13,8 +13,14 @@ Format 2 (`FORMAT`), recorded with the namespace (its index's ``format`` setting
   was created) and the directory's position. An open finds the namespace's directories in any order (and uses the recorded one,
   with an INFO line); a directory that is missing, or holds no part of this namespace (another
   stripe, no marker), is refused with an error naming it -- never read as if it were another.
-* **Page checksum** (`checksum.NAME`): the one definition for host and device pages
-  (`hicache_gds.checksum`); every page carries one.
+* **Page checksum** (`hicache_gds.pagesum`): every page carries one, of the kind its writer
+  computes fastest, told by the recorded value's lowest bit: xxh3 (even) for pages written from
+  host memory, hgc1 (odd, `hicache_gds.checksum`) for pages written from GPU memory. A reader
+  checks the kind recorded, on host or device pages alike.
+
+Format 2: as 3, but every page carried hgc1 unmarked (its numpy sums cost host reads most of their
+rate on fast devices with few cores). A store opens such a namespace empty (one INFO line);
+`verify` still checks its pages.
 
 Format 1 (before): slots placed by `GDS_PATH`'s order (only the count was recorded), xxh3-64
 checksums of host pages and 0 (never verified) for pages written from GPU memory. A store opens
@@ -32,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import checksum
+from .. import checksum, pagesum
 from ..errors import ConfigError
 
 __all__ = ["FORMAT", "FORMAT_KEY", "place", "stripe_order", "ensure_stripe", "page_checksum",
@@ -40,7 +46,7 @@ __all__ = ["FORMAT", "FORMAT_KEY", "place", "stripe_order", "ensure_stripe", "pa
 
 log = logging.getLogger("hicache_gds.ondisk")
 
-FORMAT = 2
+FORMAT = 3
 FORMAT_KEY = "format"
 """The index setting (and namespace.json field) that records a namespace's format."""
 
@@ -54,18 +60,29 @@ def place(slots: Any, ndirs: int, slot_bytes: int) -> tuple[np.ndarray, np.ndarr
 
 # -- page checksums by format ------------------------------------------------------------------------
 
-def _xxh3(data: Any, nbytes: int) -> int:
+def _xxh3(data: Any, nbytes: int, recorded: int = 0) -> int:
     import xxhash
     return checksum.to_sqlite(xxhash.xxh3_64_intdigest(data))
 
 
-def page_checksum(fmt: int = FORMAT) -> Callable[[Any, int], int]:
-    """fn(bytes-like page, page length) -> the checksum format `fmt` records for it."""
+def _hgc1(data: Any, nbytes: int, recorded: int = 0) -> int:
+    return checksum.checksum(data, nbytes)
+
+
+def _tagged(data: Any, nbytes: int, recorded: int = 0) -> int:
+    return pagesum.page_sum(data, nbytes, pagesum.kind_of(recorded) if recorded else pagesum.XXH3)
+
+
+def page_checksum(fmt: int = FORMAT) -> Callable[[Any, int, int], int]:
+    """fn(bytes-like page, page length, its recorded checksum) -> the checksum format `fmt` records
+    for it (format 3: of the kind the recorded value is of)."""
     if fmt == FORMAT:
-        return checksum.checksum
+        return _tagged
+    if fmt == 2:
+        return _hgc1
     if fmt == 1:
         return _xxh3
-    raise ConfigError(f"namespace format {fmt} is not known to this version (it knows 1 and {FORMAT})")
+    raise ConfigError(f"namespace format {fmt} is not known to this version (it knows 1 to {FORMAT})")
 
 
 def legacy_format(stored: dict[str, str]) -> int:

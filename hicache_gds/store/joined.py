@@ -104,7 +104,7 @@ class JoinedStore(Store):
     def deregister_memory(self, addr: int) -> None:
         raise self._refuse("deregister_memory")
 
-    def page_checksums(self, pages: Pages) -> np.ndarray:
+    def page_checksums(self, pages: Pages, like: np.ndarray | None = None) -> np.ndarray:
         raise self._refuse("page_checksums")
 
     @property

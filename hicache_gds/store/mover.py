@@ -3,8 +3,8 @@
 A request is prepared (`_prepare`: staging lent and filled where pages must be staged), posted in
 requests within the engine's limits (`_run`: descriptors cut to ``max_desc_bytes``, batches of
 about an eighth of the call so checksums of one overlap the IO of the next), waited for (never
-past ``io_timeout``) and checksummed (`hicache_gds.checksum`: one definition for host and device
-pages). Once anything is posted nothing raises: a failure is a page's status (`TIMEOUT` where its
+past ``io_timeout``) and checksummed (`hicache_gds.pagesum`: xxh3 where the bytes are summed in
+host memory, hgc1 on the GPU; a read checks the kind its page records). Once anything is posted nothing raises: a failure is a page's status (`TIMEOUT` where its
 IO may still land, and the staging it used is held until it finishes).
 
 `PageStore` and `PageReader` are page movers over their own index; `post_rows` is the same
@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .. import checksum
+from .. import checksum, pagesum
 from ..config import Config
 from ..engines.base import MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
 from ..errors import RegionError, StoreClosedError, TransferError, TransferTimeout
@@ -64,7 +64,10 @@ _READ_WINDOW_MIN = 2
 _WINDOW_PROBE_EVERY = 64
 _DEVICE_POST_SHARE: dict[tuple[Any, ...], float] = {}
 OK, FAIL, TIMEOUT, BADSUM = 1, 0, 2, 3  # a page's status after a request
-MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at most
+MAX_SINGLE_RETRIES = 64
+# xxh3 hashes 25-30 GB/s a core: a request's pages (1/8 of a batch) are hashed on the thread that
+# finishes them; a whole batch's (a write's, 256 MiB) are cut across the hashing threads.
+_XXH3_SPLIT_BYTES = 64 << 20  # failed pages of a read re-read one request each, at most
 
 _hash_pool: ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()
@@ -506,7 +509,7 @@ class PageMover:
                 self._scatter(pages, buf, a, b)
             if expect is not None:
                 todo = [j for j in range(a, b) if expect[j]]
-                for j, got in zip(todo, self._page_sums(pages, None, todo)):
+                for j, got in zip(todo, self._page_sums(pages, None, todo, like=expect[todo])):
                     if got != expect[j]:
                         status[j] = BADSUM
         except Exception as exc:  # noqa: BLE001 -- such pages are failed reads, not bad pages
@@ -526,40 +529,46 @@ class PageMover:
     def _scatter(self, pages: Pages, buf: HostBuffer, a: int, b: int) -> None:
         scatter(pages, buf, a, b, self.slot_bytes, self.page_bytes)
 
-    def page_checksums(self, pages: Pages) -> np.ndarray:
-        """The checksum each page would be stored with (int64 per page; `hicache_gds.checksum`): for
+    def page_checksums(self, pages: Pages, like: np.ndarray | None = None) -> np.ndarray:
+        """The checksum each page would be stored with (int64 per page; `hicache_gds.pagesum`): for
         GPU-direct paths that move a store's pages themselves and check them where they land (pages
-        shorter than `page_bytes` count as zero-padded). Device pages are summed on their GPU, after
-        the work queued on this thread's stream of it."""
+        shorter than `page_bytes` count as zero-padded). Host pages get xxh3, device pages hgc1 (on
+        their GPU, after the work queued on this thread's stream of it); with `like` (recorded
+        checksums, one per page), each page gets the kind its `like` value is of, as a read that
+        verifies it must."""
         if len(pages) and int(pages.page_nbytes.max()) > self.page_bytes:
             raise RegionError(f"pages of {int(pages.page_nbytes.max())} bytes exceed this store's {self.page_bytes}")
-        if pages.kind is MemKind.VRAM:
-            return np.asarray(self._device_sums(pages.addrs, pages.lens, self.page_bytes), dtype=np.int64)
-        return np.array([checksum.host_checksum(zip(pages.addrs[j].tolist(), pages.lens[j].tolist()),
-                                                self.page_bytes) for j in range(len(pages))], dtype=np.int64)
+        return np.asarray(self._page_sums(pages, None, range(len(pages)), like=like), dtype=np.int64)
 
-    def _page_sums(self, pages: Pages, buf: HostBuffer | None, idx: Sequence[int]) -> list[int]:
-        """The checksum (`hicache_gds.checksum`) of each page in `idx`: device pages on their GPU, all
-        in one launch; host pages on the hashing threads when there are several."""
+    def _page_sums(self, pages: Pages, buf: HostBuffer | None, idx: Sequence[int],
+                   like: Any = None) -> list[int]:
+        """The checksum (`hicache_gds.pagesum`) of each page in `idx` (from `buf`, where staged): of
+        the kind its `like` value records, else xxh3 for bytes summed in host memory and hgc1 for
+        device pages (on their GPU, all in one launch). Host pages are cut across the hashing
+        threads where there are several hgc1 pages or `_XXH3_SPLIT_BYTES` of xxh3 (5x faster:
+        below that the caller's thread does it, sparing the hand-offs)."""
         idx = list(idx)
         if not idx:
             return []
+        odd = None if like is None else pagesum.kinds_of(np.asarray(like, dtype=np.int64).reshape(-1))
         if buf is None and pages.kind is MemKind.VRAM:
             sel = pages.select(idx)
-            return self._device_sums(sel.addrs, sel.lens, self.page_bytes).tolist()
+            return pagesum.device_sums(sel.addrs, sel.lens, self.page_bytes, odd, self._device_sums).tolist()
         if buf is not None:
             segs = [[(buf.addr + j * self.slot_bytes, self.page_bytes)] for j in idx]
         else:
             segs = [list(zip(pages.addrs[j].tolist(), pages.lens[j].tolist())) for j in idx]
+        hgc1 = [False] * len(idx) if odd is None else odd.tolist()
         threads = min(_hash_threads(), self.config.checksum_threads or _hash_threads())
-        pool = _hasher() if len(idx) > 1 and threads > 1 else None
+        split = sum(hgc1) > 1 or len(idx) * self.page_bytes >= _XXH3_SPLIT_BYTES
+        pool = _hasher() if split and len(idx) > 1 and threads > 1 else None
         if pool is None:
-            return checksum.host_checksums(segs, self.page_bytes)
+            return pagesum.host_sums(segs, self.page_bytes, hgc1)
         # One task per thread: a task sums its pages' segments that lie end to end in one numpy
         # call and folds them at once; every task and call is a GIL hand-off, which a busy thread
         # in the host process makes cost up to a switch interval.
         step = -(-len(segs) // threads)
-        parts = pool.map(lambda a: checksum.host_checksums(segs[a:a + step], self.page_bytes),
+        parts = pool.map(lambda a: pagesum.host_sums(segs[a:a + step], self.page_bytes, hgc1[a:a + step]),
                          range(0, len(segs), step))
         return [c for part in parts for c in part]
 

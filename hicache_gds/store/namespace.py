@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from .. import checksum
+from .. import pagesum
 from ..slabs import ondisk
 from ..slabs.capacity import Sizing, size_namespace
 from ..config import Config
@@ -151,7 +151,7 @@ def _write_meta(dirs: Sequence[str], identity: Mapping[str, Any], slot_bytes: in
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"identity": identity, "slot_bytes": slot_bytes, "dirs": list(dirs),
-                   ondisk.FORMAT_KEY: ondisk.FORMAT, "checksum": checksum.NAME}, f, indent=1)
+                   ondisk.FORMAT_KEY: ondisk.FORMAT, "checksum": pagesum.NAME}, f, indent=1)
     os.replace(tmp, path)
 
 

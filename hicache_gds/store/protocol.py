@@ -150,8 +150,10 @@ class Store(abc.ABC):
         """Forget a buffer registered with `register_memory` (before freeing it)."""
 
     @abc.abstractmethod
-    def page_checksums(self, pages: Pages) -> np.ndarray:
-        """The checksum each page would be stored with (int64 per page)."""
+    def page_checksums(self, pages: Pages, like: np.ndarray | None = None) -> np.ndarray:
+        """The checksum each page would be stored with (int64 per page; `hicache_gds.pagesum`); with
+        `like` (recorded checksums, e.g. a lease's), each of the kind its `like` value is of: what a
+        path that reads pages itself compares with the recorded ones."""
 
     @property
     @abc.abstractmethod

@@ -71,11 +71,18 @@ def _inject(fault: str, store: Any) -> Iterator[None]:
         eng.register_memory = refuse
         undo.append(lambda: eng.__dict__.pop("register_memory", None))
     elif fault == "exception while checksumming":
-        try:  # the one checksum definition (this version), or the store's own xxh3 (earlier ones)
+        try:  # both checksum kinds (this version: pagesum), the one definition (earlier ones)
             from .. import checksum as ck
-            for name in ("host_checksum", "host_checksums"):
-                undo.append(lambda name=name, real=getattr(ck, name): setattr(ck, name, real))
-                setattr(ck, name, boom)
+            mods = [(ck, ("host_checksum", "host_checksums"))]
+            try:
+                from .. import pagesum as ps
+                mods.append((ps, ("host_sums", "xxh3_of")))
+            except ImportError:
+                pass
+            for mod, names in mods:
+                for name in names:
+                    undo.append(lambda mod=mod, name=name, real=getattr(mod, name): setattr(mod, name, real))
+                    setattr(mod, name, boom)
         except ImportError:
             pass
         if hasattr(store_mod, "_csum"):

@@ -22,8 +22,8 @@ and read the writer's namespace through the core's read-only `PageReader` (no lo
 written, every page checked against its checksum).
 
 For the ``compute_or_load`` prefetch policy (`policy`): `read_rate` measures the KV store's gets
-(bytes and seconds of each `batch_get_v1`, seeded before the first from ``policy_read_gbps`` or
-the estimate persisted in the KV namespace directory), `read_progress` says how far the get in
+(bytes and seconds of each `batch_get_v1`, seeded before the first from ``policy_read_gbps``, the
+estimate persisted in the KV namespace directory, or a short O_DIRECT read of its directories), `read_progress` says how far the get in
 flight has come, and `cancel_read` cuts short the reads of a prefetch the policy stopped: with ``policy_read_slice`` set, a get
 reads in slices of that many bytes and checks between them (by default it does not: whole gets).
 """
@@ -46,6 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 from hicache_gds import COST_STATE_FILE as STATE_FILE
 from hicache_gds import (ConfigError, ReadRate, align_up, default_budget, load_state, namespace_created,
                          namespace_location, open_store, save_state)
+from hicache_gds.probe import probe_read_rate
 
 from .naming import KeyScheme, load_config, namespace_identity
 from .policy import PolicyConfig
@@ -227,7 +228,8 @@ class HiCacheGDS(HiCacheStorage):
         """The KV namespace's read rate: the one this process already measures for it (a backend
         detached and attached again keeps its history), else a new one seeded before the first get
         with ``policy_read_gbps``, else with the estimate an earlier run persisted in the namespace
-        directory (`hicache_gds.costmodel.STATE_FILE`)."""
+        directory (`hicache_gds.costmodel.STATE_FILE`), else with a short O_DIRECT read of the
+        namespace's directories (`hicache_gds.probe`: under a second at 1 GB/s)."""
         try:
             dirs = kv.store.stats().get("dirs") or []
             self._cost_path = None if kv.read_only or not dirs else os.path.join(dirs[0], STATE_FILE)
@@ -250,6 +252,15 @@ class HiCacheGDS(HiCacheStorage):
                 age = max(0.0, time.time() - float(st.get("saved_at", 0)))
                 self.read_rate.seed(float(r), f"persisted {age / 3600:.1f} h ago" if age >= 3600
                                     else f"persisted {age:.0f} s ago")
+                return
+            # Nothing known (a fresh store): measure the directories now, so that the first
+            # decisions weigh a load against a real rate rather than recomputing every hit.
+            got, why = probe_read_rate(dirs)
+            if got is None:
+                log.info("hicache-gds: no read rate known before the first get (%s)", why)
+                return
+            self.read_rate.seed(got.bytes_per_s, got.source)
+            log.info("hicache-gds: read rate %.2f GB/s, %s, in %.2f s", got.bytes_per_s / 1e9, got.source, got.seconds)
         except Exception as exc:  # noqa: BLE001 -- an estimate is never worth failing the attach
             log.warning("hicache-gds: no read-rate estimate from an earlier run (%s)", exc)
 

@@ -405,8 +405,8 @@ class GDSLinker(UnifiedCacheLinker):
         segs = tuple(range(len(self.dev.table.row_bytes)))
         addrs = self.dev.seg_addrs(starts, segs)
         lens = np.broadcast_to(np.array(self.dev.table.seg_bytes, dtype=np.uint64), addrs.shape).copy()
-        got = self.store.page_checksums(Pages(addrs, lens, self.kind))
         expect = lease.checksums
+        got = self.store.page_checksums(Pages(addrs, lens, self.kind), like=expect)
         bad = np.flatnonzero((got != expect) & (expect != 0))
         if not bad.size:
             return
