@@ -22,7 +22,8 @@ of the HiCacheGDS columns' gets in the last round (wall time, GIL waits included
 line splits a HiCacheGDS get into posting, waiting for IO and exposed checksums (the store's
 counters; the rest is the work around the IO); ``--timeline`` prints, for each of those gets, when
 each of its requests was posted and completed and how long its checksums ran after the last one.
-``--page-tokens 64`` gives the GPU runs' 8 MiB pages.
+``--page-tokens 64`` gives the GPU runs' 8 MiB pages. A column ``gds:stripe=/mnt/a+/mnt/b+...``
+stripes hicache-gds's pages over those directories (one per device: its `GDS_PATH`).
 
 Every round writes fresh keys with each backend, drops the page cache (``echo 3 >
 /proc/sys/vm/drop_caches`` as root, else ``posix_fadvise(DONTNEED)`` on the files), reads them back
@@ -106,6 +107,9 @@ class Driver:
         return True
 
 
+_MADE: list[str] = []  # stripe directories outside the root, removed with it
+
+
 def make_backends(root, pool, npages, rounds, which):
     out = []
     python_default = sys.getswitchinterval()  # before any store lowers it
@@ -115,10 +119,18 @@ def make_backends(root, pool, npages, rounds, which):
         from hicache_gds_sglang import HiCacheGDS
         opts = dict(o.split("=", 1) for o in spec.split(":")[1:])
         get_pages = int(opts.pop("get_pages", 128))
-        d = os.path.join(root, f"gds{i}")
-        os.makedirs(d, exist_ok=True)
+        # stripe=/mnt/a+/mnt/b: this column's GDS_PATH is a folder on each (pages striped across them)
+        dirs = [os.path.join(x, f"gds{i}") for x in opts.pop("stripe").split("+")] if "stripe" in opts else \
+            [os.path.join(root, f"gds{i}")]
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+        _MADE.extend(dirs)
+        d = ",".join(dirs)
+        if len(dirs) > 1:
+            opts["stripe"] = f"{len(dirs)} dirs"  # shown in the column's name, not passed on
         sys.setswitchinterval(python_default)
-        b = HiCacheGDS(storage_config({"gds_path": d, "capacity": (rounds + 1) * npages * page_bytes(), **opts}), pool)
+        keys = {k: v for k, v in opts.items() if k != "stripe"}
+        b = HiCacheGDS(storage_config({"gds_path": d, "capacity": (rounds + 1) * npages * page_bytes(), **keys}), pool)
         shown = {**opts, **({"get_pages": get_pages} if get_pages != 128 else {})}
         name = "HiCacheGDS" + (f" ({', '.join(f'{k}={v}' for k, v in shown.items())})" if shown else "")
         out.append(Driver(name, b, pool, True, sys.getswitchinterval(), get_pages))
@@ -360,6 +372,8 @@ def main() -> None:
             json.dump({"pages": n, "page_bytes": pbytes, "rounds": args.rounds, "cold": how, "busy": args.busy,
                        "results": results}, f, indent=1)
     shutil.rmtree(root, ignore_errors=True)
+    for d in _MADE:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def report(results, n, page_bytes, rounds, how):

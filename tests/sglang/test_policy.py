@@ -389,6 +389,46 @@ def test_a_load_the_host_pool_cannot_keep_is_recomputed(gds_dir):
         b.close()
 
 
+@pytest.mark.skipif(V23, reason="0.5.17's radix cache keeps the evictable host-only leaves")
+def test_host_room_counts_a_chain_of_host_only_nodes_as_evict_host_frees_it():
+    """A prefix cached in chunks is a chain of nodes; only its deepest is an evictable leaf, and
+    SGLang's ``evict_host`` frees its ancestors as they become leaves. All of it is room; a node
+    with another child still cached (or on the GPU, or referenced) is not."""
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+
+    class _Pool:
+        def available_size(self):
+            return 1000
+
+    cache = HiRadixCache.__new__(HiRadixCache)
+    cache.root_node = TreeNode()
+
+    def node(parent, n, on_gpu=False):
+        x = TreeNode()
+        x.host_value = torch.arange(n)
+        x.value = torch.arange(n) if on_gpu else None
+        x.parent = parent
+        parent.children[len(parent.children)] = x
+        return x
+
+    a = node(cache.root_node, 8192)
+    b_ = node(a, 8192)
+    c = node(b_, 4096)           # chain a -> b -> c, all host only
+    d = node(cache.root_node, 2048, on_gpu=True)
+    e = node(d, 1024)            # host-only leaf under a node still on the GPU
+    f = node(cache.root_node, 512)
+    g = node(f, 256)
+    h = node(f, 128, on_gpu=True)  # f keeps a child on the GPU: f stays
+    cache.evictable_host_leaves = {c, e, g}
+    cache.ongoing_prefetch = {}
+    cache.cache_controller = type("C", (), {"mem_pool_host": _Pool()})()
+    assert policy._host_evictable(cache) == 8192 + 8192 + 4096 + 1024 + 256
+    assert policy._host_room(cache) == 1000 + 8192 + 8192 + 4096 + 1024 + 256
+    b_.host_ref_counter = 1  # a protected node (a finished load) keeps itself and its ancestors
+    assert policy._host_evictable(cache) == 4096 + 1024 + 256
+    assert h.value is not None
+
+
 def test_a_busy_gpu_sends_the_next_request_of_a_burst_to_the_disk(gds_dir):
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(1.3))
     try:

@@ -278,6 +278,31 @@ def _host_free(cache: Any) -> int | None:
         return None
 
 
+def _host_evictable(cache: Any) -> int:
+    """Host-only tokens SGLang's ``evict_host`` can free: each evictable leaf and, as it does, the
+    ancestors that become leaves once their children are gone (a prefix cached in chunks is a chain
+    of nodes, and only its deepest is a leaf: counting leaves alone left an H200 server's host pool
+    looking full and its 24k-token revisits recomputed, where SGLang's own policy loaded them)."""
+    root = getattr(cache, "root_node", None)
+    counted: set[int] = set()
+    total = 0
+    todo = list(getattr(cache, "evictable_host_leaves", ()) or ())
+    while todo:
+        node = todo.pop()
+        hv = getattr(node, "host_value", None)
+        if id(node) in counted or node is root or hv is None or not getattr(node, "evicted", False) \
+                or getattr(node, "host_ref_counter", 0):
+            continue
+        counted.add(id(node))
+        total += len(hv)
+        parent = getattr(node, "parent", None)
+        kids = getattr(parent, "children", None)
+        if parent is not None and parent is not root and isinstance(kids, dict) and \
+                all(id(c) in counted for c in kids.values()):
+            todo.append(parent)
+    return total
+
+
 def _host_room(cache: Any) -> int | None:
     """Host-pool tokens a new load can still get: free, plus host-only pages SGLang may evict
     (evictable leaves), less what admitted loads will take once their L3 hit is known (SGLang
@@ -286,11 +311,7 @@ def _host_room(cache: Any) -> int | None:
     free = _host_free(cache)
     if free is None:
         return None
-    evictable = 0
-    for node in list(getattr(cache, "evictable_host_leaves", ()) or ()):
-        hv = getattr(node, "host_value", None)
-        if getattr(node, "evicted", False) and not getattr(node, "host_ref_counter", 0) and hv is not None:
-            evictable += len(hv)
+    evictable = _host_evictable(cache)
     pending = 0
     for entry in list(getattr(cache, "ongoing_prefetch", {}).values()):
         op = _entry_op(entry)
