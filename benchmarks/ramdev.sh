@@ -21,7 +21,7 @@
 # loop devices back from the mounts). Run it on every exit path: a forgotten device holds its RAM.
 set -euo pipefail
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { { echo "ramdev: usage: ramdev.sh up --size SIZE [--count N] [--root DIR] | status [--root DIR] | down [--root DIR]"; sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; } >&2; exit 2; }
 CMD=${1:-}; [ -n "$CMD" ] || usage; shift
 SIZE= COUNT=1 ROOT=/mnt/hicache-ram
 while [ $# -gt 0 ]; do
