@@ -1,39 +1,33 @@
-"""A store's read rate before its first get: a short O_DIRECT read of its own directories.
+"""A directory's O_DIRECT read rate, measured: for `doctor`'s break-even and for a store's first decisions.
 
 A cost model that has never seen a get has no read rate, and a fresh server's first decisions then
 have nothing to weigh a load against (a TP=2 server logged "load nan s" and recomputed every L3
-hit). `probe_read_rate` measures the directories as the store will read them: one file per
-directory (`GDS_PATH`'s drives in parallel, as slots are striped), written with random bytes and
-read back with O_DIRECT at a queue depth, then removed. It returns what it measured and how, or None
-with the reason; it never raises into an engine's start.
+hit). `probe_read_rate` measures a store's directories as it will read them: `probe_dir` on each
+(`GDS_PATH`'s drives in parallel, as slots are striped over them), a file written with random
+bytes and read back with O_DIRECT, several requests in flight, then removed. It returns what it
+measured and how, or None with the reason; it never raises into an engine's start.
 
-Caveats, which the returned source states: written just before it is read, a file may be served
+Caveat, which the returned source states: written just before it is read, a file may be served
 faster by a virtual disk's host cache than older pages will be; the estimate is a seed, and the
 store's own gets replace it (`costmodel.ReadRate`).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
-import secrets
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
-import numpy as np
-
-from .memory import HostBuffer, view
-
-__all__ = ["Probe", "probe_read_rate", "PROBE_BYTES"]
+__all__ = ["Probe", "probe_dir", "probe_read_rate", "PROBE_BYTES"]
 
 PROBE_BYTES = 256 << 20
-"""Bytes read per directory: long enough for a queue to fill, short enough to add under a second to
-an engine's start on a 1 GB/s disk."""
-_IO_BYTES = 4 << 20
-_QD = 8
-_PREFIX = ".hicache-gds-probe-"
+"""Bytes read per directory: long enough for a queue to fill, short enough to add a quarter of a
+second to an engine's start at 1 GB/s."""
 
 
 @dataclass(frozen=True)
@@ -45,47 +39,63 @@ class Probe:
     seconds: float
 
 
-def _one(directory: str, nbytes: int, io_bytes: int, qd: int, deadline: float) -> tuple[int, float]:
-    """Write then read back one probe file in `directory`; (bytes read, seconds reading)."""
-    path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags, 0o600)
-    bufs = [HostBuffer(io_bytes, pinned=False) for _ in range(qd)]
+def probe_dir(directory: str, nbytes: int = 256 << 20, chunk: int = 8 << 20, threads: int = 4) -> dict[str, Any]:
+    """Write `nbytes` of random data to a temporary file in `directory` with O_DIRECT, read it
+    back with O_DIRECT, `threads` requests of `chunk` bytes in flight (as a prefetch's batch
+    keeps several in flight), and delete it. Cold reads: O_DIRECT bypasses the page cache."""
+    chunk = max(4096, chunk // 4096 * 4096)
+    n = max(1, nbytes // chunk)
     try:
-        rng = np.random.default_rng()
-        for b in bufs:  # random bytes: a device that compresses or dedups zeros reads them too fast
-            b.numpy()[:] = rng.integers(0, 256, io_bytes, dtype=np.uint8)
-        n = max(1, nbytes // io_bytes)
-        for i in range(n):
-            os.pwritev(fd, [view(bufs[i % qd].addr, io_bytes)], i * io_bytes)
-            if time.monotonic() > deadline:
-                n = i + 1
-                break
-        os.fdatasync(fd)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except (OSError, AttributeError):
-            pass
-        nxt = iter(range(n))
-        lock = threading.Lock()
-
-        def reader(k: int) -> int:
-            got = 0
-            mv = [view(bufs[k].addr, io_bytes)]
-            while time.monotonic() < deadline:
-                with lock:
-                    i = next(nxt, None)
-                if i is None:
-                    break
-                got += os.preadv(fd, mv, i * io_bytes)
-            return got
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(qd, thread_name_prefix="hicache-gds-probe") as pool:
-            done = sum(pool.map(reader, range(qd)))
-        return done, time.perf_counter() - t0
-    finally:
+        fd, path = tempfile.mkstemp(prefix=".hicache-gds-readprobe-", dir=directory)
         os.close(fd)
+    except OSError as exc:
+        return {"path": directory, "error": f"cannot create a file: {exc.strerror}"}
+    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
+    try:
+        for b in bufs:
+            b.write(os.urandom(chunk))
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        try:
+            t0 = time.perf_counter()
+            for i in range(n):
+                if os.pwrite(fd, bufs[i % threads], i * chunk) != chunk:
+                    return {"path": directory, "error": "short O_DIRECT write"}
+            os.fsync(fd)
+            t_write = time.perf_counter() - t0
+            errors: list[str] = []
+            nxt = iter(range(n))
+            lock = threading.Lock()
+
+            def reader(buf: mmap.mmap) -> None:
+                while True:
+                    with lock:
+                        i = next(nxt, None)
+                    if i is None:
+                        return
+                    try:
+                        if os.preadv(fd, [buf], i * chunk) != chunk:
+                            errors.append("short O_DIRECT read")
+                            return
+                    except OSError as exc:
+                        errors.append(exc.strerror or str(exc))
+                        return
+
+            t0 = time.perf_counter()
+            ts = [threading.Thread(target=reader, args=(b,)) for b in bufs]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            t_read = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        if errors:
+            return {"path": directory, "error": errors[0]}
+        return {"path": directory, "bytes": n * chunk, "chunk": chunk, "threads": threads,
+                "read_bytes_per_s": n * chunk / t_read, "write_bytes_per_s": n * chunk / t_write}
+    except OSError as exc:
+        return {"path": directory, "error": f"O_DIRECT: {exc.strerror or exc}"}
+    finally:
         for b in bufs:
             b.close()
         try:
@@ -94,27 +104,21 @@ def _one(directory: str, nbytes: int, io_bytes: int, qd: int, deadline: float) -
             pass
 
 
-def probe_read_rate(dirs: Sequence[str], *, nbytes: int = PROBE_BYTES, io_bytes: int = _IO_BYTES,
-                    qd: int = _QD, timeout_s: float = 10.0) -> tuple[Probe | None, str]:
-    """Measure the O_DIRECT read rate of `dirs` together (one probe file each, in parallel).
-
-    Returns (Probe, "") or (None, why not). At most `timeout_s` in all; a directory that refuses
-    O_DIRECT or runs out of space makes it None."""
+def probe_read_rate(dirs: Sequence[str], *, nbytes: int = PROBE_BYTES, chunk: int = 8 << 20,
+                    threads: int = 8) -> tuple[Probe | None, str]:
+    """The O_DIRECT read rate of `dirs` together (`probe_dir` on each, in parallel): (Probe, "")
+    or (None, why not) when a directory cannot be probed."""
     dirs = [d for d in dirs if d]
     if not dirs:
         return None, "no directory to probe"
     t0 = time.monotonic()
-    deadline = t0 + timeout_s
-    try:
-        with ThreadPoolExecutor(len(dirs), thread_name_prefix="hicache-gds-probe-dir") as pool:
-            res = list(pool.map(lambda d: _one(d, nbytes, io_bytes, qd, deadline), dirs))
-    except OSError as exc:
-        return None, f"probe of {', '.join(dirs)} failed: {exc}"
-    read = sum(b for b, _ in res)
-    secs = max(s for _, s in res)
-    if read <= 0 or secs <= 0:
-        return None, f"probe of {', '.join(dirs)} read nothing in {timeout_s:.0f} s"
-    rate = read / secs
-    src = (f"probed at open ({read / 1e6:.0f} MB O_DIRECT read at QD{qd} x {len(dirs)} "
-           f"director{'y' if len(dirs) == 1 else 'ies'}, just written)")
+    with ThreadPoolExecutor(len(dirs), thread_name_prefix="hicache-gds-probe") as pool:
+        res = list(pool.map(lambda d: probe_dir(d, nbytes, chunk, threads), dirs))
+    bad = [r for r in res if "error" in r]
+    if bad:
+        return None, "; ".join(f"probe of {r['path']}: {r['error']}" for r in bad)
+    rate = sum(r["read_bytes_per_s"] for r in res)
+    read = sum(r["bytes"] for r in res)
+    src = (f"probed at open ({read / 1e6:.0f} MB O_DIRECT read, {threads} x {chunk >> 20} MiB in flight, "
+           f"{len(dirs)} director{'y' if len(dirs) == 1 else 'ies'}, just written)")
     return Probe(rate, src, time.monotonic() - t0), ""

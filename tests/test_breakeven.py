@@ -9,7 +9,8 @@ import os
 import pytest
 
 from hicache_gds import cli
-from hicache_gds.tools.breakeven import kv_bytes_per_token, probe_read_rate, render, section
+from hicache_gds.probe import probe_dir as probe_read_rate
+from hicache_gds.tools.breakeven import kv_bytes_per_token, render, section
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

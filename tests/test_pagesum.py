@@ -162,9 +162,9 @@ def test_the_probe_measures_every_directory_and_leaves_nothing(tmp_path):
     dirs = [str(tmp_path / f"d{i}") for i in range(2)]
     for d in dirs:
         os.makedirs(d)
-    got, why = probe_read_rate(dirs, nbytes=8 << 20, io_bytes=1 << 20, qd=4)
+    got, why = probe_read_rate(dirs, nbytes=8 << 20, chunk=1 << 20, threads=4)
     assert got is not None and why == "" and got.bytes_per_s > 0
-    assert "x 2 directories" in got.source and "O_DIRECT" in got.source
+    assert "2 directories" in got.source and "O_DIRECT" in got.source
     assert all(os.listdir(d) == [] for d in dirs)
     none, why = probe_read_rate([str(tmp_path / "missing")])
     assert none is None and "missing" in why

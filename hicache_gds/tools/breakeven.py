@@ -11,85 +11,17 @@ doctor` prints both (``--model`` / ``--kv-bytes-per-token``, ``--read-probe-mib`
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import tempfile
-import threading
-import time
 from typing import Any, Sequence
 
 from ..costmodel import breakeven_prefill_rate
+from ..probe import probe_dir
 
-__all__ = ["probe_read_rate", "kv_bytes_per_token", "section", "render"]
+__all__ = ["kv_bytes_per_token", "section", "render"]
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _COMMON = (("8B-class (Llama-3-8B: 128 KiB)", 128 << 10), ("32B-class (64 layers, 8 KV heads: 256 KiB)", 256 << 10),
            ("70B-class (Llama-3-70B: 320 KiB)", 320 << 10))
-
-
-def probe_read_rate(directory: str, nbytes: int = 256 << 20, chunk: int = 8 << 20, threads: int = 4) -> dict[str, Any]:
-    """Write `nbytes` of random data to a temporary file in `directory` with O_DIRECT, read it
-    back with O_DIRECT, `threads` requests of `chunk` bytes in flight (as a prefetch's batch
-    keeps several in flight), and delete it. Cold reads: O_DIRECT bypasses the page cache."""
-    chunk = max(4096, chunk // 4096 * 4096)
-    n = max(1, nbytes // chunk)
-    try:
-        fd, path = tempfile.mkstemp(prefix=".hicache-gds-readprobe-", dir=directory)
-        os.close(fd)
-    except OSError as exc:
-        return {"path": directory, "error": f"cannot create a file: {exc.strerror}"}
-    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
-    try:
-        for b in bufs:
-            b.write(os.urandom(chunk))
-        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-        try:
-            t0 = time.perf_counter()
-            for i in range(n):
-                if os.pwrite(fd, bufs[i % threads], i * chunk) != chunk:
-                    return {"path": directory, "error": "short O_DIRECT write"}
-            os.fsync(fd)
-            t_write = time.perf_counter() - t0
-            errors: list[str] = []
-            nxt = iter(range(n))
-            lock = threading.Lock()
-
-            def reader(buf: mmap.mmap) -> None:
-                while True:
-                    with lock:
-                        i = next(nxt, None)
-                    if i is None:
-                        return
-                    try:
-                        if os.preadv(fd, [buf], i * chunk) != chunk:
-                            errors.append("short O_DIRECT read")
-                            return
-                    except OSError as exc:
-                        errors.append(exc.strerror or str(exc))
-                        return
-
-            t0 = time.perf_counter()
-            ts = [threading.Thread(target=reader, args=(b,)) for b in bufs]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-            t_read = time.perf_counter() - t0
-        finally:
-            os.close(fd)
-        if errors:
-            return {"path": directory, "error": errors[0]}
-        return {"path": directory, "bytes": n * chunk, "chunk": chunk, "threads": threads,
-                "read_bytes_per_s": n * chunk / t_read, "write_bytes_per_s": n * chunk / t_write}
-    except OSError as exc:
-        return {"path": directory, "error": f"O_DIRECT: {exc.strerror or exc}"}
-    finally:
-        for b in bufs:
-            b.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def kv_bytes_per_token(model: str) -> tuple[str, int]:
@@ -126,7 +58,7 @@ def section(dirs: Sequence[str], probe_mib: int = 256, kv: int | None = None,
     if not out["models"]:
         out["models"] = [{"model": m, "kv_bytes_per_token": b} for m, b in _COMMON]
     if probe_mib > 0:
-        out["probes"] = [probe_read_rate(d, probe_mib << 20) for d in dirs]
+        out["probes"] = [probe_dir(d, probe_mib << 20) for d in dirs]
     rates = [p["read_bytes_per_s"] for p in out["probes"] if "read_bytes_per_s" in p]
     total = sum(rates)  # pages are striped over the directories
     for m in out["models"]:

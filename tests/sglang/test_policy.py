@@ -1285,3 +1285,29 @@ def test_store_counters_reach_prometheus_under_their_defined_names(gds_dir):
                 assert reg.get_sample_value(f"hicache_gds:{name}", {"pool": "kv"}) == v, name
     finally:
         b.close()
+
+
+def test_a_fresh_store_decides_with_a_probed_read_rate(gds_dir, caplog):
+    """Nothing configured, nothing persisted: the KV namespace's directories are read at attach
+    (O_DIRECT), so the first L3 hit is weighed against a known rate, not recomputed for want of
+    one ("load nan s"); the probe leaves no file behind. A configured rate wins over it."""
+    with caplog.at_level(logging.INFO, logger="hicache_gds_sglang"):
+        b, _ = open_backend(gds_dir)
+    try:
+        assert b.read_rate.rate and b.read_rate.source.startswith("probed at open"), b.read_rate.source
+        assert "probed at open" in caplog.text
+        dirs = b.stats()["kv"]["dirs"] if "dirs" in b.stats().get("kv", {}) else []
+        assert not [f for d in dirs for f in os.listdir(d) if "probe" in f]
+        cache, ctl, pol = make_cache(b)
+        pol.current_req = req("fresh", 18000)
+        admit(cache, "fresh", 18000 - 64, [])
+        assert pol.last["t_load"] is not None and math.isfinite(pol.last["t_load"])
+    finally:
+        b.close()
+    other = os.path.join(gds_dir, "other")
+    os.makedirs(other)
+    b, _ = open_backend(other, policy_read_gbps=1.5)
+    try:
+        assert b.read_rate.source.startswith("configured") and abs(b.read_rate.rate - 1.5e9) < 1
+    finally:
+        b.close()
