@@ -146,7 +146,7 @@ def main() -> None:
         cases: list[Case] = []
         for target in targets:
             log(f"corruption ({target})")
-            cases += corruption.corruption_cases(fresh(root, f"corruption-{target}"), target, known=CORRUPTION_KNOWN)
+            cases += corruption.corruption_cases(fresh(root, f"corruption-{target}"), target)
             log(f"resource faults ({target})")
             cases += faults.fault_cases(fresh(root, f"faults-{target}"), target, sglang_seconds=plan["injector_s"])
         log("hostile input, fuzz, privacy")
