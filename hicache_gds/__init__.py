@@ -19,6 +19,7 @@ from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSE
 from .index import read_keys
 from .layout import Pages, namespace_id, namespace_location, page_bytes_for
 from .memory import HostBuffer, align_up, view
+from .probe import Probe, probe_read_rate
 from .slabs.slabset import prepare_root, private_dir
 from .stats import METRICS, Counters, metric_values
 from .store import JoinedStore, Lease, PageReader, PageStore, Store, open_store
@@ -32,6 +33,7 @@ __all__ = [
     "page_bytes_for", "read_keys",
     "HostBuffer", "align_up", "view", "parse_size", "default_budget", "prepare_root", "private_dir",
     "METRICS", "Counters", "metric_values", "CostModel", "Decision", "LoadPace", "PrefillModel", "ReadRate", "COST_STATE_FILE", "load_state", "save_state",
+    "Probe", "probe_read_rate",
     "HiCacheGDSError", "ConfigError", "EngineUnavailable", "GDSUnavailable", "ReadOnlyError", "RegionError",
     "StoreClosedError", "StoreFullError", "StoreLockedError", "TransferError", "TransferTimeout", "__version__",
 ]

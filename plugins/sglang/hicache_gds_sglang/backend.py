@@ -45,8 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 
 from hicache_gds import COST_STATE_FILE as STATE_FILE
 from hicache_gds import (ConfigError, ReadRate, align_up, default_budget, load_state, namespace_created,
-                         namespace_location, open_store, save_state)
-from hicache_gds.probe import probe_read_rate
+                         namespace_location, open_store, probe_read_rate, save_state)
 
 from .naming import KeyScheme, load_config, namespace_identity
 from .policy import PolicyConfig
