@@ -94,9 +94,7 @@ def page_sum(data: Any, nbytes: int | None = None, kind: str = XXH3) -> int:
         raise ValueError(f"nbytes {n} is shorter than the {u8.size} bytes given")
     if n == u8.size:
         return tag(XXH3, xxhash.xxh3_64_intdigest(u8))
-    h = xxhash.xxh3_64(u8)
-    h.update(bytes(n - u8.size))
-    return tag(XXH3, h.intdigest())
+    return xxh3_of([(u8.ctypes.data, u8.size)], n)
 
 
 def host_sums(pages: Sequence[Sequence[tuple[int, int]]], nbytes: int, hgc1: Sequence[bool] | None = None) -> list[int]:

@@ -522,7 +522,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gds-path", default="",
                    help="comma-separated directories for hicache-gds' L3 (one per device: pages striped across "
                         "them; each gets a gds/ folder); default <dir>/gds")
-    g.add_argument("--quiet-s", type=float, default=5.0,
+    g.add_argument("--quiet-s", type=float, default=2.0,
                    help="before each measurement and after writing the L3s, wait until the L3 devices have "
                         "written nothing for this long (their sectors written, /sys/dev/block; 0: no wait)")
     g.add_argument("--trace", action="store_true",
