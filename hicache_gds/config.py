@@ -176,6 +176,9 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
     "nixl_queue": (ENV_PREFIX + "NIXL_QUEUE", _choice("uring", "aio", "posix_aio"), "aio",
                    "NIXL POSIX queue: Linux AIO, io_uring or POSIX AIO"),
     "max_request_bytes": (ENV_PREFIX + "MAX_REQUEST_BYTES", _size, 0, "split requests above this size (0: engine's limit)"),
+    "read_probe": (ENV_PREFIX + "READ_PROBE", _size, 256 << 20,
+                   "bytes an engine adapter reads (O_DIRECT) from each directory at open when no read rate is "
+                   "known yet, so its first load-or-compute decisions have one (0: none)"),
     "namespace": (ENV_PREFIX + "NAMESPACE", _text, "", "tenant tag mixed into the namespace; tenants never share pages"),
     "cufile_json": (ENV_PREFIX + "CUFILE_JSON", _text, "", "cufile.json to use when CUFILE_ENV_PATH_JSON is unset"),
     "remote_url": (ENV_PREFIX + "REMOTE_URL", _text, "",
@@ -210,6 +213,7 @@ class Config:
     switch_interval: float = 0.0005
     io_threads: int = 16
     checksum_threads: int = 0
+    read_probe: int = 256 << 20
     nixl_queue: str = "aio"
     max_request_bytes: int = 0
     namespace: str = ""

@@ -37,3 +37,6 @@ def _clean_env(monkeypatch):
     for k in list(os.environ):
         if k.startswith("HICACHE_GDS_") or k in ("ENABLE_GDS", "GDS_PATH"):
             monkeypatch.delenv(k, raising=False)
+    # An adapter's read-rate probe at open writes and reads 256 MiB by default: 8 MiB per backend
+    # here (hundreds of backends are opened), the same code path.
+    monkeypatch.setenv("HICACHE_GDS_READ_PROBE", "8M")

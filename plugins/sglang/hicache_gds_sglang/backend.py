@@ -228,7 +228,7 @@ class HiCacheGDS(HiCacheStorage):
         detached and attached again keeps its history), else a new one seeded before the first get
         with ``policy_read_gbps``, else with the estimate an earlier run persisted in the namespace
         directory (`hicache_gds.costmodel.STATE_FILE`), else with a short O_DIRECT read of the
-        namespace's directories (`hicache_gds.probe`: under a second at 1 GB/s)."""
+        namespace's directories (`hicache_gds.probe`, ``read_probe`` bytes each: 0.25-0.5 s at 1 GB/s)."""
         try:
             dirs = kv.store.stats().get("dirs") or []
             self._cost_path = None if kv.read_only or not dirs else os.path.join(dirs[0], STATE_FILE)
@@ -254,7 +254,10 @@ class HiCacheGDS(HiCacheStorage):
                 return
             # Nothing known (a fresh store): measure the directories now, so that the first
             # decisions weigh a load against a real rate rather than recomputing every hit.
-            got, why = probe_read_rate(dirs)
+            if not self.config.read_probe:
+                log.info("hicache-gds: no read rate known before the first get (read_probe is 0)")
+                return
+            got, why = probe_read_rate(dirs, nbytes=self.config.read_probe)
             if got is None:
                 log.info("hicache-gds: no read rate known before the first get (%s)", why)
                 return
