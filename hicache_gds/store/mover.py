@@ -4,8 +4,9 @@ A request is prepared (`_prepare`: staging lent and filled where pages must be s
 requests within the engine's limits (`_run`: descriptors cut to ``max_desc_bytes``, batches of
 about an eighth of the call so checksums of one overlap the IO of the next), waited for (never
 past ``io_timeout``) and checksummed (`hicache_gds.pagesum`: xxh3 where the bytes are summed in
-host memory, hgc1 on the GPU; a read checks the kind its page records). Once anything is posted nothing raises: a failure is a page's status (`TIMEOUT` where its
-IO may still land, and the staging it used is held until it finishes).
+host memory, hgc1 on the GPU; a read checks the kind its page records). Once anything is posted
+nothing raises: a failure is a page's status (`TIMEOUT` where its IO may still land, and the
+staging it used is held until it finishes).
 
 `PageStore` and `PageReader` are page movers over their own index; `post_rows` is the same
 posting for GPU-direct paths that build their own descriptors (the SGLang linker, through
@@ -64,10 +65,10 @@ _READ_WINDOW_MIN = 2
 _WINDOW_PROBE_EVERY = 64
 _DEVICE_POST_SHARE: dict[tuple[Any, ...], float] = {}
 OK, FAIL, TIMEOUT, BADSUM = 1, 0, 2, 3  # a page's status after a request
-MAX_SINGLE_RETRIES = 64
+MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at most
 # xxh3 hashes 25-30 GB/s a core: a request's pages (1/8 of a batch) are hashed on the thread that
 # finishes them; a whole batch's (a write's, 256 MiB) are cut across the hashing threads.
-_XXH3_SPLIT_BYTES = 64 << 20  # failed pages of a read re-read one request each, at most
+_XXH3_SPLIT_BYTES = 64 << 20
 
 _hash_pool: ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()

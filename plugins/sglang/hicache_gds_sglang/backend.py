@@ -23,9 +23,10 @@ written, every page checked against its checksum).
 
 For the ``compute_or_load`` prefetch policy (`policy`): `read_rate` measures the KV store's gets
 (bytes and seconds of each `batch_get_v1`, seeded before the first from ``policy_read_gbps``, the
-estimate persisted in the KV namespace directory, or a short O_DIRECT read of its directories), `read_progress` says how far the get in
-flight has come, and `cancel_read` cuts short the reads of a prefetch the policy stopped: with ``policy_read_slice`` set, a get
-reads in slices of that many bytes and checks between them (by default it does not: whole gets).
+estimate persisted in the KV namespace directory, or a short O_DIRECT read of its directories),
+`read_progress` says how far the get in flight has come, and `cancel_read` cuts short the reads of
+a prefetch the policy stopped: with ``policy_read_slice`` set, a get reads in slices of that many
+bytes and checks between them (by default it does not: whole gets).
 """
 
 from __future__ import annotations

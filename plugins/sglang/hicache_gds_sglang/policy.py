@@ -305,7 +305,7 @@ def _host_evictable(cache: Any) -> int:
 
 def _host_room(cache: Any) -> int | None:
     """Host-pool tokens a new load can still get: free, plus host-only pages SGLang may evict
-    (evictable leaves), less what admitted loads will take once their L3 hit is known (SGLang
+    (`_host_evictable`), less what admitted loads will take once their L3 hit is known (SGLang
     allocates then, and shortens or revokes a load it cannot fit). None where the release does
     not say."""
     free = _host_free(cache)
