@@ -84,31 +84,24 @@ are dropped and computed instead; the GPU never waits for the disk.
 `breakeven_prefill_rate` says when a tier pays one request at a time: loading an ``n``-token
 prefix takes ``n*B/R``, recomputing about ``n/P``, so loading wins when the engine prefills
 slower than ``R/B`` tokens per second (and longer prefixes, through ``b``, move it further).
+
+The rates, their seeds and their persistence across restarts (`ReadRate`, `PrefillModel`,
+`LoadPace`, `load_state`, `save_state`) live in `hicache_gds.rates`; they are importable from here too.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import math
-import os
-import threading
-import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .rates import (STATE_FILE, LoadPace, PrefillModel, ReadRate, estimates_state, load_state, save_state,
+                    seed_from_state)
+
 __all__ = ["ReadRate", "PrefillModel", "LoadPace", "CostModel", "Decision", "breakeven_prefill_rate", "load_state",
            "save_state", "STATE_FILE"]
-
-STATE_FILE = "costmodel.json"
-"""File name of the persisted estimates (in an adapter's namespace directory)."""
-
-_PRIOR_WEIGHT = 256 << 20  # a seeded read rate counts as this many bytes of observed gets
-_MIN_BATCH_S = 1e-4
-_STATE_VERSION = 1
 
 
 def breakeven_prefill_rate(read_bytes_per_s: float, kv_bytes_per_token: float) -> float:
@@ -119,225 +112,6 @@ def breakeven_prefill_rate(read_bytes_per_s: float, kv_bytes_per_token: float) -
     return max(0.0, float(read_bytes_per_s)) / float(kv_bytes_per_token)
 
 
-class ReadRate:
-    """Bytes per second of the store's recent gets (a window of the last `window` gets, weighted
-    by bytes), blended with a seed worth `prior_weight` bytes until real gets outweigh it.
-    Thread-safe: gets are observed on an engine's IO thread, read on its scheduler thread."""
-
-    def __init__(self, prior: float | None = None, source: str = "", *, window: int = 32,
-                 prior_weight: int = _PRIOR_WEIGHT) -> None:
-        self._lock = threading.Lock()
-        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
-        self._prior: float | None = None
-        self._prior_source = ""
-        self._prior_weight = float(prior_weight)
-        self.total_bytes = 0
-        self.total_gets = 0
-        if prior:
-            self.seed(prior, source or "configured")
-
-    def seed(self, bytes_per_s: float, source: str) -> None:
-        """Set the estimate used before (and blended with) measured gets; `source` says where it came from."""
-        if not bytes_per_s or not math.isfinite(bytes_per_s) or bytes_per_s <= 0:
-            raise ValueError(f"a read rate must be a positive number of bytes/s, got {bytes_per_s!r}")
-        with self._lock:
-            self._prior, self._prior_source = float(bytes_per_s), source
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        """One get: `nbytes` read in `seconds` (gets of nothing are ignored)."""
-        if nbytes <= 0 or not seconds > 0:
-            return
-        with self._lock:
-            self._obs.append((float(nbytes), float(seconds)))
-            self.total_bytes += int(nbytes)
-            self.total_gets += 1
-
-    @property
-    def rate(self) -> float | None:
-        """Bytes/s, or None when there is neither a seed nor a measured get."""
-        with self._lock:
-            b = sum(x for x, _ in self._obs)
-            s = sum(t for _, t in self._obs)
-            if self._prior is not None:
-                w = max(0.0, self._prior_weight - b)  # the seed fades as real gets pile up
-                b, s = b + w, s + w / self._prior
-            return b / s if s > 0 else None
-
-    @property
-    def source(self) -> str:
-        with self._lock:
-            measured = sum(x for x, _ in self._obs)
-            if measured and (self._prior is None or measured >= self._prior_weight):
-                return f"measured ({len(self._obs)} recent gets, {measured / 1e9:.2f} GB)"
-            if measured:
-                return f"measured ({len(self._obs)} gets) blended with {self._prior_source}"
-            return self._prior_source if self._prior is not None else "unknown"
-
-    def snapshot(self) -> dict[str, Any]:
-        r = self.rate
-        return {"read_bytes_per_s": r, "read_gbps": None if r is None else r / 1e9, "read_source": self.source,
-                "gets_observed": self.total_gets, "bytes_observed": self.total_bytes}
-
-
-class LoadPace:
-    """How much longer loads take in the engine than the read rate forecasts: the median of the
-    last `window` (actual / forecast) ratios of finished loads, within `bounds`, 1.0 until
-    `min_loads` have finished. Thread-safe."""
-
-    def __init__(self, *, window: int = 16, min_loads: int = 3, bounds: tuple[float, float] = (0.8, 2.0)) -> None:
-        self._lock = threading.Lock()
-        self._ratios: deque[float] = deque(maxlen=window)
-        self._min = int(min_loads)
-        self._bounds = bounds
-        # kept current by `observe` (a few per burst): every load time predicted reads it
-        self._factor = 1.0
-
-    def observe(self, forecast_s: float, actual_s: float, pace_used: float = 1.0) -> None:
-        """A load admission forecast at `forecast_s` (with `pace_used` applied) took `actual_s`."""
-        base = forecast_s / pace_used if pace_used > 0 else math.nan
-        if not (base > 0 and actual_s > 0 and math.isfinite(base) and math.isfinite(actual_s)):
-            return
-        with self._lock:
-            self._ratios.append(actual_s / base)
-            if len(self._ratios) >= self._min:
-                lo, hi = self._bounds
-                self._factor = min(hi, max(lo, float(np.median(np.fromiter(self._ratios, dtype=float)))))
-
-    @property
-    def factor(self) -> float:
-        return self._factor
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            n = len(self._ratios)
-        return {"load_pace": self.factor, "loads_paced": n}
-
-
-class PrefillModel:
-    """Seconds to prefill `n` new tokens after `p` cached ones, fitted on recent batches (see the
-    module docstring for the formula). Before any batch, a seed rate (tokens/s) or seeded
-    coefficients answer; with neither, `predict` returns None."""
-
-    def __init__(self, prior_tokens_per_s: float | None = None, source: str = "", *, window: int = 128,
-                 chunk: int | None = None) -> None:
-        self._lock = threading.Lock()
-        self._rows: deque[tuple[float, float, float]] = deque(maxlen=window)  # (N, S, seconds)
-        self._coef: tuple[float, float, float] | None = None
-        self._seed: tuple[float, float, float] | None = None
-        self._seed_source = ""
-        self._dirty = False
-        self.chunk = chunk
-        self.batches = 0
-        if prior_tokens_per_s:
-            self.seed_rate(prior_tokens_per_s, source or "configured")
-
-    def seed_rate(self, tokens_per_s: float, source: str) -> None:
-        if not tokens_per_s or not math.isfinite(tokens_per_s) or tokens_per_s <= 0:
-            raise ValueError(f"a prefill rate must be a positive number of tokens/s, got {tokens_per_s!r}")
-        self.seed_coefficients(1.0 / tokens_per_s, 0.0, 0.0, source)
-
-    def seed_coefficients(self, a: float, b: float, c: float, source: str) -> None:
-        if min(a, b, c) < 0 or not all(math.isfinite(x) for x in (a, b, c)) or a + b <= 0:
-            raise ValueError(f"prefill coefficients must be finite, >= 0, and a or b > 0: {(a, b, c)!r}")
-        with self._lock:
-            self._seed, self._seed_source = (float(a), float(b), float(c)), source
-
-    @staticmethod
-    def _features(news: Sequence[int], prefixes: Sequence[int]) -> tuple[float, float]:
-        n = np.asarray(news, dtype=np.float64)
-        p = np.asarray(prefixes, dtype=np.float64)
-        return float(n.sum()), float((n * (p + n / 2)).sum())
-
-    def observe(self, news: Sequence[int], prefixes: Sequence[int], seconds: float) -> None:
-        """One prefill batch: per request its new tokens and cached prefix, and the batch's seconds."""
-        if len(news) != len(prefixes):
-            raise ValueError(f"{len(news)} new-token counts but {len(prefixes)} prefixes")
-        if not news or not seconds > _MIN_BATCH_S or not math.isfinite(seconds):
-            return
-        N, S = self._features(news, prefixes)
-        if N <= 0:
-            return
-        with self._lock:
-            self._rows.append((N, S, float(seconds)))
-            self.batches += 1
-            self._dirty = True
-
-    def _fit(self) -> tuple[float, float, float] | None:
-        """Least squares on relative error, coefficients >= 0 (the best feasible subset of a, b, c)."""
-        rows = np.asarray(self._rows, dtype=np.float64)
-        if not len(rows):
-            return None
-        t = rows[:, 2]
-        X = np.stack([rows[:, 0], rows[:, 1], np.ones(len(rows))], axis=1) / t[:, None]
-        y = np.ones(len(rows))
-        best, best_err = None, math.inf
-        for k in (3, 2, 1):
-            for cols in itertools.combinations(range(3), k):
-                if len(rows) < k or (cols == (2,)):
-                    continue  # a constant alone predicts nothing about size
-                A = X[:, cols]
-                coef, _res, rank, _sv = np.linalg.lstsq(A, y, rcond=None)
-                if rank < k or (coef < 0).any() or not np.isfinite(coef).all():
-                    continue
-                err = float(((A @ coef - y) ** 2).sum())
-                if err < best_err - 1e-12:
-                    full = [0.0, 0.0, 0.0]
-                    for j, v in zip(cols, coef):
-                        full[j] = float(v)
-                    best, best_err = tuple(full), err
-        return best  # type: ignore[return-value]
-
-    def coefficients(self) -> tuple[tuple[float, float, float] | None, str]:
-        """(a, b, c) in use and where they came from."""
-        with self._lock:
-            if self._dirty:
-                self._coef = self._fit()
-                self._dirty = False
-            if self._coef is not None:
-                return self._coef, f"measured ({len(self._rows)} recent prefill batches)"
-            return self._seed, (self._seed_source if self._seed is not None else "unknown")
-
-    def predict(self, new: int, prefix: int = 0, *, smooth: bool = False) -> float | None:
-        """Seconds to prefill `new` tokens after `prefix` cached ones; None when nothing is known yet.
-
-        smooth: count batches as ``new / chunk`` instead of ``ceil(new / chunk)``. A difference of
-        two predictions over a few tokens is then the marginal cost of those tokens; with the
-        ceiling it jumps by a whole batch wherever they cross a chunk boundary (64 tokens of a
-        16,448-token prompt, 2 chunks of 8,192 and 64 over, "saved" a third batch)."""
-        if not self.chunk:
-            k = 1.0
-        else:
-            k = new / self.chunk if smooth else math.ceil(new / self.chunk)
-        return self._cost(new, new * (prefix + new / 2), k)
-
-    def predict_batch(self, news: Sequence[int], prefixes: Sequence[int]) -> float | None:
-        """Seconds of one prefill batch: per request its new tokens and cached prefix (the sum of
-        their ``a`` and ``b`` terms plus one ``c``); None when nothing is known yet."""
-        if len(news) != len(prefixes):
-            raise ValueError(f"{len(news)} new-token counts but {len(prefixes)} prefixes")
-        return self._cost(*(self._features(news, prefixes) if len(news) else (0.0, 0.0)), 1.0)
-
-    def _cost(self, n: float, s: float, batches: float) -> float | None:
-        """``a*n + b*s + c*batches`` for `n` new tokens whose attention sum is `s` (0 for no tokens;
-        None when nothing is known yet)."""
-        if n <= 0:
-            return 0.0
-        coef, _ = self.coefficients()
-        if coef is None:
-            return None
-        a, b, c = coef
-        return a * n + b * s + c * batches
-
-    def tokens_per_s(self, new: int = 8192, prefix: int = 0) -> float | None:
-        """Prefill rate at a request of `new` tokens (attention makes it fall with length)."""
-        t = self.predict(new, prefix)
-        return None if not t else new / t
-
-    def snapshot(self) -> dict[str, Any]:
-        coef, source = self.coefficients()
-        return {"prefill_coefficients": None if coef is None else dict(zip(("a", "b", "c"), coef)),
-                "prefill_source": source, "prefill_tokens_per_s_8k": self.tokens_per_s(8192),
-                "prefill_tokens_per_s_32k": self.tokens_per_s(32768), "prefill_batches_observed": self.batches}
 
 
 @dataclass(frozen=True)
@@ -493,61 +267,11 @@ class CostModel:
         out["breakeven_prefill_tokens_per_s"] = None if r is None else breakeven_prefill_rate(r, self.bytes_per_token)
         return out
 
-    # -- persistence ---------------------------------------------------------------------------
+    # -- persistence (`hicache_gds.rates`) -----------------------------------------------------
     def state(self) -> dict[str, Any]:
         """What `save_state` writes: the current estimates, when and from what."""
-        coef, source = self.prefill.coefficients()
-        return {"version": _STATE_VERSION, "saved_at": time.time(), "kv_bytes_per_token": self.bytes_per_token,
-                "read_bytes_per_s": self.read.rate, "read_source": self.read.source,
-                "prefill_coefficients": None if coef is None else list(coef), "prefill_source": source,
-                "prefill_chunk": self.prefill.chunk}
+        return estimates_state(self.read, self.prefill, self.bytes_per_token)
 
     def seed_from_state(self, st: Mapping[str, Any], *, read: bool = True, prefill: bool = True) -> list[str]:
         """Seed the rates from a persisted `state()`; returns what was seeded (for the log)."""
-        done = []
-        try:
-            if int(st.get("version", 0)) != _STATE_VERSION:
-                return done
-            age = max(0.0, time.time() - float(st.get("saved_at", 0)))
-            when = f"persisted {age / 3600:.1f} h ago" if age >= 3600 else f"persisted {age:.0f} s ago"
-            r = st.get("read_bytes_per_s")
-            if read and r and float(r) > 0 and str(st.get("read_source", "")).startswith("measured"):
-                self.read.seed(float(r), when)
-                done.append(f"read rate {float(r) / 1e9:.2f} GB/s ({when})")
-            c = st.get("prefill_coefficients")
-            if prefill and c and len(c) == 3 and str(st.get("prefill_source", "")).startswith("measured"):
-                self.prefill.seed_coefficients(float(c[0]), float(c[1]), float(c[2]), when)
-                chunk = st.get("prefill_chunk")
-                if self.prefill.chunk is None and isinstance(chunk, int) and chunk > 0:
-                    self.prefill.chunk = chunk
-                done.append(f"prefill coefficients ({when})")
-        except (TypeError, ValueError):
-            return done
-        return done
-
-
-def load_state(path: str) -> dict[str, Any] | None:
-    """The persisted estimates at `path`, or None (missing or unreadable: start from the seeds)."""
-    try:
-        with open(path) as f:
-            st = json.load(f)
-        return st if isinstance(st, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def save_state(path: str, state: Mapping[str, Any]) -> bool:
-    """Write `state` to `path` atomically (tmp + rename); False (nothing raised) when it cannot."""
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(dict(state), f, indent=1)
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
+        return seed_from_state(st, self.read if read else None, self.prefill if prefill else None)
