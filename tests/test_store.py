@@ -437,7 +437,7 @@ def test_checksums_run_in_parallel_and_survive_fork(gds_dir):
     must get its own pool, not the parent's copied one whose threads do not exist there."""
     import time
 
-    from hicache_gds.store import mover as store_mod
+    from hicache_gds.store import hashing
     for d in ("parent", "child"):
         os.makedirs(os.path.join(gds_dir, d), mode=0o700)
     with open_store(os.path.join(gds_dir, "parent")) as s:
@@ -446,13 +446,13 @@ def test_checksums_run_in_parallel_and_survive_fork(gds_dir):
         dst.numpy()[:] = 0x5A
         assert all(s.get(keys(8), Pages.contiguous(dst.addr, P, range(8))))
         assert dst.numpy()[: 8 * P].tobytes() == src.numpy()[: 8 * P].tobytes()
-    parent_pool = store_mod._hash_pool
+    parent_pool = hashing._hash_pool
     assert parent_pool is not None or (os.cpu_count() or 1) < 2
     pid = os.fork()
     if pid == 0:  # child: hash with a fresh pool, then leave without running the parent's atexit
         code = 1
         try:
-            assert store_mod._hash_pool is None
+            assert hashing._hash_pool is None
             with open_store(os.path.join(gds_dir, "child")) as c:
                 a, b, _ = buffers(c, n=8, seed=3)
                 ok = all(c.put(keys(8), Pages.contiguous(a.addr, P, range(8))))
@@ -478,13 +478,13 @@ def test_checksum_threads_cut_a_batch_across_that_many_tasks(gds_dir, monkeypatc
     host checksums are cut into; 1 sums them on the calling thread. Whatever the cut, every byte
     round-trips and a flipped byte is still a miss."""
     from hicache_gds import pagesum as ps
-    from hicache_gds.store import mover as store_mod
-    monkeypatch.setattr(store_mod, "_hash_threads", lambda: 4)
-    monkeypatch.setattr(store_mod, "_XXH3_SPLIT_BYTES", 0)  # cut even these few small pages
+    from hicache_gds.store import hashing
+    monkeypatch.setattr(hashing, "hash_threads", lambda: 4)
+    monkeypatch.setattr(hashing, "XXH3_SPLIT_BYTES", 0)  # cut even these few small pages
     sizes, real = [], ps.host_sums
     monkeypatch.setattr(ps, "host_sums", lambda segs, nbytes, odd=None: sizes.append(len(segs)) or real(segs, nbytes, odd))
     if threads == 1:
-        monkeypatch.setattr(store_mod, "_hasher", lambda: pytest.fail("checksum_threads=1 used the hashing pool"))
+        monkeypatch.setattr(hashing, "hasher", lambda: pytest.fail("checksum_threads=1 used the hashing pool"))
     with open_store(gds_dir, config={"checksum_threads": threads, "max_request_bytes": 8 * P}) as s:
         src, dst, _ = buffers(s, n=8)
         assert all(s.put(keys(8), Pages.contiguous(src.addr, P, range(8))))
@@ -685,9 +685,9 @@ class _InFlight:
 def _slow_posting_store(d, monkeypatch, n):
     """A store whose read requests take 20 ms to post (a device with a full queue), 8 requests of
     4 pages per get of 32, and a read window of two requests."""
-    from hicache_gds.store import mover
-    monkeypatch.setattr(mover, "_READ_WINDOW_BYTES", 2 * 4 * P)
-    monkeypatch.setattr(mover, "_DEVICE_POST_SHARE", {})  # nothing measured in this process yet
+    from hicache_gds.store import posting
+    monkeypatch.setattr(posting, "READ_WINDOW_BYTES", 2 * 4 * P)
+    monkeypatch.setattr(posting, "DEVICE_POST_SHARE", {})  # nothing measured in this process yet
     eng = FaultyEngine(create_engine("nixl-posix", EngineOptions()), Faults(post_s=0.02, only=Op.READ))
     store = open_store(d, engine=eng, config={"max_request_bytes": 4 * P, "io_timeout": 2})
     return store, eng
@@ -724,10 +724,10 @@ def test_a_store_opened_again_on_a_blocking_device_posts_its_first_get_within_th
     """What one store measured about posting on its devices, the next one opened on them in the
     process starts from (SGLang's runtime backend switch opens a new store): its first get is
     already windowed. Windowed reads do not move the measurement (they hide the blocking); every
-    `_WINDOW_PROBE_EVERY`-th read posts all at once to measure again. Another engine on the same
+    `WINDOW_PROBE_EVERY`-th read posts all at once to measure again. Another engine on the same
     directory starts from nothing."""
-    from hicache_gds.store import mover
-    monkeypatch.setattr(mover, "_WINDOW_PROBE_EVERY", 4)
+    from hicache_gds.store import posting
+    monkeypatch.setattr(posting, "WINDOW_PROBE_EVERY", 4)
     d = str(tmp_path)
     store, eng = _slow_posting_store(d, monkeypatch, N)
     ks = keys()

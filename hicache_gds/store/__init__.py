@@ -6,6 +6,8 @@
   `JoinedStore`, lookups and leases only (the tiered store is `hicache_gds.remote.TieredStore`);
 * `namespace`: opening a namespace (where it lives, its size, its lock, its index);
 * `mover`: `PageMover`, moving pages between memory and slots (the request path, checksums);
+  `posting`: posting requests within the engine's limits, and the read window; `hashing`: the
+  host threads that checksum pages;
 * `staging`: host buffers for pages the engine cannot take as they are.
 """
 

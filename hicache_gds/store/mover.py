@@ -8,9 +8,9 @@ host memory, hgc1 on the GPU; a read checks the kind its page records). Once any
 nothing raises: a failure is a page's status (`TIMEOUT` where its IO may still land, and the
 staging it used is held until it finishes).
 
-`PageStore` and `PageReader` are page movers over their own index; `post_rows` is the same
-posting for GPU-direct paths that build their own descriptors (the SGLang linker, through
-`Lease.post`).
+`PageStore` and `PageReader` are page movers over their own index. `posting`: `post_rows`, the
+same posting for GPU-direct paths that build their own descriptors (the SGLang linker, through
+`Lease.post`), and the read window; `hashing`: the host threads that checksum pages.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .. import checksum, pagesum
+from .. import checksum
 from ..config import Config
 from ..engines.base import MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
 from ..errors import RegionError, StoreClosedError, TransferError, TransferTimeout
@@ -33,6 +32,8 @@ from ..gil import shorten_switch_interval
 from ..layout import Pages
 from ..memory import HostBuffer
 from ..stats import StoreStats
+from . import hashing, posting
+from .posting import post_rows
 from .protocol import Lease
 from .staging import MAX_HELD_STAGING, Prepared, Staging, finished, gather, scatter
 
@@ -45,101 +46,8 @@ MAX_KEY_BYTES = 1024
 _PIPELINE_PARTS = 8
 _PIPELINE_MIN_BYTES = 8 << 20
 _MIN_DIRECT_SEGMENT = 128 << 10  # smaller segments are gathered into one aligned IO per page
-# Where the device's queue is short (a small max_sectors_kb, few tags), posting a request blocks
-# until earlier IO completes, and a batch posted all at once left every checksum for after the IO
-# instead of beside it. A mover measures the share of its reads' time spent posting; past
-# _BLOCKING_POST_SHARE its reads of host pages keep at most _READ_WINDOW_BYTES (and at least two
-# requests) posted ahead of the one waited for, so each request's pages are verified while the
-# next ones are read. Elsewhere everything is posted at once: a window costs queue depth (5 % of
-# a 1 GiB get on the CPU machine's disk).
-# The share is measured on reads posted all at once only (a window hides the blocking it is there
-# for, and judging by windowed reads flipped a blocking device back and forth); a windowed mover
-# posts every _WINDOW_PROBE_EVERY-th read all at once to notice a device that stopped blocking.
-# Movers of one engine on the same devices share what they measured (`_DEVICE_POST_SHARE`): a
-# store opened again in the process (SGLang's runtime backend switch, another namespace) starts
-# from it, where its first get, posted all at once on a blocking device, verified every page after
-# all of the IO.
-_BLOCKING_POST_SHARE = 0.5
-_READ_WINDOW_BYTES = 512 << 20
-_READ_WINDOW_MIN = 2
-_WINDOW_PROBE_EVERY = 64
-_DEVICE_POST_SHARE: dict[tuple[Any, ...], float] = {}
 OK, FAIL, TIMEOUT, BADSUM = 1, 0, 2, 3  # a page's status after a request
 MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at most
-# xxh3 hashes 25-30 GB/s a core: a request's pages (1/8 of a batch) are hashed on the thread that
-# finishes them; a whole batch's (a write's, 256 MiB) are cut across the hashing threads.
-_XXH3_SPLIT_BYTES = 64 << 20
-
-_hash_pool: ThreadPoolExecutor | None = None
-_hash_pool_lock = threading.Lock()
-
-
-def _hash_threads() -> int:
-    return min(8, os.cpu_count() or 1)
-
-
-def _hasher() -> ThreadPoolExecutor | None:
-    """Threads that checksum a request's pages in parallel (numpy releases the GIL), or None on one core.
-
-    Requests of a batch are all posted at once and the disk serves them interleaved, so most of
-    them complete near the end of the batch: hashing them one by one on the caller's thread was
-    exposed, not overlapped (about 9% of get throughput on the H100 VM with verification on)."""
-    global _hash_pool
-    workers = _hash_threads()
-    if workers < 2:
-        return None
-    with _hash_pool_lock:
-        if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(workers, thread_name_prefix="hicache-gds-checksum")
-        return _hash_pool
-
-
-def _forget_hasher_in_child() -> None:
-    # A forked child has none of the parent's threads: a copied pool would queue work forever.
-    global _hash_pool, _hash_pool_lock, _verify_pool
-    _hash_pool, _verify_pool, _hash_pool_lock = None, None, threading.Lock()
-
-
-_verify_pool: ThreadPoolExecutor | None = None
-
-
-def _verifier() -> ThreadPoolExecutor:
-    """Threads that finish host pages beside the IO: a read's scatter and checksum per request
-    (`_finish_read`), a write's checksums. They fan out to `_hasher`, whose tasks never wait, so
-    the two pools cannot deadlock."""
-    global _verify_pool
-    with _hash_pool_lock:
-        if _verify_pool is None:
-            _verify_pool = ThreadPoolExecutor(4, thread_name_prefix="hicache-gds-verify")
-        return _verify_pool
-
-
-os.register_at_fork(after_in_child=_forget_hasher_in_child)
-
-
-def post_rows(engine: TransferEngine, config: Config, op: Op, kind: MemKind, mem: np.ndarray,
-              fil: np.ndarray) -> list[Transfer]:
-    """Submit (addr, nbytes) x (file id, file offset) rows in requests within the engine's limits
-    (descriptors cut to ``max_desc_bytes``, requests to ``max_request_bytes`` or 64 MiB). On a
-    failure to submit, what was posted is waited for (never past ``io_timeout``) and the error raised."""
-    caps = engine.capabilities
-    a, ln, off, pieces = split_rows(mem[:, 0], mem[:, 1], fil[:, 1], caps.max_desc_bytes)
-    mem, fil = np.stack([a, ln], axis=1), np.stack([np.repeat(fil[:, 0], pieces), off], axis=1)
-    out: list[Transfer] = []
-    try:
-        for bt in split_batches(np.ones(len(mem)), mem[:, 1], caps, config.max_request_bytes or 64 << 20):
-            out.append(engine.submit(op, kind, mem[bt.row_start:bt.row_stop], fil[bt.row_start:bt.row_stop]))
-    except BaseException:
-        deadline = time.monotonic() + config.io_timeout
-        for t in out:
-            try:
-                t.wait(max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 -- the submit error is the one to raise
-                pass
-            finally:
-                t.release()
-        raise
-    return out
 
 
 class PageMover:
@@ -161,7 +69,7 @@ class PageMover:
         self._sync_fds: list[int] = []
         self._stats = StoreStats()
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
-        self._post_share: float | None = None  # of recent reads' time, spent posting (`_BLOCKING_POST_SHARE`)
+        self._post_share: float | None = None  # of recent reads' time, spent posting (`posting`)
         self._windowed_reads = 0  # since the last read posted all at once
         self._devices: tuple[Any, ...] | None = None
 
@@ -173,7 +81,7 @@ class PageMover:
 
     def _device_key(self) -> tuple[Any, ...]:
         """The engine and the devices under this mover's slab files (``st_dev``): the key of
-        `_DEVICE_POST_SHARE` (posting blocks in a device's queue, as one engine submits to it)."""
+        `posting.DEVICE_POST_SHARE` (posting blocks in a device's queue, as one engine submits to it)."""
         if self._devices is None:
             devs = set()
             for path in getattr(getattr(self, "slabs", None), "paths", ()):
@@ -189,11 +97,11 @@ class PageMover:
         on the same devices, else 0 (post all at once, and measure)."""
         if self._post_share is not None:
             return self._post_share
-        return _DEVICE_POST_SHARE.get(self._device_key(), 0.0)
+        return posting.DEVICE_POST_SHARE.get(self._device_key(), 0.0)
 
     def _note_share(self, share: float) -> None:
         self._post_share = share if self._post_share is None else 0.5 * self._post_share + 0.5 * share
-        _DEVICE_POST_SHARE[self._device_key()] = self._post_share
+        posting.DEVICE_POST_SHARE[self._device_key()] = self._post_share
 
     def _stats_base(self) -> dict[str, Any]:
         """What `PageStore.stats` and `PageReader.stats` both report first: the counters and
@@ -209,9 +117,9 @@ class PageMover:
         """How reads post their requests now (`stats()`): the share of their time spent posting,
         and whether reads of host pages post within a window (posting blocks on this device)."""
         share = self._share()
-        windowed = share > _BLOCKING_POST_SHARE
+        windowed = share > posting.BLOCKING_POST_SHARE
         return {"read_post_share": round(share, 3),
-                "read_posting": f"within {_READ_WINDOW_BYTES >> 20} MiB ahead" if windowed else "all at once"}
+                "read_posting": f"within {posting.READ_WINDOW_BYTES >> 20} MiB ahead" if windowed else "all at once"}
 
     @property
     def capabilities(self) -> Any:
@@ -294,8 +202,6 @@ class PageMover:
     def register_tensor(self, tensor: Any) -> None:
         self.register_memory(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
                              MemKind.VRAM if tensor.is_cuda else MemKind.DRAM)
-
-    # -- put / get -------------------------------------------------------------------------------
 
     # -- the request path ------------------------------------------------------------------------
     def _io(self, op: Op, pages: Pages, slots: np.ndarray, expect: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -387,10 +293,11 @@ class PageMover:
         beside = pages.kind is MemKind.DRAM or (op is Op.WRITE and buf is not None)
         finishing = op is Op.READ and (expect is not None or buf is not None)  # pages to scatter or check
         window = len(plan)
-        if finishing and beside and self._share() > _BLOCKING_POST_SHARE:
+        if finishing and beside and self._share() > posting.BLOCKING_POST_SHARE:
             self._windowed_reads += 1
-            if self._windowed_reads % _WINDOW_PROBE_EVERY:
-                window = max(_READ_WINDOW_MIN, -(-_READ_WINDOW_BYTES * len(plan) // max(1, n * self.slot_bytes)))
+            if self._windowed_reads % posting.WINDOW_PROBE_EVERY:
+                window = max(posting.READ_WINDOW_MIN,
+                             -(-posting.READ_WINDOW_BYTES * len(plan) // max(1, n * self.slot_bytes)))
         posted_ns = 0
         t_run = time.perf_counter_ns()
 
@@ -409,7 +316,7 @@ class PageMover:
         hashed = True
         sums_job = None
         if op is Op.WRITE and beside:  # summed while the requests are posted and written
-            sums_job = _verifier().submit(self._page_sums, pages, buf, range(n))
+            sums_job = hashing.verifier().submit(self._page_sums, pages, buf, range(n))
         for bt in plan[:window]:
             post(bt)
         if op is Op.WRITE and sums_job is None:  # overlaps the IO in flight
@@ -470,7 +377,7 @@ class PageMover:
                 runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1)] \
                     if len(ok) else []
                 if beside:  # disjoint page ranges: each job writes only its own pages' status
-                    verifying += [_verifier().submit(self._finish_read, pages, buf, expect, status, ra, rb)
+                    verifying += [hashing.verifier().submit(self._finish_read, pages, buf, expect, status, ra, rb)
                                   for ra, rb in runs]
                 else:
                     tv = time.perf_counter_ns()
@@ -543,39 +450,12 @@ class PageMover:
 
     def _page_sums(self, pages: Pages, buf: HostBuffer | None, idx: Sequence[int],
                    like: Any = None) -> list[int]:
-        """The checksum (`hicache_gds.pagesum`) of each page in `idx` (from `buf`, where staged): of
-        the kind its `like` value records, else xxh3 for bytes summed in host memory and hgc1 for
-        device pages (on their GPU, all in one launch). Host pages are cut across the hashing
-        threads where there are several hgc1 pages or `_XXH3_SPLIT_BYTES` of xxh3 (5x faster:
-        below that the caller's thread does it, sparing the hand-offs)."""
-        idx = list(idx)
-        if not idx:
-            return []
-        odd = None if like is None else pagesum.kinds_of(np.asarray(like, dtype=np.int64).reshape(-1))
-        if buf is None and pages.kind is MemKind.VRAM:
-            sel = pages.select(idx)
-            return pagesum.device_sums(sel.addrs, sel.lens, self.page_bytes, odd, self._device_sums).tolist()
-        if buf is not None:
-            segs = [[(buf.addr + j * self.slot_bytes, self.page_bytes)] for j in idx]
-        else:
-            segs = [list(zip(pages.addrs[j].tolist(), pages.lens[j].tolist())) for j in idx]
-        hgc1 = [False] * len(idx) if odd is None else odd.tolist()
-        threads = min(_hash_threads(), self.config.checksum_threads or _hash_threads())
-        split = sum(hgc1) > 1 or len(idx) * self.page_bytes >= _XXH3_SPLIT_BYTES
-        pool = _hasher() if split and len(idx) > 1 and threads > 1 else None
-        if pool is None:
-            return pagesum.host_sums(segs, self.page_bytes, hgc1)
-        # One task per thread: a task sums its pages' segments that lie end to end in one numpy
-        # call and folds them at once; every task and call is a GIL hand-off, which a busy thread
-        # in the host process makes cost up to a switch interval.
-        step = -(-len(segs) // threads)
-        parts = pool.map(lambda a: pagesum.host_sums(segs[a:a + step], self.page_bytes, hgc1[a:a + step]),
-                         range(0, len(segs), step))
-        return [c for part in parts for c in part]
+        """`hashing.page_sums` of pages `idx` (from `buf`, where staged), with this store's sizes,
+        ``checksum_threads`` and device checksums."""
+        return hashing.page_sums(pages, buf, idx, page_bytes=self.page_bytes, slot_bytes=self.slot_bytes,
+                                 threads=self.config.checksum_threads, device_sums=self._device_sums, like=like)
 
     # -- maintenance -----------------------------------------------------------------------------
-
-
     def close(self) -> None:
         """Refuse new calls (`StoreClosedError`), wait for the calls in flight (at most
         ``io_timeout``), then release files, buffers, the index (and, for a store, the namespace's lock). Idempotent.
