@@ -16,13 +16,14 @@ from .costmodel import CostModel, Decision, LoadPace, PrefillModel, ReadRate, lo
 from .engines.base import MemKind, Op
 from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSError, ReadOnlyError, RegionError,
                      StoreClosedError, StoreFullError, StoreLockedError, TransferError, TransferTimeout)
+from .factory import open_store
 from .index import read_keys
 from .layout import Pages, namespace_id, namespace_location, page_bytes_for
 from .memory import HostBuffer, align_up, view
 from .probe import Probe, probe_read_rate
 from .slabs.slabset import prepare_root, private_dir
 from .stats import METRICS, Counters, metric_values
-from .store import JoinedStore, Lease, PageReader, PageStore, Store, open_store
+from .store import JoinedStore, Lease, PageReader, PageStore, Store
 from .store.namespace import namespace_created
 
 __version__ = "0.1.0"

@@ -1,12 +1,15 @@
-"""`open_store`: the one way adapters open a store; which one comes from the configuration."""
+"""`open_store`: the one way adapters open a store; which one comes from the configuration.
+
+Above both `hicache_gds.store` and `hicache_gds.remote` (the tiered store composes a `PageStore`),
+so that neither imports the other's way up."""
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from ..config import Config
-from ..engines.base import MemKind, TransferEngine
-from .protocol import Store
+from .config import Config
+from .engines.base import MemKind, TransferEngine
+from .store.protocol import Store
 
 __all__ = ["open_store"]
 
@@ -26,21 +29,21 @@ def open_store(page_bytes: int = 0, identity: Mapping[str, Any] | None = None, *
     only (`JoinedStore`: a scheduler that holds no KV memory). `engine`: use this engine instead of
     choosing one (tests, benchmarks)."""
     if namespace_dir is not None:
-        from .joined import JoinedStore
+        from .store.joined import JoinedStore
         return JoinedStore(namespace_dir, config if isinstance(config, Config) else None)
     if read_only:
-        from .reader import PageReader
+        from .store.reader import PageReader
         return PageReader(page_bytes, identity, config=config, engine=engine)
     remote = (config.remote_url if isinstance(config, Config)
               else (config or {}).get("remote_url") or Config.load(config, ignore=_remote_keys()).remote_url)
     if remote:
-        from ..remote import TieredStore
+        from .remote import TieredStore
         return TieredStore(page_bytes, identity, config=config, mem_kinds=mem_kinds, engine=engine)
-    from .pagestore import PageStore
+    from .store.pagestore import PageStore
     return PageStore(page_bytes, identity, config=config, mem_kinds=mem_kinds, engine=engine)
 
 
 def _remote_keys() -> tuple[str, ...]:
-    from ..remote.options import REMOTE_KEYS
-    from ..remote.tiered import TIER_KEYS
+    from .remote.options import REMOTE_KEYS
+    from .remote.tiered import TIER_KEYS
     return tuple(REMOTE_KEYS) + tuple(TIER_KEYS)
