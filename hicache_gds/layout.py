@@ -122,13 +122,6 @@ class NamespaceLocation(NamedTuple):
     slot_bytes: int
     """`page_bytes` rounded up to 4 KiB: the stride of slots in the slab files."""
 
-    @property
-    def index_meta(self) -> dict[str, str]:
-        """The settings the index records, so that a namespace reopened differently is never misread."""
-        from .slabs.ondisk import FORMAT, FORMAT_KEY
-        return {"slot_bytes": str(self.slot_bytes), "page_bytes": self.identity["page_bytes"],
-                "ndirs": str(len(self.dirs)), FORMAT_KEY: str(FORMAT)}
-
 
 def namespace_location(page_bytes: int, identity: Mapping[str, Any] | None, config: Config) -> NamespaceLocation:
     """The namespace `PageStore(page_bytes, identity, config=config)` opens, computed without creating

@@ -19,7 +19,8 @@ import numpy as np
 from hicache_gds import PageStore, Pages
 from hicache_gds.cli import main
 from hicache_gds.memory import HostBuffer
-from hicache_gds.slabs.namespaces import find, open_by
+from hicache_gds.slabs.namespaces import open_by
+from hicache_gds.tools.namespaces import find
 
 PAGE = 64 << 10
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -249,7 +250,7 @@ def test_verify_while_another_process_writes_and_evicts_reports_nothing_false(gd
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONHASHSEED="0")
     p = subprocess.Popen([sys.executable, "-c", _WRITER, str(PAGE), gds_dir, "300"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env)
-    from hicache_gds.slabs.namespaces import verify
+    from hicache_gds.tools.namespaces import verify
     reports = []
     try:
         ns_dir = p.stdout.readline().strip()

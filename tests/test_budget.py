@@ -25,7 +25,7 @@ from hicache_gds import PageStore, Pages, StoreFullError
 from hicache_gds.slabs.capacity import dir_space
 from hicache_gds.cli import main
 from hicache_gds.memory import HostBuffer
-from hicache_gds.slabs.namespaces import find
+from hicache_gds.tools.namespaces import find
 from hicache_gds.slabs.removal import remove
 from hicache_gds.slabs.owners import LOCK_FILE, setup_lock
 from hicache_gds.testing.faults import small_tmpfs

@@ -242,7 +242,7 @@ def test_device_pages_spanning_requests_are_verified_once_after_their_last_reque
 def test_a_namespace_of_the_old_format_opens_empty_and_verify_checks_it_with_xxh3(gds_dir, caplog):
     import xxhash
 
-    from hicache_gds.slabs import namespaces
+    from hicache_gds.tools import namespaces
     ks = [f"o{i}" for i in range(6)]
     buf = HostBuffer(6 * PAGE)
     with I._store(gds_dir, "old-format", 16) as s:

@@ -53,7 +53,7 @@ class IndexReader:
     """
 
     def __init__(self, db_path: str, meta: Mapping[str, str] | None = None) -> None:
-        """`meta`: the settings the writer records (`NamespaceLocation.index_meta`); a database that
+        """`meta`: the settings the writer records (`slabs.ondisk.index_meta`); a database that
         records other values reads as empty."""
         self.db_path = db_path
         self._want = dict(meta or {}, schema=str(SCHEMA))

@@ -28,9 +28,10 @@ import json
 import sqlite3
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
+from ..slabs.ondisk import INDEX_FILE  # the file's name is part of the on-disk format
+
 __all__ = ["Entry", "INDEX_FILE", "SCHEMA", "remove_pages", "select_entries"]
 
-INDEX_FILE = "index.sqlite3"
 SCHEMA = 2
 BUSY_S = 30.0  # how long a transaction waits for another process's (SQLite's busy timeout)
 GONE_KEEP = 4096  # change numbers of removed keys kept for other processes' maps to catch up with

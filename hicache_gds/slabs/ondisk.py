@@ -34,21 +34,33 @@ import os
 import re
 import secrets
 import stat
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from .. import checksum, pagesum
 from ..errors import ConfigError
 
-__all__ = ["FORMAT", "FORMAT_KEY", "place", "stripe_order", "ensure_stripe", "page_checksum",
-           "legacy_format"]
+if TYPE_CHECKING:
+    from ..layout import NamespaceLocation
+
+__all__ = ["FORMAT", "FORMAT_KEY", "INDEX_FILE", "index_meta", "place", "stripe_order", "ensure_stripe",
+           "page_checksum", "legacy_format"]
 
 log = logging.getLogger("hicache_gds.ondisk")
 
 FORMAT = 3
 FORMAT_KEY = "format"
 """The index setting (and namespace.json field) that records a namespace's format."""
+INDEX_FILE = "index.sqlite3"
+"""The namespace's index database (`hicache_gds.index`), in its first directory."""
+
+
+def index_meta(loc: NamespaceLocation) -> dict[str, str]:
+    """The settings the index of the namespace at `loc` records, so that a namespace reopened
+    differently (another slot size, page size, directory count or format) is never misread."""
+    return {"slot_bytes": str(loc.slot_bytes), "page_bytes": loc.identity["page_bytes"],
+            "ndirs": str(len(loc.dirs)), FORMAT_KEY: str(FORMAT)}
 
 
 def place(slots: Any, ndirs: int, slot_bytes: int) -> tuple[np.ndarray, np.ndarray]:

@@ -128,7 +128,7 @@ def open_namespace(cfg: Config, page_bytes: int, identity: Mapping[str, Any] | N
             nslots = sizing.nslots
             gone = _short_slabs(dirs, loc.slot_bytes, nslots) if not others else []  # before SlabSet extends them
             slabs = SlabSet(dirs, loc.slot_bytes, nslots, cfg.preallocate, create=not others)
-            index = Index(os.path.join(dirs[0], INDEX_FILE), nslots, loc.index_meta,
+            index = Index(os.path.join(dirs[0], INDEX_FILE), nslots, ondisk.index_meta(loc),
                           existing=had_slots, gone=gone, member=member, first=not others)
         return Namespace(loc.identity, loc.namespace, loc.slot_bytes, dirs, member, engine, reason, sizing, slabs,
                          index)

@@ -99,10 +99,10 @@ class PageReader(PageMover, Store):
             engine, reason = choice.engine, choice.reason
         else:
             reason = f"{engine.name}: given by the caller"
-        self._index_meta = loc.index_meta
+        self._index_meta = ondisk.index_meta(loc)
         self._old_indexes: list[IndexReader] = []
         self.slabs = SlabSet(self.dirs, self.slot_bytes, 0, create=False)
-        self.index = IndexReader(os.path.join(self.dirs[0], INDEX_FILE), loc.index_meta)
+        self.index = IndexReader(os.path.join(self.dirs[0], INDEX_FILE), self._index_meta)
         self._attach(engine, reason)
         log.info("hicache-gds reader of %s (%s, read-only); engine %s", self.namespace, ",".join(self.dirs),
                  self.engine_reason)

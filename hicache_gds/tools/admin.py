@@ -6,7 +6,7 @@
 
 `GDS_PATH` (or ``--path``) names the directories, comma-separated, as for the store. A namespace is
 named as `ls` prints it (``ns-`` and 20 hex digits) or by a unique prefix of it. All three work next
-to running writers (`namespaces` says how).
+to running writers (`hicache_gds.tools.namespaces` says how).
 
 Exit status: 0 when all is well; 1 when `verify` found bad pages or `clear` left a namespace in
 place (open, or not ours to remove); 2 for bad arguments or an unusable `GDS_PATH`.
@@ -74,7 +74,7 @@ def ls_main(argv: Sequence[str] | None = None) -> int:
                        "the pids that have it open, or since when it is idle (idle namespaces are removed, least "
                        "recently used first, when a new namespace needs their room).")
     args = ap.parse_args(argv)
-    from ..slabs.namespaces import find
+    from .namespaces import find
     try:
         roots = _roots(args.path)
         found = find(roots)
@@ -111,7 +111,7 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-drop", action="store_true", help="report bad pages, but leave them in the index")
     ap.add_argument("--keys", action="store_true", help="name the bad pages' keys (prompt-derived; off by default)")
     args = ap.parse_args(argv)
-    from ..slabs.namespaces import find, resolve, verify
+    from .namespaces import find, resolve, verify
     try:
         roots = _roots(args.path)
         found = find(roots)
@@ -154,7 +154,7 @@ def clear_main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if bool(args.namespaces) == bool(args.all):
         return _fail("clear", ConfigError("name the namespaces to remove, or give --all (not both)"))
-    from ..slabs.namespaces import find, resolve
+    from .namespaces import find, resolve
     from ..slabs.removal import RemoveReport, remove
     try:
         roots = _roots(args.path)
