@@ -48,6 +48,7 @@ import heapq
 import json
 import math
 import sys
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -256,6 +257,24 @@ def from_run(doc: dict[str, Any]) -> tuple[Server, list[int]]:
                   chunk=int(args.get("chunk") or 8192), grain=grain), lengths
 
 
+def pair_open_reps(cells: Sequence[dict[str, Any]]) -> tuple[dict[float, set], list[str]]:
+    """The open-loop repetitions that count, by rate, and the ids of the cells left out (sorted);
+    `cells`: the run's cells that have results. How the report pools repetitions (`suite_report`)
+    and what `replay` skips."""
+    # An open-loop repetition counts only where every configuration run at its rate measured it:
+    # each repetition is its own draw of arrivals, and p90s pooled over different draws differ by
+    # the draws (a call cut short leaves one configuration's repetition without the other's).
+    reps: dict[tuple, set] = defaultdict(set)
+    for c in cells:
+        if c["workload"] == "open":
+            reps[(c["rate"], c["config"])].add(c["rep"])
+    paired: dict[float, set] = {}
+    for (rate, _), rs in reps.items():
+        paired[rate] = paired[rate] & rs if rate in paired else set(rs)
+    unpaired = sorted(c.get("id", "?") for c in cells if c["workload"] == "open" and c["rep"] not in paired[c["rate"]])
+    return paired, unpaired
+
+
 def replay(doc: dict[str, Any], srv: Server, skip: set[str] = frozenset()) -> dict[float, dict[str, float]]:
     """Each policy's p90 on the open-loop arrivals the run sent (recompute's cells: their request
     start times and prompt lengths), pooled over repetitions as the report pools them (`skip`:
@@ -310,13 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['rate']:g} req/s: recompute p90 {row['recompute_p90']:.2f} s ({row['recompute_p90'] / row['idle_p90']:.1f}x "
               f"idle), per request {row['per_request_p90'] / row['recompute_p90']:.2f}x, joined "
               f"{row['joined_p90'] / row['recompute_p90']:.2f}x, split {row['split_p90'] / row['recompute_p90']:.2f}x")
-    import suite_report  # the report's pairing of repetitions (same folder)
     b = burst(srv, lengths[:int((doc.get("args") or {}).get("burst") or len(lengths))])
     print(f"a burst of {len(lengths)}: last / mean TTFT against recompute's, per request "
           f"{b['per_request'][0] / b['recompute'][0]:.2f}x / {b['per_request'][1] / b['recompute'][1]:.2f}x, joined "
           f"{b['joined'][0] / b['recompute'][0]:.2f}x / {b['joined'][1] / b['recompute'][1]:.2f}x, split "
           f"{b['split'][0] / b['recompute'][0]:.2f}x / {b['split'][1] / b['recompute'][1]:.2f}x")
-    for rate, ps in sorted(replay(doc, srv, skip=set(suite_report.summarize(doc)["open_unpaired"])).items()):
+    measured = [c for c in (doc.get("cells") or {}).values() if "results" in c]
+    for rate, ps in sorted(replay(doc, srv, skip=set(pair_open_reps(measured)[1])).items()):
         print(f"the run's arrivals at {rate:g} req/s: recompute p90 {ps['recompute']:.2f} s, per request "
               f"{ps['per_request'] / ps['recompute']:.2f}x, joined {ps['joined'] / ps['recompute']:.2f}x, split "
               f"{ps['split'] / ps['recompute']:.2f}x")

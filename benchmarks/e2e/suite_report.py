@@ -14,6 +14,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2elib import _jsonable  # noqa: E402
+from open_loop_bound import pair_open_reps  # noqa: E402
 
 SGLANG_GDS = ("gds-wait_complete", "gds-best_effort", "gds-timeout")
 OURS = "gds-compute_or_load"
@@ -44,17 +45,7 @@ def _ttfts(cell: dict[str, Any]) -> list[float]:
 
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     cells = [c for c in doc.get("cells", {}).values() if "results" in c]
-    # An open-loop repetition counts only where every configuration run at its rate measured it:
-    # each repetition is its own draw of arrivals, and p90s pooled over different draws differ by
-    # the draws (a call cut short leaves one configuration's repetition without the other's).
-    reps: dict[tuple, set] = defaultdict(set)
-    for c in cells:
-        if c["workload"] == "open":
-            reps[(c["rate"], c["config"])].add(c["rep"])
-    paired: dict[float, set] = {}
-    for (rate, _), rs in reps.items():
-        paired[rate] = paired[rate] & rs if rate in paired else set(rs)
-    unpaired = sorted(c.get("id", "?") for c in cells if c["workload"] == "open" and c["rep"] not in paired[c["rate"]])
+    paired, unpaired = pair_open_reps(cells)
     cells = [c for c in cells if c["workload"] != "open" or c["rep"] in paired[c["rate"]]]
     by: dict[tuple, list[dict]] = defaultdict(list)
     for c in cells:
