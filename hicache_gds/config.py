@@ -16,31 +16,61 @@ from typing import Any, Callable, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["Config", "parse_size", "ENV_PREFIX", "describe_keys"]
+__all__ = ["Config", "parse_size", "parse_bool", "ENV_PREFIX", "describe_keys"]
 
 ENV_PREFIX = "HICACHE_GDS_"
 # Variables of the same prefix that an adapter reads, not the store: known, so not typos here.
 ADAPTER_ENV = frozenset({ENV_PREFIX + "TRACE"})  # the SGLang plugin's prefetch timeline (trace.py)
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+_SIZE_RE = re.compile(r"^\s*(?:(0[xX][0-9a-fA-F]+)|(\d+(?:\.\d+)?))\s*([A-Za-z%]*)\s*$")
+_SETTING_UNIT_RE = re.compile(r"([kmgtp]?)(i?b?)")
+_POW = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
-def parse_size(value: Any, *, key: str = "size") -> int:
-    """Parse a byte count: an int, or a string with an optional k/m/g/t suffix (powers of 1024)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a byte count such as 64G, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: a byte count cannot be negative, got {value}")
+def parse_size(value: Any, *, key: str = "size", kb_base: int | None = None) -> int:
+    """Parse a byte count: an int >= 0 passes; a string is a number and an optional unit.
+    `ConfigError`, naming `key`, for anything else.
+
+    kb_base None (settings): a decimal number, fractions allowed, and an optional k/m/g/t/p, each a
+    power of 1024 however it is spelled after (``512M``, ``64GiB``, ``4kb``, ``1.5g``).
+
+    kb_base 1024 or 1000 (fio's rules, for `hicache-gds-bench`): an integer (or a hex one, without
+    a unit); ``k``, ``kb`` and ``ki`` are powers of `kb_base` and the IEC ``kib`` one of the other
+    base, as fio reads them (with 1024, its default, ``1KiB`` = 1000); no fractions or percentages.
+    """
+    fio = kb_base is not None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ConfigError(f"{key}: expected a byte count such as 4096, 512M or 64G, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if not fio:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a byte count such as 64G, got {value!r}")
+        if isinstance(value, int):
+            raise ConfigError(f"{key}: a byte count cannot be negative, got {value}")
+        m = _SIZE_RE.match(str(value))
+        u = _SETTING_UNIT_RE.fullmatch(m.group(3).lower()) if m and m.group(2) else None
+        if not u:
+            raise ConfigError(f"{key}: expected a byte count such as 4096, 512M or 64G, got {value!r}")
+        return int(float(m.group(2)) * (1 << 10 * _POW.get(u.group(1), 0)))
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if m and m.group(2) and "." in m.group(2):
+        m = None  # fio takes whole numbers only
+    suffix = m.group(3).lower() if m else ""
+    if m and m.group(1) and not suffix:
+        return int(m.group(1), 16)         # fio ignores a suffix on hex numbers; we refuse it
+    if m and suffix == "%":
+        raise ConfigError(f"{key}: percentages ({value!r}) are not supported; give bytes")
+    pow_, rest = _POW.get(suffix[:1], 0), suffix[1:]
+    mult = (1 if suffix in ("", "b") else kb_base ** pow_ if pow_ and rest in ("", "b", "i")
+            else (1000 if kb_base == 1024 else 1024) ** pow_ if pow_ and rest == "ib" else None)
+    if not (m and m.group(2)) or mult is None:
+        raise ConfigError(f"{key}: {value!r} is not a size (an integer with an optional k/m/g/t/p suffix, "
+                          f"e.g. 4k, 2m, 1g)")
+    return int(m.group(2)) * mult
 
 
-def _bool(value: Any, key: str) -> bool:
+def parse_bool(value: Any, key: str) -> bool:
+    """A boolean: a bool, or 1/0, true/false, yes/no, on/off in any case; `ConfigError` naming
+    `key` for anything else."""
     if isinstance(value, bool):
         return value
     s = str(value).strip().lower()
@@ -157,12 +187,12 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
                           "capacity 0: this share of the space available plus what hicache-gds namespaces hold"),
     "max_fill": (ENV_PREFIX + "MAX_FILL", _fraction, 0.9,
                  "capacity 0: never take a file system fuller than this (1 - available/total)"),
-    "evict": (ENV_PREFIX + "EVICT", _bool, True,
+    "evict": (ENV_PREFIX + "EVICT", parse_bool, True,
               "evict least recently used pages when full (off: a put into a full store fails)"),
-    "preallocate": (ENV_PREFIX + "PREALLOCATE", _bool, True, "fallocate slab files at open, so a full disk fails early"),
-    "verify": (ENV_PREFIX + "VERIFY", _bool, True, "check each page read (host or GPU) against its checksum; a mismatch is a miss"),
-    "direct_io": (ENV_PREFIX + "DIRECT_IO", _bool, True, "open slab files with O_DIRECT"),
-    "sync": (ENV_PREFIX + "SYNC", _bool, False, "fdatasync before a page is published (power-loss durability)"),
+    "preallocate": (ENV_PREFIX + "PREALLOCATE", parse_bool, True, "fallocate slab files at open, so a full disk fails early"),
+    "verify": (ENV_PREFIX + "VERIFY", parse_bool, True, "check each page read (host or GPU) against its checksum; a mismatch is a miss"),
+    "direct_io": (ENV_PREFIX + "DIRECT_IO", parse_bool, True, "open slab files with O_DIRECT"),
+    "sync": (ENV_PREFIX + "SYNC", parse_bool, False, "fdatasync before a page is published (power-loss durability)"),
     "io_timeout": (ENV_PREFIX + "IO_TIMEOUT", _positive_float, 60.0, "seconds one batch may take before it fails"),
     "switch_interval": (ENV_PREFIX + "SWITCH_INTERVAL", _seconds_or_zero, 0.0005,
                         "a store's open lowers this process's Python thread switch interval to this, for "

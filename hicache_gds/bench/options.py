@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+from ..config import parse_bool
+from ..config import parse_size as _parse_size
 from ..errors import ConfigError
 from .stats import DEFAULT_PERCENTILES
 
@@ -113,7 +115,6 @@ def page_geometry(model: str, page_tokens: int, layout: str = "page_first") -> P
 # --------------------------------------------------------------------------- value parsers
 
 _INT_RE = re.compile(r"^\s*(?:(0[xX][0-9a-fA-F]+)|(\d+))\s*([A-Za-z%]*)\s*$")
-_POW = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _TIME_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6,
                "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _VERIFY_NAMES = tuple("""md5 crc64 crc32c crc32c-intel crc32 crc16 crc7 sha1 sha256 sha512
@@ -128,23 +129,12 @@ def _opt(name: str) -> str:
 
 
 def parse_size(text: Any, *, option: str = "size", kb_base: int = 1024) -> int:
-    """A byte count with fio's suffix rules (see the module docstring); ints pass through."""
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
-        return text
-    m = _INT_RE.match(text) if isinstance(text, str) else None
-    suffix = m.group(3).lower() if m else ""
-    if m and m.group(1) and not suffix:
-        return int(m.group(1), 16)         # fio ignores a suffix on hex numbers; we refuse it
-    if m and suffix == "%":
-        raise OptionError(f"{_opt(option)}: percentages ({text!r}) are not supported; give bytes",
-                          option)
-    pow_, rest = _POW.get(suffix[:1], 0), suffix[1:]
-    mult = (1 if suffix in ("", "b") else kb_base ** pow_ if pow_ and rest in ("", "b", "i")
-            else (1000 if kb_base == 1024 else 1024) ** pow_ if pow_ and rest == "ib" else None)
-    if not (m and m.group(2)) or mult is None:
-        raise OptionError(f"{_opt(option)}: {text!r} is not a size (an integer with an optional "
-                          f"k/m/g/t/p suffix, e.g. 4k, 2m, 1g)", option)
-    return int(m.group(2)) * mult
+    """A byte count with fio's suffix rules (see the module docstring; `hicache_gds.config.parse_size`
+    under `kb_base`); ints pass through."""
+    try:
+        return _parse_size(text, key=_opt(option), kb_base=kb_base)
+    except ConfigError as exc:
+        raise OptionError(str(exc), option) from None
 
 
 def parse_time(text: Any, *, option: str = "runtime") -> float:
@@ -168,14 +158,12 @@ def format_size(n: int) -> str:
 
 
 def _bool(v: Any, name: str) -> bool:
-    if v is None or v is True or v is False:
-        return v is not False              # None: bare flag, means 1
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise OptionError(f"{_opt(name)}: {v!r} is not a boolean; use 1 or 0", name)
+    if v is None:
+        return True                        # a bare flag means 1
+    try:
+        return parse_bool(v, _opt(name))
+    except ConfigError:
+        raise OptionError(f"{_opt(name)}: {v!r} is not a boolean; use 1 or 0", name) from None
 
 
 def _int(v: Any, name: str, lo: int = 0, hi: int | None = None) -> int:
