@@ -25,20 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hicache_gds import MemKind, PageStore, Pages  # noqa: E402
+from hicache_gds.bench.raw import drop_caches  # noqa: E402
 from hicache_gds.memory import HostBuffer, view  # noqa: E402
-
-
-def drop_caches(paths: list[str]) -> None:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return
-    except OSError:
-        pass
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 class Raw:

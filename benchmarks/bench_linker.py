@@ -39,7 +39,8 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [os.path.join(_ROOT, d) for d in ("benchmarks", "tests", os.path.join("plugins", "sglang"), "")]
 
 import linker_helpers as lh  # noqa: E402
-from bench_core import Raw, drop_caches  # noqa: E402
+from bench_core import Raw  # noqa: E402
+from hicache_gds.bench.raw import drop_caches  # noqa: E402
 from hicache_gds.memory import HostBuffer  # noqa: E402
 from hicache_gds_sglang.linker import GDSLinker  # noqa: E402
 

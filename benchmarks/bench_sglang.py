@@ -52,6 +52,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests"), HERE]
 
+from hicache_gds.bench.raw import drop_caches  # noqa: E402
+
 PAGE_TOKENS, LAYERS, HEADS, HEAD_DIM = 16, 32, 8, 128
 
 
@@ -62,21 +64,8 @@ def storage_config(extra):
                                 model_name="bench/llama-3-8b-like", extra_config=extra)
 
 
-def drop_caches(root: str) -> str:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for d, _, files in os.walk(root):
-            for name in files:
-                fd = os.open(os.path.join(d, name), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-        return "fadvise"
+def files_under(root: str) -> list[str]:
+    return [os.path.join(d, name) for d, _, names in os.walk(root) for name in names]
 
 
 class Driver:
@@ -303,7 +292,7 @@ def main() -> None:
             t_set = time.perf_counter() - t0
             os.sync()  # HiCacheFile's pages are still in the page cache when its calls return
             t_sync = time.perf_counter() - t0
-            how = drop_caches(root)
+            how = drop_caches(files_under(root))
             kv[:, n * PAGE_TOKENS:2 * n * PAGE_TOKENS].fill_(0xA5)
             before = phases(d)
             last_gds = r == args.rounds - 1 and d.name.startswith("HiCacheGDS")
@@ -344,7 +333,7 @@ def main() -> None:
             name = "raw O_DIRECT (2 MiB IOs, QD16)"
             results[name]["set"].append(raw.run(True, raw_buf, pbytes, n))
             results[name]["set+sync"].append(results[name]["set"][-1])
-            drop_caches(root)
+            drop_caches(files_under(root))
             results[name]["get"].append(raw.run(False, raw_buf, pbytes, n))
             print(f"round {r} raw: set {results[name]['set'][-1]:.2f} GB/s, get {results[name]['get'][-1]:.2f} GB/s",
                   flush=True)
@@ -352,7 +341,7 @@ def main() -> None:
             name = "fio (libaio, O_DIRECT, QD16)"
             results[name]["set"].append(fio(root, "write", n * pbytes, f"r{r}"))
             results[name]["set+sync"].append(results[name]["set"][-1])
-            drop_caches(root)
+            drop_caches(files_under(root))
             results[name]["get"].append(fio(root, "read", n * pbytes, f"r{r}"))
             os.unlink(os.path.join(root, f"fio-r{r}.dat"))
             print(f"round {r} fio: set {results[name]['set'][-1]:.2f} GB/s, get {results[name]['get'][-1]:.2f} GB/s",

@@ -33,6 +33,7 @@ from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches, Can
                                      GPULoadStoreSpec, make_offload_key)
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 
+from hicache_gds.bench.raw import DROPPED_ALL, drop_caches  # noqa: E402
 from hicache_gds.memory import HostBuffer  # noqa: E402
 from hicache_gds_vllm import HiCacheGDSOffloadingSpec, HiCacheLoadSpec, HiCacheStoreSpec  # noqa: E402
 from hicache_gds_vllm.spec import store_key  # noqa: E402
@@ -41,16 +42,6 @@ from hicache_gds_vllm.testing import offloading_config  # noqa: E402
 LAYERS, HEADS, HEAD_DIM, BLOCK, BPC = 32, 8, 128, 16, 4
 PAGE = BLOCK * HEADS * 2 * HEAD_DIM * 2  # K+V, bf16: 64 KiB
 CHUNK = LAYERS * BPC * PAGE  # 8 MiB
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def make_config(gds_path: str, capacity: int, verify: bool) -> OffloadingConfig:
@@ -143,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         results["raw write"].append(n * CHUNK / raw.run(True) / 1e9)
         results["worker store"].append(n * CHUNK / run_jobs(True, keys) / 1e9)
         kv[:, n * BPC:].fill_(0xA5)  # poison the destinations
-        cold = drop_caches() and cold
+        cold = drop_caches() == DROPPED_ALL and cold  # nothing else names the store's files here
         results["raw read"].append(n * CHUNK / raw.run(False) / 1e9)
         results["worker load"].append(n * CHUNK / run_jobs(False, keys) / 1e9)
         if rnd == 0 and not torch.equal(kv[:, n * BPC:], kv[:, : n * BPC]):

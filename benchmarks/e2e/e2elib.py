@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hicache_gds.bench.raw import drop_caches  # noqa: F401 -- the harness's one cache drop (suite, servers)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 _LIVE: "list[Server]" = []
@@ -231,16 +233,6 @@ def wait_stored(srv: "Server", counter: Callable[[], int], expect_tokens: int, s
             break
     return {"stored_pages": last, "backed_up_tokens": backed, "expected_tokens": expect_tokens,
             "drain_wait_s": round(time.monotonic() - t0, 1), "drained": backed is None or backed >= expect_tokens}
-
-
-def drop_caches() -> str:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "dropped"
-    except OSError as exc:
-        return f"not dropped ({exc.strerror})"
 
 
 def tokens(seed: int, n: int) -> list[int]:

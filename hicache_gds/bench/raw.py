@@ -32,7 +32,7 @@ from .options import JobOptions, OptionError
 from .report import DirStats, FioOutputError, fio_argv, fio_job_summary, parse_fio_json
 
 __all__ = ["Plan", "Outcome", "Measured", "drive", "run_phase", "Bars", "RawFile", "run_raw", "run_fio", "drop_caches",
-           "queue_depth", "has_reads", "scratch_root", "MAX_QUEUE_DEPTH", "fill_random"]
+           "queue_depth", "has_reads", "scratch_root", "MAX_QUEUE_DEPTH", "fill_random", "DROPPED_ALL"]
 
 MAX_QUEUE_DEPTH = 256
 """Most page IOs the raw and fio baselines keep in flight (threads for raw, iodepth for fio)."""
@@ -262,18 +262,23 @@ def scratch_root() -> str:
 
 
 
-def drop_caches(files: Iterable[str], *, use_proc: bool = True) -> str:
-    """Empty the page cache before a cold read; returns how, in words.
+DROPPED_ALL = "drop_caches=3"
+"""What `drop_caches` returns where it emptied the whole page cache."""
+
+
+def drop_caches(files: Iterable[str] = (), *, use_proc: bool = True) -> str:
+    """Empty the page cache before a cold read; returns how, in words (`DROPPED_ALL`: everything).
 
     As root, `sync; echo 3 > /proc/sys/vm/drop_caches` (everything). Otherwise each file in
-    `files` is synced and `posix_fadvise(POSIX_FADV_DONTNEED)`-ed, which drops its clean pages.
+    `files` is synced and `posix_fadvise(POSIX_FADV_DONTNEED)`-ed, which drops its clean pages
+    (files that cannot be opened are skipped). The one way the benchmarks drop caches.
     """
     if use_proc and os.access("/proc/sys/vm/drop_caches", os.W_OK):
         try:
             os.sync()                      # dirty pages are not dropped, only clean ones
             with open("/proc/sys/vm/drop_caches", "w") as f:
                 f.write("3\n")
-            return "drop_caches=3"
+            return DROPPED_ALL
         except OSError:
             pass
     n = 0
