@@ -5,7 +5,13 @@
 * an adapter (`hicache_gds_sglang`, `hicache_gds_vllm`) imports of the core only its public
   namespace `hicache_gds` (what its `__all__` lists) and the conformance helpers
   `hicache_gds.testing`: the store's internals (its index, slabs, engine) are the store's;
-* no import circles, except the ones listed in `KNOWN_CIRCLES` (each with its owner's reason).
+* no import circles, except the ones listed in `KNOWN_CIRCLES` (each with its owner's reason);
+* none between the core's parts either (`hicache_gds.store`, `hicache_gds.index`, ... and each
+  top-level module such as `hicache_gds.config`): each part sits above or below another, never both;
+* none between the benchmark scripts (`benchmarks/`, `benchmarks/e2e/`, which import each other by
+  file name);
+* no file of the core longer than `MAX_CORE_LINES` (one implementation per file: a longer one is
+  split along a seam).
 
 Imports under ``if TYPE_CHECKING:`` count too: a circle that exists only for the type checker is
 still a circle in the design.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import os
+from typing import Sequence
 
 import pytest
 
@@ -23,6 +30,8 @@ PACKAGES = {"hicache_gds": ROOT, "hicache_gds_sglang": os.path.join(ROOT, "plugi
             "hicache_gds_vllm": os.path.join(ROOT, "plugins", "vllm")}
 ADAPTERS = ("hicache_gds_sglang", "hicache_gds_vllm", "sglang", "vllm")
 KNOWN_CIRCLES: list[set[str]] = []  # none today; an entry needs its owner's reason beside it
+MAX_CORE_LINES = 500
+BENCH_DIRS = ("benchmarks", os.path.join("benchmarks", "e2e"))
 
 
 def _modules() -> dict[str, str]:
@@ -194,3 +203,79 @@ def test_importing_the_package_and_its_testing_helpers_imports_no_pytest():
             "assert 'pytest' not in sys.modules, 'pytest imported'")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_no_core_file_is_longer_than_500_lines():
+    long = {}
+    for d, _dirs, files in os.walk(os.path.join(ROOT, "hicache_gds")):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(d, f)) as fh:
+                    n = sum(1 for _ in fh)
+                if n > MAX_CORE_LINES:
+                    long[os.path.relpath(os.path.join(d, f), ROOT)] = n
+    assert not long, f"core files over {MAX_CORE_LINES} lines (split each along a seam): {long}"
+
+
+def _part(module: str) -> str:
+    """The part of the core a module belongs to: its top-level subpackage (`hicache_gds.store` for
+    `hicache_gds.store.mover`), or itself for a top-level module; `hicache_gds` for the package's
+    own `__init__`."""
+    return ".".join(module.split(".")[:2])
+
+
+def _parts_graph(graph: dict[str, set[str]], top: str = "hicache_gds") -> dict[str, set[str]]:
+    """`graph` folded onto the parts of package `top`: part -> the other parts its modules import."""
+    out: dict[str, set[str]] = {}
+    for m, imps in graph.items():
+        if m.split(".")[0] == top:
+            out.setdefault(_part(m), set()).update(_part(i) for i in imps if i.split(".")[0] == top)
+    for p, deps in out.items():
+        deps.discard(p)
+    return out
+
+
+def test_no_import_circles_between_the_cores_parts(graph):
+    circles = _circles(_parts_graph(graph))
+    assert not circles, (f"parts of the core that import each other, directly or around a circle (move the shared "
+                         f"piece to the lower one, or above both): {[sorted(c) for c in circles]}")
+
+
+def _script_graph(root: str, dirs: Sequence[str]) -> dict[str, set[str]]:
+    """Scripts that import each other by file name (their folders on sys.path): path -> the paths it
+    imports, every import statement counted. A name is looked up in the importer's folder first."""
+    files = {d: {f[:-3]: os.path.join(d, f) for f in sorted(os.listdir(os.path.join(root, d))) if f.endswith(".py")}
+             for d in dirs}
+    out: dict[str, set[str]] = {}
+    for d, mods in files.items():
+        for rel in mods.values():
+            names = set()
+            for node in ast.walk(ast.parse(open(os.path.join(root, rel)).read(), rel)):
+                if isinstance(node, ast.Import):
+                    names.update(a.name.split(".")[0] for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    names.add(node.module.split(".")[0])
+            order = [d] + [x for x in dirs if x != d]
+            out[rel] = {next(files[x][n] for x in order if n in files[x]) for n in names
+                        if any(n in files[x] for x in order)} - {rel}
+    return out
+
+
+def test_no_import_circles_between_the_benchmark_scripts():
+    circles = _circles(_script_graph(ROOT, BENCH_DIRS))
+    assert not circles, f"benchmark scripts that import each other: {[sorted(c) for c in circles]}"
+
+
+def test_the_circle_checks_catch_a_circle_between_parts_and_between_scripts(tmp_path):
+    # A lazy import up from a lower part is an edge like any other (index -> slabs -> index).
+    graph = {"hicache_gds.index.index": {"hicache_gds.slabs.owners"}, "hicache_gds.slabs.owners": set(),
+             "hicache_gds.slabs.namespaces": {"hicache_gds.index"}, "hicache_gds.index": {"hicache_gds.index.index"},
+             "hicache_gds.config": {"hicache_gds.errors"}, "hicache_gds.errors": set()}
+    assert [sorted(c) for c in _circles(_parts_graph(graph))] == [["hicache_gds.index", "hicache_gds.slabs"]]
+    (tmp_path / "e2e").mkdir()
+    (tmp_path / "a.py").write_text("import os\nfrom b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    import e2elib\n")
+    (tmp_path / "e2e" / "e2elib.py").write_text("import a\n")
+    (tmp_path / "e2e" / "b.py").write_text("")  # the importer's own folder first: a.py's `b` is ./b.py
+    g = _script_graph(str(tmp_path), (".", "e2e"))
+    assert [sorted(c) for c in _circles(g)] == [["./a.py", "./b.py", "e2e/e2elib.py"]]
