@@ -4,13 +4,14 @@ This namespace is the public API, and the only part of the core adapters import 
 `hicache_gds.testing`): `open_store` opens a `Store` (`PageStore` read-write, `PageReader`
 read-only, `TieredStore` with a remote tier, `JoinedStore` for lookups and leases); `Pages`
 describes where pages live in memory. Any number of processes open one namespace and share it.
-The rest are the helpers adapters share: memory (`HostBuffer`, `view`, `align_up`), sizes
-(`parse_size`, `default_budget`), the load-or-compute model (`CostModel`, `PrefillModel`,
-`ReadRate`, `LoadPace` and their persisted state) and namespace directories (`prepare_root`, `private_dir`).
+The rest are the helpers adapters share: memory (`HostBuffer`, `view`, `align_up`), sizes and
+switches (`parse_size`, `parse_bool`, `default_budget`), the load-or-compute model (`CostModel`,
+`PrefillModel`, `ReadRate`, `LoadPace` and their persisted state) and namespace directories
+(`prepare_root`, `private_dir`).
 """
 
 from .slabs.capacity import default_budget
-from .config import Config, parse_size
+from .config import Config, parse_bool, parse_size
 from .costmodel import STATE_FILE as COST_STATE_FILE
 from .costmodel import CostModel, Decision, LoadPace, PrefillModel, ReadRate, load_state, save_state
 from .engines.base import MemKind, Op
@@ -32,7 +33,7 @@ __all__ = [
     "Store", "Lease", "open_store", "PageStore", "PageReader", "TieredStore", "JoinedStore",
     "Config", "MemKind", "Op", "Pages", "namespace_created", "namespace_id", "namespace_location",
     "page_bytes_for", "read_keys",
-    "HostBuffer", "align_up", "view", "parse_size", "default_budget", "prepare_root", "private_dir",
+    "HostBuffer", "align_up", "view", "parse_size", "parse_bool", "default_budget", "prepare_root", "private_dir",
     "METRICS", "Counters", "metric_values", "CostModel", "Decision", "LoadPace", "PrefillModel", "ReadRate", "COST_STATE_FILE", "load_state", "save_state",
     "Probe", "probe_read_rate",
     "HiCacheGDSError", "ConfigError", "EngineUnavailable", "GDSUnavailable", "ReadOnlyError", "RegionError",
