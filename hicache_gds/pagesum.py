@@ -12,8 +12,8 @@ recorded value's lowest bit:
 Why two. A host page's checksum runs on the CPU beside the IO: xxh3 hashes 25-30 GB/s a core with
 the GIL released, hgc1's numpy sums 4.6 GB/s (2-core CPU machine, 2 MiB pages). On a fast device
 with few cores hgc1 was most of a get's cost (a RAM-backed ext4 read at 0.6x HiCacheNixl's rate
-with it, see benchmarks/RESULTS.md). On the GPU, hgc1 is one kernel over every 4 KiB block, while
-xxh3 is sequential within its input. So each side writes the kind it computes fastest.
+with it, see benchmarks/results/gpu-h200-fast-device-run14/NOTES.md). On the GPU, hgc1 is one
+kernel over every 4 KiB block, while xxh3 is sequential within its input. So each side writes the kind it computes fastest.
 
 A reader verifies the kind the page records, wherever the page landed: host pages of either kind
 on the host (hgc1 with numpy, slower); device pages of hgc1 on their GPU; device pages of xxh3 by

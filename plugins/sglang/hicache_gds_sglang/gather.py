@@ -35,17 +35,18 @@ __all__ = ["GATHER_BELOW", "READ_RUN", "MIN_GROUPS", "ALIGN", "SegmentTable", "L
 
 log = logging.getLogger("hicache_gds_sglang.gather")
 ALIGN = 4096
-# Segments smaller than this are gathered. Where it comes from: on the H200 machine (FACTS.md,
-# benchmarks/results/gpu-h200-core-vram.md) NIXL GDS in cuFile compat mode kept up with the disk
-# for 256 KiB .. 8 MiB descriptors and cuFile's compat bounce pool holds 64 buffers of up to
-# 1 MiB, so descriptors below ~256 KiB cost per-IO overhead and bounce-pool slots without adding
-# bandwidth. benchmarks/bench_linker.py --gather-below measures the crossover on a machine;
-# override per deployment with the linker's "gather_below" key.
+# Segments smaller than this are gathered. Where it comes from: on the H200 machine (FACTS.md;
+# gpu-h200-core-vram.md in benchmarks/results/components/raw.tar.xz) NIXL GDS in cuFile compat
+# mode kept up with the disk for 256 KiB .. 8 MiB descriptors and cuFile's compat bounce pool
+# holds 64 buffers of up to 1 MiB, so descriptors below ~256 KiB cost per-IO overhead and
+# bounce-pool slots without adding bandwidth. benchmarks/bench_linker.py --gather-below
+# measures the crossover on a machine; override per deployment with the linker's "gather_below" key.
 GATHER_BELOW = 256 << 10
 # Read groups may grow towards runs of READ_RUN bytes while MIN_GROUPS groups remain (the linker's
 # "read_run" key). Larger runs use more of each cuFile compat bounce buffer (1 MiB slabs for
-# 4 KiB < n <= 1 MiB), but on the H100 VM (benchmarks/results/gpu-h100-linker-sweep.md) 1 MiB runs
-# measured no better than 256 KiB ones, so the default keeps the finest groups that reach GATHER_BELOW.
+# 4 KiB < n <= 1 MiB), but on the H100 VM (gpu-h100-linker-sweep.md in
+# benchmarks/results/components/raw.tar.xz) 1 MiB runs measured no better than 256 KiB ones,
+# so the default keeps the finest groups that reach GATHER_BELOW.
 READ_RUN = GATHER_BELOW
 MIN_GROUPS = 4
 
