@@ -432,12 +432,15 @@ def test_planted_symlink_is_refused_with_a_config_error(gds_dir, tmp_path, name)
     assert target.read_bytes() == b"x"  # nothing written through the link
 
 
-def test_checksums_run_in_parallel_and_survive_fork(gds_dir):
+def test_checksums_run_in_parallel_and_survive_fork(gds_dir, monkeypatch):
     """Pages are hashed on a shared thread pool; a forked child (torture workers, SGLang ranks)
     must get its own pool, not the parent's copied one whose threads do not exist there."""
     import time
 
     from hicache_gds.store import hashing
+    # xxh3 batches below XXH3_SPLIT_BYTES hash on the caller's thread; make this small batch split,
+    # so the pool is made here whatever ran before this test.
+    monkeypatch.setattr(hashing, "XXH3_SPLIT_BYTES", P)
     for d in ("parent", "child"):
         os.makedirs(os.path.join(gds_dir, d), mode=0o700)
     with open_store(os.path.join(gds_dir, "parent")) as s:
