@@ -296,6 +296,31 @@ def test_full_disk_while_writing_fails_pages_not_the_store(small_tmpfs):
         assert np.array_equal(dst.numpy()[4 * P:12 * P], data[4 * P:12 * P])
 
 
+def test_reopen_on_a_full_disk_never_drops_the_pages(small_tmpfs):
+    """A namespace reopened on a full file system (another program filled it) is refused with a
+    clear error or opens and serves its pages; never is its index taken for damaged and moved
+    aside, which would drop every acknowledged page. Once space is freed, every page reads back."""
+    cfg = {"preallocate": False}
+    with open_store(small_tmpfs, engine="bounce", capacity=8 * P, config=cfg) as s:
+        src, dst, data = buffers(s, n=8)
+        assert all(s.put(keys(4), Pages.contiguous(src.addr, P, range(4))))
+    filler = fill_filesystem(small_tmpfs)
+    try:
+        with open_store(small_tmpfs, engine="bounce", capacity=8 * P, config=cfg) as s:
+            _, dst, _ = buffers(s, n=8)
+            assert all(s.get(keys(4), Pages.contiguous(dst.addr, P, range(4))))
+            assert dst.numpy()[:4 * P].tobytes() == data[:4 * P].tobytes()
+    except StoreFullError as exc:
+        assert "full" in str(exc) and small_tmpfs in str(exc)
+    damaged = [f for _, _, fs in os.walk(small_tmpfs) for f in fs if ".damaged-" in f]
+    assert damaged == []
+    os.unlink(filler)
+    with open_store(small_tmpfs, engine="bounce", capacity=8 * P, config=cfg) as s:
+        _, dst, _ = buffers(s, n=8)
+        assert all(s.get(keys(4), Pages.contiguous(dst.addr, P, range(4))))
+        assert dst.numpy()[:4 * P].tobytes() == data[:4 * P].tobytes()
+
+
 def test_io_errors_and_hangs_fail_pages_then_service_resumes(gds_dir):
     eng = FaultyEngine(create_engine("bounce", EngineOptions()), Faults(eio=1.0, only=Op.WRITE))
     with open_store(gds_dir, engine=eng, config={"io_timeout": 1}) as s:

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from .keymap import KeyMap
-from .recovery import move_aside, open_database, replaced
+from .recovery import move_aside, open_database, refusal, replaced
 from .schema import (Entry, add_leases, bump, damaged, drop_leases, free_doomed, remove_pages, return_owner,
                      select_entries, slot_list, take_free, tick, touch, unpublish)
 
@@ -78,14 +78,16 @@ class Index:
         except sqlite3.DatabaseError as exc:
             if meta is None:
                 raise OSError(f"index {db_path} cannot be joined: {exc}") from exc
+            if not damaged(exc):  # a full disk or an IO error: moving it aside would drop every page
+                self._disconnect()
+                raise refusal(db_path, exc) from exc
             self._reset_damaged(exc, locked=True)  # the caller holds the setup lock
         self.reclaim()
         rows = self._count("SELECT count(*) FROM pages")
         if load_map:
             hook = type(self)._load_hook  # from the class: a plain function is not bound
             self.keymap.start(self._rdb, rows, self.BACKGROUND_ROWS if background else None,
-                              (lambda: hook(self)) if hook is not None else None,
-                              lambda exc: self._heal(exc, force=True))
+                              (lambda: hook(self)) if hook is not None else None, self._heal)
         else:
             self.keymap.loaded.set()  # nothing to wait for: lookups go to SQLite
         self.recovery_s = time.perf_counter() - self._t0

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .schema import HAS_JSON, Entry, connect
+from .schema import HAS_JSON, Entry, connect, damaged
 
 __all__ = ["KeyMap"]
 
@@ -187,11 +187,12 @@ class KeyMap:
             self._install(*built)
         except _Closing:
             pass
-        except sqlite3.DatabaseError as exc:
-            if not self.closing:  # closing interrupts the read with an OperationalError
-                on_damage(exc)
         except BaseException as exc:  # noqa: BLE001
-            if not self.closing:
+            if self.closing:  # closing interrupts the read with an OperationalError
+                pass
+            elif isinstance(exc, sqlite3.DatabaseError) and damaged(exc):
+                on_damage(exc)
+            else:  # a full disk or an IO error is no damage: the database stays as it is
                 self.load_error = exc
                 log.error("index %s: loading the map failed (%s: %s); lookups are answered from SQLite",
                           self.db_path, type(exc).__name__, exc)

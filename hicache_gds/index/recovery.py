@@ -12,6 +12,7 @@ replaced (`replaced`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -20,6 +21,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
+from ..errors import StoreFullError
 from ..slabs import ondisk
 from .schema import CREATE, SCHEMA, TABLES, connect
 
@@ -156,3 +158,20 @@ def move_aside(db_path: str, exc: BaseException) -> None:
             os.replace(db_path + suffix, bad + suffix)
         except OSError:
             pass
+
+
+SQLITE_FULL = 13  # sqlite3's code for a full disk (Python 3.11 gives codes, not names)
+
+
+def refusal(db_path: str, exc: sqlite3.Error) -> OSError:
+    """The error for an index that cannot be opened but is not damaged (a full disk, an IO
+    error): the open is refused and the file kept, since moving it aside would drop every
+    acknowledged page. SQLite reports a WAL it cannot grow as an IO error, hence the statvfs."""
+    try:
+        full = os.statvfs(os.path.dirname(db_path)).f_bavail == 0
+    except OSError:
+        full = False
+    if full or getattr(exc, "sqlite_errorcode", 0) == SQLITE_FULL:
+        return StoreFullError(errno.ENOSPC, f"index {db_path} cannot be opened: the file system is full "
+                              f"({exc}); free space there or move GDS_PATH")
+    return OSError(f"index {db_path} cannot be opened: {exc}")

@@ -33,6 +33,7 @@ it), and its last work is the newest write of the namespace's index (`namespaces
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -117,6 +118,16 @@ def _try_lock(path: str) -> bool | None:
         os.close(fd)  # also drops the lock just taken
 
 
+def _note_pid(fd: int) -> None:
+    """Write this process's pid into a lock file: it only names the holder in messages, so a full
+    file system (no block for it) must not refuse to open a namespace whose slabs already exist."""
+    try:
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+
+
 class Membership:
     """This store's entry in ``procs/``: a token, and the lock that says it is alive.
 
@@ -132,7 +143,7 @@ class Membership:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            _note_pid(fd)
             os.rename(tmp, self.path)  # the lock belongs to the open file, and goes with it
         except BaseException:
             os.close(fd)
@@ -295,7 +306,7 @@ def setup_lock(dirs: str | Sequence[str], timeout: float = SETUP_WAIT_S) -> Iter
                 _recreate(dirs)
                 continue
             os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            _note_pid(fd)
             yield
             return
         finally:

@@ -22,7 +22,7 @@ from ..slabs.capacity import Sizing, size_namespace
 from ..config import Config
 from ..engines.base import MemKind, TransferEngine
 from ..engines.select import choose_engine
-from ..errors import ConfigError
+from ..errors import ConfigError, StoreFullError
 from ..index import INDEX_FILE, Index
 from ..layout import namespace_location
 from ..slabs.owners import Membership, setup_lock
@@ -146,13 +146,32 @@ def open_namespace(cfg: Config, page_bytes: int, identity: Mapping[str, Any] | N
 
 
 def _write_meta(dirs: Sequence[str], identity: Mapping[str, Any], slot_bytes: int) -> None:
+    """Publish the namespace's description (atomically). One that already says the same is left
+    as it is: a reopen then writes nothing, so a namespace on a full file system still opens."""
     path = os.path.join(dirs[0], META_FILE)
+    meta = {"identity": identity, "slot_bytes": slot_bytes, "dirs": list(dirs),
+            ondisk.FORMAT_KEY: ondisk.FORMAT, "checksum": pagesum.NAME}
+    try:
+        with open(path) as f:
+            if json.load(f) == json.loads(json.dumps(meta)):
+                return
+    except (OSError, ValueError):
+        pass
     tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"identity": identity, "slot_bytes": slot_bytes, "dirs": list(dirs),
-                   ondisk.FORMAT_KEY: ondisk.FORMAT, "checksum": pagesum.NAME}, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFullError(exc.errno, f"no room for the namespace's description in {dirs[0]}: "
+                                 "the file system is full") from exc
+        raise
 
 
 def _new_size(cfg: Config, dirs: Sequence[str], slot_bytes: int) -> Sizing:

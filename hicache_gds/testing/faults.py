@@ -173,15 +173,16 @@ def small_tmpfs(path: str, size: str = "8m") -> Iterator[str | None]:
 
 
 def fill_filesystem(path: str) -> str:
-    """Write a file named ``filler`` in `path` until the file system is full (ENOSPC); returns its path."""
+    """Write a file named ``filler`` in `path` until the file system is full (ENOSPC, to the last
+    block: smaller writes after larger ones fail); returns its path."""
     filler = os.path.join(path, "filler")
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\xff" * 65536)
-                f.flush()
-        except OSError:
-            pass
+    with open(filler, "wb", buffering=0) as f:  # unbuffered: nothing left over for close to fail on
+        for size in (1 << 20, 65536, 4096, 512):
+            try:
+                while True:
+                    f.write(b"\xff" * size)
+            except OSError:
+                pass
     return filler
 
 
