@@ -16,15 +16,31 @@ from typing import Any
 from . import _nixl_variant
 from .errors import EngineUnavailable
 
-__all__ = ["nixl_api", "nixl_info", "new_agent", "loadable_plugins", "INSTALL_HINT"]
+__all__ = ["nixl_api", "nixl_info", "new_agent", "loadable_plugins", "env_defaults", "INSTALL_HINT"]
 
 INSTALL_HINT = ("pip install 'hicache-gds[cu13]' (CUDA 13) or 'hicache-gds[cu12]' (CUDA 12), "
                 "or NIXL's meta-package: pip install nixl")
 
-# UCX's InfiniBand module makes every process that created a UCX backend crash at exit (rc 139,
-# in a bundled libnl during _dl_fini). Excluding it costs nothing on machines without IB ports.
-os.environ.setdefault("UCX_MODULES", "^ib")
-os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+
+def env_defaults(rdma_root: str = "/sys/class/infiniband") -> dict[str, str]:
+    """The environment this module sets where unset, before NIXL loads.
+
+    UCX's InfiniBand module makes every process that created a UCX backend crash at exit (rc 139,
+    in a bundled libnl during _dl_fini) on machines without RDMA devices; there it has nothing to
+    drive, so it is left out. Where `rdma_root` lists a device it stays: the process may share UCX
+    with HiCacheNixl or NIXL-based PD disaggregation, whose RDMA must not be turned off for it."""
+    env = {"NIXL_LOG_LEVEL": "ERROR"}
+    try:
+        has_rdma = bool(os.listdir(rdma_root))
+    except OSError:
+        has_rdma = False
+    if not has_rdma:
+        env["UCX_MODULES"] = "^ib"
+    return env
+
+
+for _k, _v in env_defaults().items():
+    os.environ.setdefault(_k, _v)
 
 _api: ModuleType | None = None
 _info: dict[str, Any] = {}

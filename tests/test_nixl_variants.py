@@ -220,3 +220,17 @@ def test_doctor_names_the_build_and_the_cuda_it_found(sites, tmp_path):
         assert p.returncode == 0, p.stdout + p.stderr
         assert f"nixl-{variant} {NIXL_VERSION} (CUDA {variant[2:]} build, module nixl_{variant})" in p.stdout
         assert "CUDA         : " in p.stdout and "POSIX (DRAM_SEG, FILE_SEG)" in p.stdout
+
+
+def test_ucx_keeps_rdma_where_the_machine_has_rdma_devices(tmp_path):
+    """UCX's InfiniBand module is left out only where no RDMA device exists (it crashes processes
+    at exit there and has nothing to drive); with a device it stays, for every UCX user in the
+    process (HiCacheNixl, NIXL-based PD disaggregation)."""
+    from hicache_gds._nixl import env_defaults
+    none = tmp_path / "none"
+    assert env_defaults(str(none))["UCX_MODULES"] == "^ib"  # no /sys/class/infiniband at all
+    none.mkdir()
+    assert env_defaults(str(none))["UCX_MODULES"] == "^ib"  # the class exists, no device
+    (none / "mlx5_0").mkdir()
+    assert "UCX_MODULES" not in env_defaults(str(none))
+    assert env_defaults(str(none))["NIXL_LOG_LEVEL"] == "ERROR"
