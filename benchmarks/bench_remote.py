@@ -88,7 +88,8 @@ def start_cluster(args: argparse.Namespace, workdir: str) -> tuple[list[subproce
     for i in range(args.servers):
         p = subprocess.Popen([sys.executable, "-c", "import sys; from hicache_gds.remote.server import main; "
                               "sys.exit(main())", "--redis", url, "--size", str(size), "--page-bytes", str(args.page),
-                              "--name", f"bench{i}", "--prefix", args.prefix, "--log-level", "WARNING"],
+                              "--name", f"bench{i}", "--prefix", args.prefix, "--log-level", "WARNING",
+                              "--net-devices", "lo"],
                              stdout=subprocess.PIPE, env=env)
         procs.append(p)
     for p in procs[1:]:

@@ -32,6 +32,11 @@ def _no_slabs_left(request):
                     pass
 
 
+# The remote tier's tests run page servers and clients on this machine only: UCX on loopback, set
+# for this process and every server it starts (outside tests a page server must be told its devices).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for k in list(os.environ):

@@ -163,3 +163,18 @@ def test_gpu_file_engines_beside_nixl(capsys, monkeypatch, gds_dir):
         assert eng["cufile"]["reason"]
     rc, out, _ = doctor(capsys)
     assert "  kvikio     : no: not installed" in out and "  cufile     : " in out
+
+
+def test_doctor_says_what_the_remote_tier_runs_over(tmp_path, monkeypatch, capsys):
+    """The remote tier's line: RDMA where this machine has devices and UCX may use them, else tcp."""
+    from hicache_gds.tools.doctor import _remote
+    monkeypatch.setenv("UCX_MODULES", "^ib")
+    assert _remote(str(tmp_path / "absent"))["transports"].endswith("(no RDMA device here)")
+    (tmp_path / "ib" / "mlx5_0").mkdir(parents=True)
+    r = _remote(str(tmp_path / "ib"))
+    assert r["rdma_devices"] == ["mlx5_0"] and "UCX_MODULES excludes ib" in r["transports"]
+    monkeypatch.delenv("UCX_MODULES")
+    assert _remote(str(tmp_path / "ib"))["transports"].startswith("RDMA (InfiniBand/RoCE devices mlx5_0)")
+    from hicache_gds import cli
+    assert cli.main(["doctor"]) in (0, 1)
+    assert "remote tier  : NIXL UCX over" in capsys.readouterr().out

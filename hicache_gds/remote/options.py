@@ -34,8 +34,9 @@ class RemoteOptions:
     """Batches are cut into requests of at most this many bytes, spread over `threads`."""
     verify: bool = True
     """Check host pages' xxh3 checksums after reading (from `verify`)."""
-    net_devices: str = "lo"
-    """UCX_NET_DEVICES for this process when unset in the environment (loopback only)."""
+    net_devices: str = ""
+    """UCX_NET_DEVICES for this process when unset in the environment ("": UCX's choice, every
+    device; the variable is process-wide, so other UCX users in a serving process see it too)."""
 
     @classmethod
     def from_config(cls, cfg: Config, overrides: Mapping[str, Any] | None = None,

@@ -15,8 +15,9 @@ evict least-recently-used pages to keep `--low-water` of the slots free, removin
 directory entries in the same script. The main thread polls the UCX worker, which connection
 set-up from new clients needs.
 
-UCX listens on the loopback device only (`UCX_NET_DEVICES=lo`) unless `--net-devices` or the
-environment says otherwise; Redis defaults to 127.0.0.1. ``--metrics-port`` serves Prometheus
+UCX listens on the network devices it is given, by `--net-devices` or `UCX_NET_DEVICES` (``lo``:
+this machine only; ``mlx5_0:1``: one RDMA port; ``all``: every device); a server given neither does
+not start, since its pool would otherwise be open on every interface. Redis defaults to 127.0.0.1. ``--metrics-port`` serves Prometheus
 metrics (`metrics.py` lists them) on ``--metrics-addr`` (127.0.0.1 unless told).
 """
 
@@ -167,7 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--low-water", type=float, default=0.02,
                    help="fraction of slots kept free by LRU eviction (default %(default)s)")
     p.add_argument("--net-devices", default="",
-                   help="UCX_NET_DEVICES for this server (default: the environment's, else lo: loopback only)")
+                   help="UCX_NET_DEVICES for this server: lo, a device list such as mlx5_0:1, or all "
+                        "(default: the environment's; one of the two is required)")
     p.add_argument("--no-prefault", action="store_true", help="do not touch the pool at start")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port at /metrics (default: off)")
@@ -182,8 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if args.net_devices:
         os.environ["UCX_NET_DEVICES"] = args.net_devices
-    else:
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    elif not os.environ.get("UCX_NET_DEVICES"):
+        print("hicache-gds serve: name the network devices clients reach this server on: --net-devices lo "
+              "(this machine only), a list such as mlx5_0:1,eth0, or all (or set UCX_NET_DEVICES)", file=sys.stderr)
+        return 2
     from ..config import parse_size
     from ..errors import HiCacheGDSError
     try:

@@ -89,7 +89,8 @@ class RemoteTier:
         self.identity = ident
         self.namespace = namespace_id(ident)
         self.lease = self.opts.lease or 2 * self.opts.io_timeout + 10
-        os.environ.setdefault("UCX_NET_DEVICES", self.opts.net_devices)
+        if self.opts.net_devices:
+            os.environ.setdefault("UCX_NET_DEVICES", self.opts.net_devices)
         self.engine = NixlUcxEngine()
         self._pool = ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="hicache-gds-ucx")
         self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout)

@@ -218,6 +218,22 @@ def _nixl() -> dict[str, Any]:
     return out
 
 
+def _remote(rdma_root: str = "/sys/class/infiniband") -> dict[str, Any]:
+    """What the remote tier's UCX would run over here: RDMA devices and the UCX settings in force."""
+    try:
+        rdma = sorted(os.listdir(rdma_root))
+    except OSError:
+        rdma = []
+    env = {k: os.environ[k] for k in ("UCX_NET_DEVICES", "UCX_TLS", "UCX_MODULES") if os.environ.get(k)}
+    ib_off = "^ib" in env.get("UCX_MODULES", "")
+    if rdma and not ib_off:
+        over = f"RDMA (InfiniBand/RoCE devices {', '.join(rdma)}) where UCX's ib transports reach the peer, else tcp"
+    else:
+        over = "tcp between hosts, cma/shared memory within one" + (
+            " (UCX_MODULES excludes ib)" if ib_off and rdma else " (no RDMA device here)")
+    return {"rdma_devices": rdma, "ucx_env": env, "transports": over}
+
+
 def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
     """The capacity a new namespace would get on `roots`, and what the file systems look like."""
     from ..slabs.capacity import default_budget
@@ -321,6 +337,7 @@ def collect(gds_path: str | None = None, probe_timeout: float = 60.0) -> dict[st
         problems.append(rep["capacity"]["problem"])
     probe_root = usable[0] if usable else tempfile.gettempdir()
     rep["nixl"] = _nixl()
+    rep["remote"] = _remote()
     from ..engines.diagnose import check_engines
     rep["engines"] = check_engines(cfg, probe_root, gpu["visible"], probe_timeout)
     if rep["nixl"].get("error"):
@@ -403,6 +420,10 @@ def render_text(rep: dict[str, Any]) -> str:
         out.append(f"NIXL         : not installed ({n.get('chosen_by', '?')}); the bounce engine serves instead")
     plugins = ", ".join(f"{k} ({', '.join(v) if v else 'does not load'})" for k, v in n["plugins"].items())
     out.append(f"  plugins    : {plugins or '(none)'}")
+    r = rep.get("remote") or {}
+    if r:
+        env = ", ".join(f"{k}={v}" for k, v in r["ucx_env"].items()) or "UCX defaults"
+        out.append(f"remote tier  : NIXL UCX over {r['transports']}; {env}")
     out.append("engines      : every registered engine (its traits; how it fared here)")
     for name, e in rep["engines"].items():
         verdict = "" if e["ok"] is None else "works: " if e["ok"] else "no: "

@@ -281,6 +281,14 @@ def test_page_servers_listen_on_loopback_only(cluster):
         assert all(a in ("0100007F", "00000000000000000000000001000000") for a in addrs), addrs
 
 
+def test_serve_needs_its_network_devices_named(capsys, monkeypatch):
+    """A page server opens its pool to whoever reaches its devices: it listens only where told."""
+    from hicache_gds.remote.server import main
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    assert main(["--size", "64M", "--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert "--net-devices" in capsys.readouterr().err
+
+
 def test_serve_rejects_a_pool_without_slots(capsys):
     from hicache_gds.remote.server import main
     assert main(["--size", "1M", "--page-bytes", "2M", "--redis", "redis://127.0.0.1:1/0"]) == 2
