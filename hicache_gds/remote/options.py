@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Mapping
-
-import xxhash
+from typing import Any, Mapping
 
 from ..config import ENV_PREFIX, Config
-from ..memory import view
 
-__all__ = ["RemoteOptions", "REMOTE_KEYS", "page_csum"]
+__all__ = ["RemoteOptions", "REMOTE_KEYS"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +56,3 @@ class RemoteOptions:
 
 REMOTE_KEYS = {"remote_url": "url", "remote_prefix": "prefix", "remote_timeout": "redis_timeout"}
 assert set(REMOTE_KEYS.values()) <= {f.name for f in fields(RemoteOptions)}
-
-
-def page_csum(segments: Iterable[tuple[int, int]]) -> int:
-    """xxh3-64 of a page's segments in order; never 0 (0 marks a page not hashed, e.g. device memory)."""
-    h = xxhash.xxh3_64()
-    for addr, n in segments:
-        h.update(view(addr, n))
-    return h.intdigest() or 1  # 0 means "not recorded" (device pages)

@@ -11,7 +11,8 @@ put: reserve a slot per key on the server its key hashes to (rendezvous hashing 
 servers, so racing clients meet on one server), WRITE the bytes one-sided, then publish in one
 script; a key published meanwhile by someone else keeps that copy and our slot goes back. get:
 look up, READ one-sided, then validate that each entry is unchanged (a slot evicted and reused
-during the read fails validation: a miss, never wrong bytes) and, for host pages, the checksum.
+during the read fails validation: a miss, never wrong bytes) and the page's checksum: xxh3 for
+pages written from host memory, hgc1 for pages written from GPU memory, each checked wherever it lands.
 
 Failure contract: an unreachable Redis, a dead or unreachable server, a timeout -- each is a miss
 (False) and a rate-limited log line, never an exception out of exists/prefix/get/put/delete/clear,
@@ -34,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import xxhash
 
+from .. import checksum, pagesum
 from ..config import Config
 from ..gil import shorten_switch_interval
 from ..engines.base import MemKind, Op, split_batches
@@ -41,7 +43,7 @@ from ..errors import RegionError, TransferError, TransferTimeout
 from ..layout import Pages, namespace_id
 from ..stats import StoreStats
 from .directory import FULL, LOST, PRESENT, Directory, DirectoryUnavailable, Reservation, ServerInfo, parse_entry
-from .options import REMOTE_KEYS, RemoteOptions, page_csum
+from .options import REMOTE_KEYS, RemoteOptions
 from .ucx import NixlUcxEngine, PeerDisconnected
 
 __all__ = ["RemoteTier", "RemoteOptions", "REMOTE_KEYS"]
@@ -92,6 +94,7 @@ class RemoteTier:
         if self.opts.net_devices:
             os.environ.setdefault("UCX_NET_DEVICES", self.opts.net_devices)
         self.engine = NixlUcxEngine()
+        self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
         self._pool = ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="hicache-gds-ucx")
         self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout)
         self._peers: dict[str, _Peer] = {}
@@ -325,8 +328,9 @@ class RemoteTier:
         except DirectoryUnavailable as exc:
             self._redis_failed(exc)
             valid = [False] * len(read)
+        recorded = {i: c for i, _, c in read}
         check = [i for (i, _, c), v in zip(read, valid) if v and c] if self.opts.verify else []
-        actual = dict(zip(check, self._sums(pages, check)))
+        actual = dict(zip(check, self._sums(pages, check, like=[recorded[i] for i in check])))
         bad, stale = [], 0
         for (i, _, csum), v in zip(read, valid):
             if not v:
@@ -356,18 +360,27 @@ class RemoteTier:
             return None
         return p
 
-    def _sums(self, pages: Pages, idx: list[int], parallel: bool = True) -> list[int]:
-        """xxh3 of host pages `idx` (0 for device pages: not hashed on the host)."""
-        if pages.kind is not MemKind.DRAM or not idx:
-            return [0] * len(idx)
+    def _sums(self, pages: Pages, idx: list[int], parallel: bool = True, like: Sequence[int] | None = None) -> list[int]:
+        """Tagged checksums (`pagesum`) of pages `idx`: of the kind each `like` value records (a
+        read's check), else the writer's own kind: xxh3 for host pages, hgc1 for device pages (one
+        GPU kernel launch for the batch). Every page carries one, a device page too."""
+        if not idx:
+            return []
+        odd = None if like is None else pagesum.kinds_of(np.asarray(like, dtype=np.int64))
+        if pages.kind is MemKind.VRAM:
+            return pagesum.device_sums(pages.addrs[idx], pages.lens[idx], self.page_bytes, odd,
+                                       self._device_sums).tolist()
+        hgc1 = None if odd is None else odd.tolist()
 
-        def chunk(part: list[int]) -> list[int]:
-            return [page_csum(zip(pages.addrs[i].tolist(), pages.lens[i].tolist())) for i in part]
+        def chunk(lo: int, hi: int) -> list[int]:
+            segs = [list(zip(pages.addrs[i].tolist(), pages.lens[i].tolist())) for i in idx[lo:hi]]
+            return pagesum.host_sums(segs, self.page_bytes, None if hgc1 is None else hgc1[lo:hi])
 
         if not parallel or self.opts.threads < 2 or len(idx) < 8:
-            return chunk(idx)
+            return chunk(0, len(idx))
         step = -(-len(idx) // self.opts.threads)  # xxhash releases the GIL: chunks hash in parallel
-        return [c for part in self._pool.map(chunk, [idx[j:j + step] for j in range(0, len(idx), step)]) for c in part]
+        parts = self._pool.map(lambda lo: chunk(lo, lo + step), range(0, len(idx), step))
+        return [c for part in parts for c in part]
 
     def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[_Peer, list[tuple[int, int]]]],
               during: Callable[[], Any] | None = None) -> dict[str, list[str]]:

@@ -293,3 +293,28 @@ def test_serve_rejects_a_pool_without_slots(capsys):
     from hicache_gds.remote.server import main
     assert main(["--size", "1M", "--page-bytes", "2M", "--redis", "redis://127.0.0.1:1/0"]) == 2
     assert "holds no slot" in capsys.readouterr().err
+
+
+def test_every_page_carries_a_checksum_that_any_memory_checks(rt):
+    """Pages written from device memory carry hgc1 (one kernel launch on their GPU), host pages
+    xxh3: none goes without. A read checks the kind recorded, whichever memory it lands in, so a
+    device-written page read into host memory (or the reverse) is verified, and a flipped byte is
+    a mismatch. (The GPU kernel runs on the CPU here, on host memory standing in for VRAM.)"""
+    import functools
+
+    torch = pytest.importorskip("torch")
+    from hicache_gds.checksum import device_checksums
+    from hicache_gds.engines.base import MemKind
+    n, idx = 4, [0, 1, 2, 3]
+    buf = HostBuffer(n * PAGE, pinned=False)
+    buf.numpy()[:] = np.random.default_rng(7).integers(0, 256, buf.nbytes, dtype=np.uint8)
+    host = Pages.contiguous(buf.addr, PAGE, range(n))
+    dev = Pages(host.addrs, host.lens, MemKind.VRAM)
+    rt._device_sums = functools.partial(device_checksums, device=torch.device("cpu"), impl="torch")
+    from_dev, from_host = rt._sums(dev, idx), rt._sums(host, idx)
+    assert all(c & 1 for c in from_dev) and all(c and not c & 1 for c in from_host)
+    assert rt._sums(host, idx, like=from_dev) == from_dev  # written from VRAM, read into DRAM
+    assert rt._sums(dev, idx, like=from_host) == from_host  # and the reverse
+    buf.numpy()[5] ^= 0x10
+    assert rt._sums(host, [0], like=from_dev[:1]) != from_dev[:1]
+    assert rt._sums(dev, [0], like=from_host[:1]) != from_host[:1]
