@@ -58,6 +58,7 @@ _DEFS = (
     Metric("stale_reads", "Remote pages that changed while read (read as misses)"),
     Metric("lost_races", "Remote puts that lost to a concurrent put of the same key"),
     Metric("no_server", "Remote puts with no page server registered"),
+    Metric("peers_set_aside", "Times a page server that timed out was set aside (its pages misses for a while)"),
     # the tiered store
     Metric("promoted", "Remote hits written to local NVMe"),
     Metric("writeback_queued", "Pages queued for write-back to the remote tier"),

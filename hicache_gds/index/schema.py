@@ -85,8 +85,12 @@ class Entry(NamedTuple):
 def connect(path: str) -> sqlite3.Connection:
     """A connection in autocommit mode (transactions are explicit), WAL, synchronous=NORMAL."""
     db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=BUSY_S)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=NORMAL")
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+    except BaseException:
+        db.close()  # a full disk fails here: no file left open behind the error
+        raise
     return db
 
 

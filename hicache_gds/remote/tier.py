@@ -50,14 +50,17 @@ __all__ = ["RemoteTier", "RemoteOptions", "REMOTE_KEYS"]
 
 log = logging.getLogger("hicache_gds.remote")
 MAX_KEY_BYTES = 1024
-_EXTRA = ("redis_errors", "peer_errors", "stale_reads", "lost_races", "no_server")
+_EXTRA = ("redis_errors", "peer_errors", "stale_reads", "lost_races", "no_server", "peers_set_aside")
 
 
 @dataclass
 class _Peer:
     info: ServerInfo
     peer_id: int  # 0: not loaded (failed; retried after down_until)
-    down_until: float = 0.0
+    down_until: float = 0.0  # until then its pages are misses and no key is placed on it
+    strikes: int = 0  # timeouts in a row: a server that heartbeats but does not answer is set aside
+
+_HOLD_MAX_S = 300.0  # the longest a server that keeps timing out is set aside before one more try
 
 
 class RemoteTier:
@@ -145,7 +148,8 @@ class RemoteTier:
                         pid = 0
                 if restarted:
                     self._drop_agent(old.info.agent)  # the server restarted: a new agent
-                self._peers[info.sid] = _Peer(info, pid, old.down_until if old and not restarted else 0.0)
+                kept = old is not None and not restarted
+                self._peers[info.sid] = _Peer(info, pid, old.down_until if kept else 0.0, old.strikes if kept else 0)
             for sid in [s for s in self._peers if s not in seen]:
                 self._drop_agent(self._peers.pop(sid).info.agent)
 
@@ -163,6 +167,21 @@ class RemoteTier:
                 if p is not None:
                     self._drop_agent(p.info.agent)
                     p.peer_id, p.down_until = 0, time.monotonic() + max(self.opts.refresh, 1.0)
+
+    def _peer_timed_out(self, sid: str) -> None:
+        """A request to `sid` outlived `io_timeout`: its server still heartbeats but does not
+        answer, so every batch hashed to it would wait as long. Set it aside (its pages are misses,
+        new keys go to the others) for `io_timeout`, doubling with each timeout in a row."""
+        with self._lock:
+            p = self._peers.get(sid)
+            if p is None:
+                return
+            p.strikes += 1
+            hold = min(self.opts.io_timeout * 2 ** (p.strikes - 1), _HOLD_MAX_S)
+            p.down_until = max(p.down_until, time.monotonic() + hold)
+        self._stats.add(peers_set_aside=1)
+        self._warn(f"aside:{sid}", f"hicache-gds remote: server {sid} timed out {p.strikes} time(s) in a row; "
+                                   f"its pages are misses for {hold:.0f} s")
 
     def _live(self) -> list[_Peer]:
         now = time.monotonic()
@@ -427,6 +446,11 @@ class RemoteTier:
             except TransferError as exc:
                 self._peer_failed(sid, exc)
                 worst[sid][a:b] = np.maximum(worst[sid][a:b], 1)
+        for sid, ws in worst.items():
+            if (ws == 2).any():
+                self._peer_timed_out(sid)
+            elif not ws.any() and sid in self._peers and self._peers[sid].strikes:
+                self._peers[sid].strikes = 0  # it answers again
         return {sid: [("ok", "fail", "timeout")[int(w)] for w in ws] for sid, ws in worst.items()}
 
     def delete(self, keys: Sequence[str]) -> list[bool]:

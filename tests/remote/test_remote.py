@@ -318,3 +318,59 @@ def test_every_page_carries_a_checksum_that_any_memory_checks(rt):
     buf.numpy()[5] ^= 0x10
     assert rt._sums(host, [0], like=from_dev[:1]) != from_dev[:1]
     assert rt._sums(dev, [0], like=from_host[:1]) != from_host[:1]
+
+
+def test_a_server_that_stops_answering_is_set_aside_then_tried_again(cluster):
+    """A server that still heartbeats but whose transfers hang costs one `io_timeout`, not one
+    per batch: it is set aside (its pages are misses at once, new keys go to the others), for
+    longer with each timeout in a row, and serves again once it answers."""
+    from hicache_gds.engines.base import Transfer
+    from hicache_gds.errors import TransferTimeout
+
+    class Hung(Transfer):
+        def _poll(self) -> bool:
+            return False
+
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex, io_timeout=1)
+    try:
+        keys = keys_of(24)
+        b = Bufs(t, 24, PAGE)
+        assert t.put(keys, b.fill(keys)) == [True] * 24
+        sids = [e.split("|")[0] for e in Directory(t.opts.url, t.opts.prefix).lookup(t.namespace, keys)]
+        hung_sid = sids[0]
+        hung_peer = t._peers[hung_sid].peer_id
+        on_hung = [s == hung_sid for s in sids]
+        real = t.engine.submit
+
+        def submit(op, kind, mem, rem):  # noqa: ANN001, ANN202
+            if (rem[:, 0] == hung_peer).any():
+                return Hung("nixl-ucx", op, int(mem[:, 1].sum()), "hung server")
+            return real(op, kind, mem, rem)
+
+        t.engine.submit = submit
+        t0 = time.monotonic()
+        ok = t.get(keys, b.poisoned(24))
+        assert ok == [not h for h in on_hung] and time.monotonic() - t0 < 5
+        b.check(keys, ok)
+        assert t.stats()["peers_set_aside"] == 1
+        t0 = time.monotonic()
+        ok = t.get(keys, b.poisoned(24))  # set aside: no second wait
+        assert ok == [not h for h in on_hung] and time.monotonic() - t0 < 0.5
+        more = keys_of(16)
+        assert t.put(more, b.fill(more)) == [True] * 16
+        assert hung_sid not in {e.split("|")[0] for e in Directory(t.opts.url, t.opts.prefix).lookup(t.namespace, more)}
+        t.engine.submit = real  # it answers again: after its hold, its pages are hits
+        assert wait_for_true(lambda: t.get(keys, b.poisoned(24)) == [True] * 24, 10)
+        b.check(keys, [True] * 24)
+        assert t._peers[hung_sid].strikes == 0
+    finally:
+        t.close()
+
+
+def wait_for_true(fn, timeout: float) -> bool:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if fn():
+            return True
+        time.sleep(0.2)
+    return False
