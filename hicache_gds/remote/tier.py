@@ -60,6 +60,7 @@ class _Peer:
     down_until: float = 0.0  # until then its pages are misses and no key is placed on it
     strikes: int = 0  # timeouts in a row: a server that heartbeats but does not answer is set aside
 
+
 _HOLD_MAX_S = 300.0  # the longest a server that keeps timing out is set aside before one more try
 
 
@@ -180,8 +181,7 @@ class RemoteTier:
             hold = min(self.opts.io_timeout * 2 ** (p.strikes - 1), _HOLD_MAX_S)
             p.down_until = max(p.down_until, time.monotonic() + hold)
         self._stats.add(peers_set_aside=1)
-        self._warn(f"aside:{sid}", f"hicache-gds remote: server {sid} timed out {p.strikes} time(s) in a row; "
-                                   f"its pages are misses for {hold:.0f} s")
+        self._warn(f"aside:{sid}", f"hicache-gds remote: server {sid} timed out ({p.strikes} in a row): misses for {hold:.0f} s")
 
     def _live(self) -> list[_Peer]:
         now = time.monotonic()
@@ -387,8 +387,7 @@ class RemoteTier:
             return []
         odd = None if like is None else pagesum.kinds_of(np.asarray(like, dtype=np.int64))
         if pages.kind is MemKind.VRAM:
-            return pagesum.device_sums(pages.addrs[idx], pages.lens[idx], self.page_bytes, odd,
-                                       self._device_sums).tolist()
+            return pagesum.device_sums(pages.addrs[idx], pages.lens[idx], self.page_bytes, odd, self._device_sums).tolist()
         hgc1 = None if odd is None else odd.tolist()
 
         def chunk(lo: int, hi: int) -> list[int]:
@@ -398,8 +397,7 @@ class RemoteTier:
         if not parallel or self.opts.threads < 2 or len(idx) < 8:
             return chunk(0, len(idx))
         step = -(-len(idx) // self.opts.threads)  # xxhash releases the GIL: chunks hash in parallel
-        parts = self._pool.map(lambda lo: chunk(lo, lo + step), range(0, len(idx), step))
-        return [c for part in parts for c in part]
+        return [c for part in self._pool.map(lambda lo: chunk(lo, lo + step), range(0, len(idx), step)) for c in part]
 
     def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[_Peer, list[tuple[int, int]]]],
               during: Callable[[], Any] | None = None) -> dict[str, list[str]]:
