@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 from ..errors import DirectoryUnavailable
 from . import scripts
 
-__all__ = ["Directory", "DirectoryUnavailable", "ServerInfo", "Reservation", "SID_RE"]
+__all__ = ["Directory", "DirectoryUnavailable", "ServerInfo", "Reservation", "SID_RE", "redact"]
 
 log = logging.getLogger("hicache_gds.remote")
 SID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
@@ -50,6 +50,25 @@ class Reservation:
     gen: int
 
 
+
+def redact(url: str) -> str:
+    """`url` with the password of its user part replaced by ``***`` (``redis://user:***@host``,
+    ``rediss://:***@host``): the URL may carry Redis AUTH credentials, and logs are not secret."""
+    from urllib.parse import urlsplit, urlunsplit
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(unparsable url)"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 address keeps its brackets
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
 class Directory:
     """Client of the Redis directory for one key prefix.
 
@@ -72,7 +91,7 @@ class Directory:
         if not prefix or not SID_RE.match(prefix):
             raise ValueError(f"remote prefix {prefix!r} must be 1-128 characters of [A-Za-z0-9_.:-]")
         self._redis_mod = redis
-        self.url = url
+        self.url = redact(url)  # what messages and stats show: never the password
         self.prefix = prefix
         self.timeout = timeout
         self.r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,

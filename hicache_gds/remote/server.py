@@ -157,7 +157,9 @@ class PageServer:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hicache-gds serve", description="Serve a DRAM page pool to the remote tier.")
     p.add_argument("--redis", default=os.environ.get("HICACHE_GDS_REMOTE_URL", "") or "redis://127.0.0.1:6379/0",
-                   help="Redis URL of the directory (default %(default)s)")
+                   help="Redis URL of the directory, redis:// or rediss:// (TLS), user:password@ for AUTH (default: "
+                        "$HICACHE_GDS_REMOTE_URL, else redis://127.0.0.1:6379/0; put a password there, not on the "
+                        "command line, which ps shows)")
     p.add_argument("--size", default="1G", help="bytes of DRAM to serve, e.g. 64G (default %(default)s)")
     p.add_argument("--page-bytes", "--slot-bytes", dest="page_bytes", default="2M",
                    help="slot size: the largest page this server holds (default %(default)s)")
@@ -211,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: server._stop.set())
     server.start()
     print(f"hicache-gds serve: {server.name} ready: {server.nslots} slots of {server.slot_bytes} bytes, "
-          f"redis {args.redis} prefix {args.prefix}, registered={server.registered}"
+          f"redis {server.dir.url} prefix {args.prefix}, registered={server.registered}"
           + (f", metrics http://{args.metrics_addr}:{args.metrics_port}/metrics" if httpd else ""), flush=True)
     try:
         server.serve()

@@ -112,7 +112,7 @@ class RemoteTier:
             self._refresh()
         except DirectoryUnavailable as exc:
             self._warn("redis", f"hicache-gds remote: {exc}; pages are misses until it answers")
-        log.info("hicache-gds remote tier %s: redis %s prefix %s, %d server(s)", self.namespace, self.opts.url,
+        log.info("hicache-gds remote tier %s: redis %s prefix %s, %d server(s)", self.namespace, self.dir.url,
                  self.opts.prefix, len(self._peers))
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -477,7 +477,7 @@ class RemoteTier:
             servers = [{"sid": p.info.sid, "epoch": p.info.epoch, "host": p.info.host, "pid": p.info.pid,
                         "slot_bytes": p.info.slot_bytes, "nslots": p.info.nslots, "loaded": bool(p.peer_id)}
                        for p in self._peers.values()]
-        out.update(namespace=self.namespace, page_bytes=self.page_bytes, redis=self.opts.url,
+        out.update(namespace=self.namespace, page_bytes=self.page_bytes, redis=self.dir.url,
                    prefix=self.opts.prefix, servers=servers)
         return out
 

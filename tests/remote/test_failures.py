@@ -159,3 +159,58 @@ def test_no_server_at_all_is_a_miss(own_redis):
         assert t.stats()["no_server"] >= 1
     finally:
         t.close()
+
+
+def test_redis_auth_in_the_url_and_never_in_a_message(tmp_path, spawn, caplog):
+    """Redis AUTH through the URL (``redis://:password@host``, as redis-py reads it) for clients
+    and page servers alike; the password never shows in stats or logs; a wrong one is misses and
+    a clear log line, never an exception."""
+    import logging
+    import subprocess
+
+    import pytest
+    from remote_procs import REDIS, free_port
+
+    from hicache_gds.remote.directory import redact
+    if REDIS is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    assert redact("rediss://u:s3cr3t@[::1]:6380/0") == "rediss://u:***@[::1]:6380/0"
+    assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    port = free_port()
+    proc = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path), "--requirepass", "s3cr3t"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"redis://:s3cr3t@127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                spawn(url, "auth", "auth", size="8M")
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        caplog.set_level(logging.INFO, logger="hicache_gds")
+        t = tier(url, "auth", PAGE, "auth")
+        try:
+            b = Bufs(t, 4, PAGE)
+            keys = [f"a{i}" for i in range(4)]
+            assert t.put(keys, b.fill(keys)) == [True] * 4
+            ok = t.get(keys, b.poisoned(4))
+            assert ok == [True] * 4
+            b.check(keys, ok)
+            assert "s3cr3t" not in str(t.stats()) and ":***@" in t.stats()["redis"]
+        finally:
+            t.close()
+        bad = tier(f"redis://:wrong@127.0.0.1:{port}/0", "auth", PAGE, "auth")
+        try:
+            assert bad.exists(keys) == [False] * 4
+            assert bad.get(keys, Bufs(bad, 4, PAGE).poisoned(4)) == [False] * 4
+        finally:
+            bad.close()
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "s3cr3t" not in text and "wrong" not in text and ":***@" in text
+    finally:
+        proc.kill()
+        proc.wait(10)
