@@ -24,9 +24,8 @@ written, every page checked against its checksum).
 For the ``compute_or_load`` prefetch policy (`policy`): `read_rate` measures the KV store's gets
 (bytes and seconds of each `batch_get_v1`, seeded before the first from ``policy_read_gbps``, the
 estimate persisted in the KV namespace directory, or a short O_DIRECT read of its directories),
-`read_progress` says how far the get in flight has come, and `cancel_read` cuts short the reads of
-a prefetch the policy stopped: with ``policy_read_slice`` set, a get reads in slices of that many
-bytes and checks between them (by default it does not: whole gets).
+`read_progress` says how far the get in flight has come, and `cancel_read` skips the gets of a
+prefetch the policy stopped (between SGLang's batches of pages; the get in flight reads whole).
 """
 
 from __future__ import annotations
@@ -351,10 +350,8 @@ class HiCacheGDS(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Read pages into the host pool's slots; per-page result (SGLang uses the leading run).
 
-        While the compute_or_load policy runs over this backend, reads in slices of
-        ``policy_read_slice`` bytes: between slices the progress is published (`read_progress`) and
-        a prefetch the policy stopped (`cancel_read`) ends, its pages left unread reported False
-        (SGLang keeps the leading run read before)."""
+        A get into the slots of a prefetch the policy stopped (`cancel_read`) reads nothing and
+        reports False (SGLang keeps the leading run its earlier gets read)."""
         kv = self._bindings.get("kv")
         try:
             n = len(keys)
@@ -366,22 +363,10 @@ class HiCacheGDS(HiCacheStorage):
         if kv is None or not n or not isinstance(host_indices, torch.Tensor) or \
                 not kv.check_indices(keys, host_indices):
             return self._io("batch_get_v1", kv, keys, host_indices, write=False)  # says what is wrong
-        ps = kv.geo.page_size
-        sliced = self.policy_config.read_slice and self._policy_in_force()
-        step = max(1, self.policy_config.read_slice // kv.geo.page_bytes) if sliced else n
-        out: List[bool] = []
         t0 = time.perf_counter()
         self._reading = (region, 0)
         try:
-            for i in range(0, n, step):
-                if i and self._is_cancelled(region):
-                    break
-                res = self._io("batch_get_v1", kv, keys[i:i + step], host_indices[i * ps:(i + step) * ps], write=False,
-                               record=False)
-                out.extend(res)
-                self._reading = (region, len(out))
-                if not all(res):
-                    break
+            out: List[bool] = list(self._io("batch_get_v1", kv, keys, host_indices, write=False, record=False))
         finally:
             self._reading = None
         secs = time.perf_counter() - t0
@@ -392,12 +377,6 @@ class HiCacheGDS(HiCacheStorage):
         return out + [False] * (n - len(out))
 
     # -- the compute_or_load policy's view of the reads (policy.py) -------------------------------
-    def _policy_in_force(self) -> bool:
-        """Slices cost a little throughput (the requests of one slice drain before the next is
-        posted): only while compute_or_load, which may cut a get short, runs over this backend."""
-        from .policy import process_policies
-        return any(p.in_force_for(self) for p in process_policies())
-
     def kv_bytes_per_token(self) -> float | None:
         """Bytes of this rank's KV per token in the store (a KV page / its tokens)."""
         kv = self._bindings.get("kv")
@@ -410,7 +389,7 @@ class HiCacheGDS(HiCacheStorage):
 
     def cancel_read(self, host_indices: Any) -> None:
         """Skip the reads into `host_indices` (a stopped prefetch's slots): gets into slices of it
-        return False from the next slice on; gets of other prefetches, views of the same free-slot
+        return False from the next get on; gets of other prefetches, views of the same free-slot
         tensor, read on. Held weakly: forgotten with the prefetch (whose view keeps the base, and
         so its identity, alive until then)."""
         region = _region(host_indices)

@@ -38,11 +38,7 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    protected from eviction once inserted) and ``Scheduler.get_new_batch_prefill`` (AFTER: the
    protection ends when the request leaves the waiting queue, and a waiting request sent to the
    GPU may be given to the disk: the policy's late admission);
-8. ``SchedulePolicy.calc_priority`` (AFTER), ``PrefillAdder.add_chunked_req`` and
-   ``PrefillAdder.add_one_req`` (AROUND): a request whose load finished goes into the next
-   prefill batch, ahead of the prefills not started and beside a chunked prefill in progress
-   (`policy.LoadOrCompute.ready_loads`; ``policy_ready_first``);
-   0.5.17's ``HiRadixCache.cache_unfinished_req`` (AFTER): a split hit's tail joins the request's
+8. 0.5.17's ``HiRadixCache.cache_unfinished_req`` (AFTER): a split hit's tail joins the request's
    prefix where its chunks reach it (`split`; ``policy_split``).
 
 9. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
@@ -94,15 +90,9 @@ _OPTIONAL = ("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache",
 # loads through acknowledgements into its tree core: not hooked there).
 _PROTECT = ("sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_progress",
             "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill")
-# The chunk budget beside a chunked prefill in progress: a finished load's few tokens go into the
-# next batch (all three or none: the chunk's reserve needs the guard that keeps a second request
-# from being chunked, and the queue's order puts the finished loads where the reserve is).
 # The join point of a split (0.5.17): SGLang caches a chunked request's chunks there before it
 # forms the next chunk (the tail's pages join the prefix right after).
 _JOIN = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.cache_unfinished_req"
-_READY = ("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
-          "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
-          "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req")
 _registered = False
 _policy_ready = False
 
@@ -282,12 +272,4 @@ def _register_policy(registry: Any, hook_type: Any) -> None:
     if not policy.SPLIT_HOOKED[0]:
         log.info("hicache-gds: this SGLang has no join point for a split hit (%s); policy_split does nothing",
                  ".".join(_JOIN.rsplit(".", 2)[-2:]))
-    if all(_resolve(p) is not None for p in _READY):
-        for path, hook, kind in zip(_READY, (hooks.after_calc_priority, hooks.around_add_chunked_req,
-                                             hooks.around_add_one_req), (hook_type.AFTER, hook_type.AROUND,
-                                                                          hook_type.AROUND)):
-            registry.register(path, hook, kind)
-    else:
-        log.info("hicache-gds: SGLang's prefill batch cannot be hooked here; a finished load waits for the chunked "
-                 "prefill in progress")
     _policy_ready = True

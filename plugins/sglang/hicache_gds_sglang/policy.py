@@ -8,10 +8,7 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
 
 * **admission** (the cache's ``prefetch_from_storage``): load the hit, or recompute it, whichever
   finishes the request first given the disk's queue of loads and the GPU's queue of prefills.
-  A request alone so takes min(load, recompute); a burst splits between the disk and the GPU.
-  With `PolicyConfig.partial` set, behind a GPU backlog the leading part of the hit that lands
-  before the GPU reaches the request may be loaded even where all of it would not pay: SGLang
-  prefetches a shorter key, and the request computes the rest (off by default: it did not pay);
+  A request alone so takes min(load, recompute); a burst splits between the disk and the GPU;
 * **in flight** (0.5.17's ``can_terminate_prefetch``, 0.5.23's ``_can_terminate_prefetch``,
   asked each time the scheduler reaches a waiting request): stop the load and recompute the rest
   (keeping what was loaded) when the request could start on the GPU before its load ends and the
@@ -30,10 +27,6 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   recompute and the tail is prefetched on its own; when the request's chunks reach it, the pages
   read by then join its prefix (`split.join`, after ``cache_unfinished_req``) and its next chunk
   starts after them;
-* **a finished load first** (`PolicyConfig.ready_first`, off by default; after
-  ``SchedulePolicy.calc_priority``, around ``PrefillAdder.add_chunked_req`` / ``add_one_req``):
-  a request whose load finished goes to the front of the waiting queue, and a chunked prefill in
-  progress gives up the few tokens it has left, where GPU memory allows (`ready_loads`);
 * **the log** says, per request: the decision and its estimates, when its load finished, and
   what it held when it left the waiting queue (a load whose pages were evicted before the GPU
   took the request shows there as "0 on host").
@@ -77,11 +70,16 @@ POLICY = "compute_or_load"
 SGLANG_POLICIES = ("best_effort", "wait_complete", "timeout")
 FALLBACK = "timeout"  # SGLang's default: what our name turns into where the policy cannot run
 POLICY_KEYS = ("policy", "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
-               "policy_stop_margin", "policy_read_slice", "policy_partial", "policy_ready_first", "policy_split",
-               "policy_split_get")
-# A part smaller than this is not worth a prefetch of its own (a query, host slots, a load back).
-_PART_MIN_TOKENS = 1024
-PARTIAL = ("idle", "always", "off")  # `PolicyConfig.partial` and `PolicyConfig.split`
+               "policy_stop_margin", "policy_split", "policy_split_get")
+# Keys of settings measured not to pay in a running server and removed (`benchmarks/RESULTS.md`,
+# runs 9-10): passing one is an error naming it, as an unknown key is.
+REMOVED_KEYS = {
+    "policy_read_slice": "sliced gets lowered a running server's read rate; a stopped load now ends between "
+                         "SGLang's batches of pages",
+    "policy_partial": "loading part of a hit did not pay (run 9); a hit is loaded whole or recomputed",
+    "policy_ready_first": "moving finished loads ahead acted on 1-5 loads per run and did not pay (run 10)",
+}
+SPLIT_MODES = ("idle", "always", "off")  # `PolicyConfig.split`
 _SAVE_EVERY_S = 30.0
 _BACKLOG_TTL_S = 0.005  # one scheduler pass: the waiting queue's backlog is summed once per pass
 # A load in flight is looked at again only when its kept pages grew (a batch landed: the moment a
@@ -119,20 +117,19 @@ def _positive(value: Any, key: str) -> float:
     return f
 
 
-def _bool(value: Any, key: str) -> bool:
-    v = str(value).strip().lower()
-    if v not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    return v in ("true", "1", "yes", "on")
-
-
 def _mode(value: Any, key: str, *, true: str) -> str:
-    """One of `PARTIAL`; a boolean spelling means `true` or ``off``."""
+    """One of `SPLIT_MODES`; a boolean spelling means `true` or ``off``."""
     v = str(value).strip().lower()
     v = {"false": "off", "0": "off", "no": "off", "true": true, "1": true, "yes": true}.get(v, v)
-    if v not in PARTIAL:
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(PARTIAL)}")
+    if v not in SPLIT_MODES:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(SPLIT_MODES)}")
     return v
+
+
+def check_removed(extra: Mapping[str, Any] | None) -> None:
+    """Raise `ConfigError` naming a removed key (`REMOVED_KEYS`) found in `extra`."""
+    for key in sorted(set(extra or {}) & set(REMOVED_KEYS)):
+        raise ConfigError(f"{key} was removed ({REMOVED_KEYS[key]}); delete it from the extra config")
 
 
 @dataclass(frozen=True)
@@ -143,23 +140,7 @@ class PolicyConfig:
     be); None leaves the flag's choice. read_gbps / prefill_tokens_per_s: seeds used until the
     server has measured its own (they win over a persisted estimate). host_fraction: share of the
     host pool prefetches may hold. stop_margin: how much sooner stopping must finish before a
-    load in flight is stopped. read_slice: bytes per read of a get, between which a stopped load
-    is cancelled and its progress counted (0, the default: whole gets, stopped between SGLang's
-    batches of pages; slices drain the disk's queue between them: on the GPU machine, with 16 MiB
-    pages and 512 MiB slices, a running server read 1.05-1.41 GB/s against 1.57 GB/s unsliced).
-    partial: when admission may load the part of a hit that lands before the GPU reaches the
-    request (`CostModel.decide`'s ``part_min``): ``off`` (the default: all of the hit or none),
-    ``idle`` (only while no load is on the disk) or ``always``. Measured on an H200 (8B shape,
-    ``always``: 20 parts in a run), parts spread the disk over requests the GPU serves anyway and
-    left less for whole loads, which take a request off the GPU's queue: a burst's mean TTFT was
-    1.24x that of all or none, the open loop's TTFT p90 0.92x (within its noise). ``idle`` took
-    one part in a run; the 32B shape, whose whole loads pay, took none. ready_first: a request
-    whose load has finished goes into the next prefill batch (`LoadOrCompute.ready_loads`): ahead
-    of the prefills not started, and beside a chunked prefill in progress, whose chunk gives up
-    the few tokens the request has left, where GPU memory allows (off by default: on an H200 it
-    acted on 1-5 loads per run, because a finished load needs all of its prefix back in GPU memory
-    and, in bursts of 12k-24k-token prompts over a 49k-token GPU pool, the chunked prefill in
-    progress leaves no room for it; its columns stayed within the noise of those without it).
+    load in flight is stopped.
     split: when a hit may be split, its head computed on the GPU while the disk loads its tail
     (`split`; SGLang 0.5.17 on one rank, elsewhere never), where that finishes the request first:
     ``idle`` (the default: only while no load is on the disk), ``always`` (``true``) or ``off``.
@@ -180,15 +161,13 @@ class PolicyConfig:
     prefill_tokens_per_s: float | None = None
     host_fraction: float = 0.75
     stop_margin: float = 0.05
-    read_slice: int = 0
-    partial: str = "off"
-    ready_first: bool = False
     split: str = "idle"
     split_get: int = 128 << 20
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
         extra = extra or {}
+        check_removed(extra)
         kw: dict[str, Any] = {}
         if "policy" in extra:
             p = str(extra["policy"]).strip()
@@ -212,12 +191,6 @@ class PolicyConfig:
             if not 0 <= m < 10:
                 raise ConfigError(f"policy_stop_margin: expected a number in [0, 10), got {extra['policy_stop_margin']!r}")
             kw["stop_margin"] = m
-        if "policy_read_slice" in extra:
-            kw["read_slice"] = parse_size(extra["policy_read_slice"], key="policy_read_slice")
-        if "policy_partial" in extra:
-            kw["partial"] = _mode(extra["policy_partial"], "policy_partial", true="idle")
-        if "policy_ready_first" in extra:
-            kw["ready_first"] = _bool(extra["policy_ready_first"], "policy_ready_first")
         if "policy_split" in extra:
             kw["split"] = _mode(extra["policy_split"], "policy_split", true="always")
         if "policy_split_get" in extra:
@@ -426,7 +399,6 @@ class LoadOrCompute:
         self._queued: dict[str, list[Any]] = {}  # rid -> [request, first seen, last seen] in the waiting queue
         self._protected: dict[str, tuple[Any, float, int]] = {}  # rid -> (protected node, since, tokens)
         self._late: set[str] = set()  # rids `late_admit` gave the disk
-        self._ahead: set[str] = set()  # rids `first` moved ahead (logged once each)
         self._split_plan: dict[str, tuple[int, int, int]] = {}  # rid -> (head, tail forecast read, hit), until started
         self._tails: dict[str, tuple[split_mod.TailLoad, Any]] = {}  # rid -> (its tail in flight, its request)
         self._late_look = 0.0
@@ -613,7 +585,6 @@ class LoadOrCompute:
             self._left_queue(rid)
             del self._decided[rid]
             self._late.discard(rid)
-            self._ahead.discard(rid)
         for rid in [r for r in self._loads if r not in loading]:
             w = self._loads.pop(rid)
             self.counts["unseen"] += 1
@@ -663,8 +634,8 @@ class LoadOrCompute:
 
     # -- decisions ---------------------------------------------------------------------------------
     def admit(self, cache: Any, request: Any, new_input_tokens: Any, held_hint: int | None) -> int:
-        """Admission: how many of `new_input_tokens` to prefetch (load): all of them, a leading
-        part (whole pages, `PolicyConfig.partial`), or 0 to recompute."""
+        """Admission: how many of `new_input_tokens` to prefetch (load): all of them, or 0 to
+        recompute (or split, `start_tail`)."""
         every = len(new_input_tokens)
         backend = _backend(cache)
         model = self.model(backend)
@@ -686,12 +657,10 @@ class LoadOrCompute:
         ahead, g = self.gpu_backlog(cache, model)
         g = ahead.get(rid, g)  # a late admission (`late_admit`) is already queued: only what is ahead of it
         _, d = self.disk_backlog(cache, model, backend)
-        part = backend.policy_config.partial
-        part_min = max(threshold, ps, _PART_MIN_TOKENS) if part == "always" or (part == "idle" and d <= 0) else None
         split = backend.policy_config.split
         chunk = self.prefill.chunk if req is not None and rid not in self._tails and \
             (split == "always" or d <= 0) and self.can_split(cache, backend) else None
-        dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps, part_min=part_min,
+        dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps,
                            split_chunk=chunk,
                            split_grain=(self._tail_pages(cache, backend, model) or split_mod.batch_pages()) * ps
                            if chunk else None)
@@ -709,22 +678,20 @@ class LoadOrCompute:
                      dec.reason)
             self.maybe_save(backend)
             return 0
-        take = hit if dec.tokens is None else dec.tokens
+        take = hit
         room = _host_room(cache)
         if dec.load and room is not None and take > room:
             # SGLang would shorten or revoke it once the hit is known: the disk reads what the
             # host pool cannot keep, and the request is recomputed after waiting for it.
             dec = replace(dec, action="compute", reason=f"the host pool has room for {max(0, room)} tokens",
                           tokens=None)
-            take = hit
         self._decided[rid] = (dec.action, new, held, take)
         if dec.load:
             io = model.predict_load(take * model.bytes_per_token, d)
             self._loads[rid] = [time.monotonic(), math.inf if io is None else io, 0.0, 0.0, model.pace.factor]
-        partial = dec.load and take < hit
-        self.counts["part" if partial else dec.action] += 1
+        self.counts[dec.action] += 1
         host_free = _host_free(cache)
-        self.last = {"rid": rid, "action": "part" if partial else dec.action, "t_load": dec.t_load,
+        self.last = {"rid": rid, "action": dec.action, "t_load": dec.t_load,
                      "t_compute": dec.t_compute, "new": new, "held": held, "hit": hit, "load": take if dec.load else 0,
                      "gpu_backlog": g, "disk_backlog": d, "reason": dec.reason, "host_free": host_free}
         # One line per admitted request (INFO): what was decided and on which estimates, so a
@@ -732,13 +699,11 @@ class LoadOrCompute:
         # free tokens, whether a load could get the host memory it is read into).
         log.info("hicache-gds policy: %s %s (%d new, %d held, %d in L3; load %.3f s, compute %.3f s; GPU backlog "
                  "%.3f s, disk backlog %.3f s; read %.2f GB/s, prefill %.0f tok/s at 8k; host pool %s tokens free; %s)",
-                 rid, f"load {take} of" if partial else dec.action, new, held, hit, dec.t_load, dec.t_compute, g, d,
+                 rid, dec.action, new, held, hit, dec.t_load, dec.t_compute, g, d,
                  (model.read.rate or 0) / 1e9, model.prefill.tokens_per_s(8192) or 0,
                  "?" if host_free is None else host_free, dec.reason)
         self.maybe_save(backend)
-        if not dec.load:
-            return 0
-        return every if take >= hit else take
+        return every if dec.load else 0
 
     def stop(self, cache: Any, operation: Any) -> bool:
         """In flight: True to stop the load now (and recompute what it has not loaded)."""
@@ -882,100 +847,6 @@ class LoadOrCompute:
             log.info("hicache-gds policy: %s host protection of %d tokens released after %.3f s (%s)", rid, tokens,
                      now - since, "still waiting: held too long" if late else "left the waiting queue")
 
-    # -- a finished load goes first (`PolicyConfig.ready_first`) -----------------------------------
-    def ready_loads(self, cache: Any, queue: Any) -> dict[str, int]:
-        """The queued requests whose load has finished, by rid in queue order, with the tokens
-        each has left to prefill.
-
-        Admission gave such a request to the disk because its load would end before the GPU
-        reached it; but while it loaded, SGLang started the requests behind it, and a chunked
-        prefill takes the whole batch budget until its last chunk. On the GPU machine a third of
-        the finished loads waited more than 0.5 s for the GPU (up to 1.8 s on the 8B shape, 4.7 s
-        on the 32B shape) with a few tokens left to prefill. Finished: 0.5.17 has inserted it
-        (`protect`), or, on a single rank, its operation has read all its pages (the scheduler
-        settles it when it reaches the request; ranks could see different progress, so with
-        several only the settled ones count). Left: the tokens admission saw less those loaded;
-        a request with more than half a chunk left (a load cut short) is not among them."""
-        if not self._decided:
-            return {}
-        ps = max(1, int(getattr(cache, "page_size", 1) or 1))
-        chunk = self.prefill.chunk
-        cap = chunk // 2 if chunk else math.inf
-        ongoing = {_rid(k): e for k, e in list(getattr(cache, "ongoing_prefetch", {}).items())}
-        alone = None
-        out: dict[str, int] = {}
-        for r in queue or ():
-            rid = _rid(r)
-            d = self._decided.get(rid)
-            if d is None or d[0] not in ("load", "wait"):
-                continue
-            prot = self._protected.get(rid)
-            if prot is not None:
-                loaded = prot[2]
-            else:
-                e = ongoing.get(rid)
-                if e is None:
-                    continue
-                alone = _single_rank(cache) if alone is None else alone
-                op = _entry_op(e)
-                hv = getattr(op, "hash_value", None) or ()
-                if not alone or not hv or getattr(op, "host_indices", None) is None or op.is_terminated():
-                    continue
-                loaded = int(getattr(op, "completed_tokens", 0) or 0)
-                if loaded < len(hv) * ps:
-                    continue
-            left = max(0, d[1] - loaded)
-            if left <= cap:
-                out[rid] = left
-        return out
-
-    def first(self, cache: Any, queue: list) -> int:
-        """Move the finished loads (`ready_loads`) to the front of SGLang's waiting queue, in
-        place and in order, after its own ordering: each has a few tokens to prefill, so the
-        requests it passes wait that long, and it waits no longer for their prefills. Returns how
-        many were moved ahead of another."""
-        ready = self.ready_loads(cache, queue)
-        if not ready:
-            return 0
-        head = [r for r in queue if _rid(r) in ready]
-        rest = [r for r in queue if _rid(r) not in ready]
-        moved = sum(1 for r, at in zip(head, queue) if r is not at)
-        if moved:
-            queue[:] = head + rest
-            for r in head:
-                rid = _rid(r)
-                if rid not in self._ahead:
-                    self._ahead.add(rid)
-                    self.counts["first"] += 1
-                    log.info("hicache-gds policy: %s finished loading with %d tokens left: ahead of the prefills not "
-                             "started", rid, ready[rid])
-        return moved
-
-    def chunk_reserve(self, cache: Any, budget: Any, chunked: Any) -> int:
-        """Tokens of the next chunk of `chunked` (the chunked prefill in progress) to leave to the
-        finished loads in the waiting queue, whole pages each (0: none). Only where the chunk is
-        not its last (a last chunk leaves its budget to the queue anyway), at most half of it."""
-        if not isinstance(budget, int) or budget <= 0:
-            return 0
-        fill = getattr(chunked, "full_untruncated_fill_ids", None)
-        if fill is None or len(fill) - _on_gpu(chunked) <= budget:
-            return 0
-        sched = self.scheduler()
-        ready = self.ready_loads(cache, getattr(sched, "waiting_queue", None) if sched is not None else None)
-        ps = max(1, int(getattr(cache, "page_size", 1) or 1))
-        cap = budget // 2 // ps * ps
-        reserve = 0
-        for left in ready.values():
-            need = -(-left // ps) * ps + ps  # a page of slack: SGLang pages the request's own tokens
-            if reserve + need > cap:
-                break
-            reserve += need
-        if reserve:
-            self.counts["beside_chunk"] += 1
-            log.info("hicache-gds policy: the next chunk of %s leaves %d of its %d tokens to finished loads (%s)",
-                     _rid(chunked), reserve, budget, ", ".join(list(ready)[:8]))
-        return reserve
-
     def _look_again(self, rid: str, kept: int) -> bool:
         """Whether the load of `rid` is re-decided now (see `_LATE_FACTOR`): its kept pages grew
         since the last look, or it runs late against admission's forecast; never more often than
@@ -1102,11 +973,6 @@ class LoadOrCompute:
         cfg = getattr(self._model_backend, "policy_config", None) or PolicyConfig()
         limit = max(int(getattr(controller, "prefetch_capacity_limit", 0) or 0), int(cfg.host_fraction * size))
         return int(controller.prefetch_tokens_occupied) >= limit
-
-    def in_force_for(self, backend: Any) -> bool:
-        """Selected on this policy's cache, whose backend is `backend`."""
-        cache = self._cache()
-        return cache is not None and policy_of(cache) is not None and _backend(cache) is backend
 
     def serves(self, backend: Any) -> bool:
         cache = self._cache()

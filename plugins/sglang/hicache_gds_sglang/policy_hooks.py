@@ -10,7 +10,6 @@ would (load, wait, SGLang's host-pool limit), and the policy's name turns into S
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any
 
@@ -18,11 +17,11 @@ from hicache_gds import METRICS, metric_values
 
 from . import split as split_mod
 from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _agree_int, _backend, _once, _rid,  # noqa: F401
-                     _on_gpu, _to_prefill, policy_of, process_policies)
+                     policy_of, process_policies)
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
            "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch", "around_forward",
-           "after_calc_priority", "around_add_chunked_req", "around_add_one_req", "after_cache_unfinished",
+           "after_cache_unfinished",
            "publish_metrics"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
@@ -269,95 +268,6 @@ def after_new_prefill_batch(result: Any, scheduler: Any, *args: Any, **kwargs: A
     except Exception as exc:  # noqa: BLE001 -- the request stays with the GPU, as admission decided
         _once("late", "hicache-gds policy: late admission failed (%s: %s)", type(exc).__name__, exc)
     return None
-
-
-def _ready_first(cache: Any) -> "LoadOrCompute | None":
-    pol = policy_of(cache) if cache is not None else None
-    b = _backend(cache) if pol is not None else None
-    return pol if b is not None and b.policy_config.ready_first else None
-
-
-def after_calc_priority(result: Any, sched_policy: Any, waiting_queue: Any = None, *args: Any, **kwargs: Any) -> None:
-    """``SchedulePolicy.calc_priority`` (SGLang's ordering of the waiting queue, in place): the
-    finished loads go to its front (`LoadOrCompute.first`)."""
-    if waiting_queue is None:
-        waiting_queue = kwargs.get("waiting_queue")
-    try:
-        pol = _ready_first(getattr(sched_policy, "tree_cache", None))
-        if pol is not None and isinstance(waiting_queue, list) and waiting_queue:
-            pol.first(pol._cache(), waiting_queue)
-    except Exception as exc:  # noqa: BLE001 -- SGLang's order stands
-        _once("first", "hicache-gds policy: finished loads not moved ahead (%s: %s)", type(exc).__name__, exc)
-    return None
-
-
-def around_add_chunked_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """``PrefillAdder.add_chunked_req``: the chunked prefill in progress, added first to every
-    prefill batch, takes the whole chunk budget until its last chunk. Its next chunk gives up the
-    tokens the finished loads have left (`LoadOrCompute.chunk_reserve`), so they enter this batch
-    beside it; while it holds back, `around_add_one_req` admits only requests that fit whole in
-    what is left (SGLang tracks one chunked request at a time)."""
-    reserve = 0
-    try:
-        pol = _ready_first(getattr(adder, "tree_cache", None))
-        if pol is not None:
-            reserve = pol.chunk_reserve(pol._cache(), getattr(adder, "rem_chunk_tokens", None), req)
-    except Exception as exc:  # noqa: BLE001 -- the whole chunk, as SGLang would
-        _once("reserve", "hicache-gds policy: no chunk tokens left to finished loads (%s: %s)", type(exc).__name__,
-              exc)
-        reserve = 0
-    if not reserve:
-        return original(adder, req, *args, **kwargs)
-    adder._hgds_chunk = adder.rem_chunk_tokens
-    adder.rem_chunk_tokens -= reserve
-    try:
-        out = original(adder, req, *args, **kwargs)
-    finally:
-        adder.rem_chunk_tokens += reserve
-    # What the chunked request still needs after this chunk: SGLang checked at its first chunk
-    # that all of it fits in memory, and takes each chunk from that; a request let in beside it
-    # must leave it that much (`around_add_one_req`).
-    try:
-        end = getattr(req, "extend_end", None)
-        if not isinstance(end, int):
-            end = req.extend_range.end if req in adder.can_run_list else _on_gpu(req)
-        adder._hgds_hold = max(0, len(req.full_untruncated_fill_ids) - int(end)) + 1
-    except Exception:  # noqa: BLE001 -- unknown: leave it all it had (as if no chunk ran)
-        adder._hgds_hold = len(getattr(req, "full_untruncated_fill_ids", ()) or ()) + 1
-    return out
-
-
-def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """``PrefillAdder.add_one_req``: beside a chunked prefill that held tokens back for finished
-    loads (`around_add_chunked_req`), a request is refused as SGLang refuses one past the budget
-    (``AddReqResult.OTHER``) where it does not fit whole in the tokens left (it would become a
-    second chunked request, which SGLang cannot track), or where the GPU memory it takes would
-    leave the chunked request less than its remaining chunks need (SGLang checked, at its first
-    chunk, that all of it fits, and does not check again: an H200 server ran out of memory in a
-    32B burst before this check)."""
-    hold = getattr(adder, "_hgds_hold", 0)
-    if hold:
-        try:
-            ps = max(1, int(getattr(adder, "page_size", 1) or 1))
-            tokens = _to_prefill(req)
-            need = -(-tokens // ps) * ps
-            left = adder.rem_chunk_tokens
-            # GPU memory: all it holds after its load back and its output, with what the chunked
-            # request still needs (`hold`) kept out of reach, one chunk of it to spare.
-            memory = tokens + int(getattr(req, "host_hit_length", 0) or 0) + _max_new(req) + 2 * ps
-            refuse = (left is not None and need > left) or \
-                memory + hold + int(getattr(adder, "_hgds_chunk", 0) or 0) >= adder.rem_total_tokens
-        except Exception as exc:  # noqa: BLE001 -- unknown size: refuse, never a second chunked request
-            _once("fit", "hicache-gds policy: a request's size beside a held-back chunk unknown (%s)", exc)
-            refuse = True
-        if refuse:
-            return sys.modules[type(adder).__module__].AddReqResult.OTHER
-    return original(adder, req, *args, **kwargs)
-
-
-def _max_new(req: Any) -> int:
-    sp = getattr(req, "sampling_params", None)
-    return max(0, int(getattr(sp, "max_new_tokens", 0) or 0) - len(getattr(req, "output_ids", None) or ()))
 
 
 def around_rate_limited(original: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
