@@ -24,9 +24,11 @@ import torch
 
 from hicache_gds import ConfigError
 from hicache_gds.costmodel import STATE_FILE
-from hicache_gds_sglang import HiCacheGDS, policy
+from hicache_gds_sglang import HiCacheGDS, backlog, host, policy, view
 from hicache_gds_sglang import policy_hooks as hooks
 from hicache_gds_sglang import backend as backend_mod
+from hicache_gds_sglang import prefill as prefill_mod
+from hicache_gds_sglang.records import Decided, Protected
 from hicache_gds_sglang.policy import POLICY, PolicyConfig
 from sgl_helpers import indices, keys, make_pool, page_bytes, poison, storage_config
 
@@ -57,8 +59,8 @@ A = 1 / 6000  # seeded prefill: 6k tokens/s, linear (the formula's b and c are t
 @pytest.fixture(autouse=True)
 def _fresh_rates():
     backend_mod._RATES.clear()
-    hooks._SUPPORTED.add(CACHE)
-    policy._logged.clear()
+    hooks.SUPPORTED.add(CACHE)
+    view._logged.clear()
     yield
     backend_mod._RATES.clear()
 
@@ -272,7 +274,7 @@ def test_read_rate_seeds_persists_and_carries_over_a_reattach(gds_dir):
         assert later.read_rate.source.startswith("persisted") and later.read_rate.rate > 0
         _, _, pol2 = make_cache(later)
         pol2.prefill = policy.PrefillModel()  # nothing measured: the persisted fit seeds it
-        pol2._model = None
+        pol2.cost_model = None
         pol2.model(later)
         assert pol2.prefill.coefficients()[1].startswith("persisted")
     finally:
@@ -356,12 +358,12 @@ def test_a_load_the_host_pool_cannot_keep_is_recomputed(gds_dir):
             leaf.host_value = torch.arange(8192)
             leaf.value = None  # evicted from the GPU: host only
             cache.evictable_host_leaves = {leaf}
-            assert leaf.evicted and policy._host_room(cache) == 12288 + 8192
+            assert leaf.evicted and host.host_room(cache) == 12288 + 8192
             pol.current_req = req("j", 18000)
             admit(cache, "j", 18000 - 64, calls)
             assert pol.last["action"] == "load" and calls == ["j"]
             # "j" is admitted and its host memory not yet allocated: the next load does not fit
-            assert policy._host_room(cache) == 12288 + 8192 - (18000 - 64) // PS * PS
+            assert host.host_room(cache) == 12288 + 8192 - (18000 - 64) // PS * PS
             pol.current_req = req("k", 8000)
             admit(cache, "k", 8000 - 64, calls)
             assert pol.last["action"] == "compute" and calls == ["j"]
@@ -402,10 +404,10 @@ def test_host_room_counts_a_chain_of_host_only_nodes_as_evict_host_frees_it():
     cache.evictable_host_leaves = {c, e, g}
     cache.ongoing_prefetch = {}
     cache.cache_controller = type("C", (), {"mem_pool_host": _Pool()})()
-    assert policy._host_evictable(cache) == 8192 + 8192 + 4096 + 1024 + 256
-    assert policy._host_room(cache) == 1000 + 8192 + 8192 + 4096 + 1024 + 256
+    assert view.host_evictable(cache) == 8192 + 8192 + 4096 + 1024 + 256
+    assert host.host_room(cache) == 1000 + 8192 + 8192 + 4096 + 1024 + 256
     b_.host_ref_counter = 1  # a protected node (a finished load) keeps itself and its ancestors
-    assert policy._host_evictable(cache) == 4096 + 1024 + 256
+    assert view.host_evictable(cache) == 4096 + 1024 + 256
     assert h.value is not None
 
 
@@ -453,14 +455,14 @@ def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_
         sched._prefetch_kvcache, sched.tree_cache = prefetch_kvcache, cache
         assert pol.late_admit(sched) is None  # still slow: nothing is given to the disk
         b.read_rate.seed(gbps_for(0.5) * 1e9, "test")  # the disk turns out 10x faster than forecast
-        pol._late_look = 0.0
+        pol.late_look = 0.0
         hooks.after_new_prefill_batch(None, sched)
-        assert calls == ["r1"] and pol.counts["late"] == 1 and pol._decided["r1"][0] == "load"
+        assert calls == ["r1"] and pol.counts["late"] == 1 and pol.decided["r1"].action == "load"
         assert pol.last["gpu_backlog"] == pytest.approx(60000 * A)  # admitted with what is ahead of it only
         assert pol.late_admit(sched) is None  # one per pass, at most every _LATE_EVERY_S
-        pol._late_look = 0.0
+        pol.late_look = 0.0
         assert pol.late_admit(sched) == "r2" and calls == ["r1", "r2"]  # behind r1's load, still in time
-        pol._late_look = 0.0
+        pol.late_look = 0.0
         assert pol.late_admit(sched) is None and pol.counts["late"] == 2  # nothing decided "compute" is left
 
         # where the GPU reaches it before its hit could land, it stays with the GPU
@@ -477,10 +479,10 @@ def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_
         assert pol2.late_admit(s2) is None  # loads in 0.9 s, the GPU reaches it in 0.17 s
         s2.waiting_queue.insert(0, big)
         cache2.tp_world_size = 2  # in time now, but a second rank would have to agree
-        pol2._late_look = 0.0
+        pol2.late_look = 0.0
         assert pol2.late_admit(s2) is None
         cache2.tp_world_size = 1
-        pol2._late_look = 0.0
+        pol2.late_look = 0.0
         s2._prefetch_kvcache = lambda r: calls.append(f"late {r.rid}")
         assert pol2.late_admit(s2) == "r3" and calls[-1] == "late r3"
     finally:
@@ -517,14 +519,14 @@ def test_a_slow_load_is_stopped_when_the_gpu_is_free_and_kept_where_it_is_busy(g
     try:
         cache, _, pol = make_cache(b)
         op = in_flight(cache, b, "s", 16384, kept=4096)
-        pol._decided["s"] = ("load", 16448, 0, 16384)
+        pol.decided["s"] = Decided("load", 16448, 0, 16384)
         assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is True
         assert pol.counts["stop"] == 1 and pol.last["kept"] == 4096
         assert b._is_cancelled(backend_mod._region(op.host_indices))  # its reads left are skipped
         # the same load behind a busy GPU runs on
         cache2, _, pol2 = make_cache(b, queue_reqs=[req("big", 60000), req("s2", 16448)])
         op2 = in_flight(cache2, b, "s2", 16384, kept=4096)
-        pol2._decided["s2"] = ("load", 16448, 0, 16384)
+        pol2.decided["s2"] = Decided("load", 16448, 0, 16384)
         assert hooks.around_can_terminate(getattr(CACHE, STOP), cache2, op2) is False
         assert pol2.counts["stop"] == 0 and not b._is_cancelled(backend_mod._region(op2.host_indices))
     finally:
@@ -544,7 +546,7 @@ def test_an_admitted_load_on_time_is_not_redecided_until_a_batch_lands_or_it_run
             admit(cache, "t", 16384, [])
         assert pol.last["action"] == "load" and "t load (16448 new" in caplog.text and "GB/s" in caplog.text
         pol.current_req = None
-        forecast = pol._loads["t"][1]
+        forecast = pol.loads["t"].io_s
         assert 0 < forecast < math.inf
         op = in_flight(cache, b, "t", 16384, kept=0)
         b.read_rate.seed(gbps_for(2.0) * 1e9, "drifted")  # now loading looks twice as slow as computing
@@ -570,7 +572,7 @@ def test_an_admitted_load_on_time_is_not_redecided_until_a_batch_lands_or_it_run
         b.read_rate.seed(gbps_for(2.0) * 1e9, "drifted")
         clock[0] += 0.05
         assert hooks.around_can_terminate(stop, cache, op2) is False
-        clock[0] += pol._loads["u"][1] * 1.25 + 0.2
+        clock[0] += pol.loads["u"].io_s * 1.25 + 0.2
         assert hooks.around_can_terminate(stop, cache, op2) is True
         assert pol.counts["stop"] == 2 and pol.last["kept"] == 0
     finally:
@@ -659,10 +661,10 @@ def test_a_finished_load_keeps_its_host_pages_until_the_gpu_takes_the_request(gd
         hooks.around_check_progress(CACHE.check_prefetch_progress, cache, "stuck")
         node2 = cache._match_prefix_helper(root, key2)[1]
         assert node2.host_ref_counter == 1
-        node_, since, n = pol._protected["stuck"]
-        pol._protected["stuck"] = (node_, since - policy._PROTECT_MAX_S - 1, n)
+        node_, since, n = pol.protected["stuck"]
+        pol.protected["stuck"] = Protected(node_, since - host.PROTECT_MAX_S - 1, n)
         hooks.after_new_prefill_batch(None, sched)
-        assert node2.host_ref_counter == 0 and "stuck" not in pol._protected
+        assert node2.host_ref_counter == 0 and "stuck" not in pol.protected
     finally:
         b.close()
 
@@ -679,7 +681,7 @@ def test_without_the_policy_a_finished_load_is_left_to_sglangs_eviction(gds_dir)
         cache.ongoing_prefetch["loaded"] = (root, RadixKey(list(range(8192))), op)
         root.protect_host()
         assert hooks.around_check_progress(CACHE.check_prefetch_progress, cache, "loaded") is True
-        assert pol.counts["protect"] == 0 and not pol._protected
+        assert pol.counts["protect"] == 0 and not pol.protected
         cache.evict_host(8192)
         assert sum(freed) == 8192
     finally:
@@ -701,7 +703,7 @@ def test_finished_loads_pace_the_forecasts_and_loads_ended_by_sglang_are_logged(
             pol.current_req = req(rid, 8256)
             admit(cache, rid, 8192, [])
             assert pol.last["action"] == "load"
-            pol._loads[rid][0] -= 1.5 * pol._loads[rid][1]  # it took 1.5x its forecast
+            pol.loads[rid].since -= 1.5 * pol.loads[rid].io_s  # it took 1.5x its forecast
             op = in_flight(cache, b, rid, 8192, kept=8192)
             hooks.around_can_terminate(stop, cache, op)
             cache.ongoing_prefetch.clear()
@@ -719,7 +721,7 @@ def test_finished_loads_pace_the_forecasts_and_loads_ended_by_sglang_are_logged(
             pol.current_req = req("gone", 8256)
             admit(cache, "gone", 8192, [])
             cache.ongoing_prefetch.clear()  # revoked: no host memory for its hit
-            time.sleep(2 * policy._BACKLOG_TTL_S)
+            time.sleep(2 * backlog.BACKLOG_TTL_S)
             pol.gpu_backlog(cache, model)
         said = [r.getMessage() for r in caplog.records]
         assert any("short load ended by SGLang after 4096 of 8192 tokens" in m for m in said)
@@ -868,29 +870,29 @@ def test_a_prefill_in_progress_counts_in_the_gpu_backlog_once_and_chunk_after_ch
     try:
         cache, _, pol = make_cache(b)
         model = pol.model(b)
-        monkeypatch.setattr(policy, "_event", _Running)
+        monkeypatch.setattr(prefill_mod, "_event", _Running)
         mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
         long = req("long", 32768)
         for k in range(2):  # the second chunk launched right after the first, both on the GPU
             batch = types.SimpleNamespace(forward_mode=mode, extend_lens=[8192], prefix_lens=[8192 * k], reqs=[long])
             hooks.around_forward(lambda w, bt: None, object(), batch)
-        t0 = pol._pending[0].t0
+        t0 = pol.clock.pending[0].t0
         chunk = 8192 * A
         # 0.6 chunks later: the first has 0.4 left and the second all of its own after it
-        assert pol._in_flight_prefill(t0 + 0.6 * chunk) == pytest.approx(1.4 * chunk, rel=0.01)
+        assert pol.clock.in_flight(t0 + 0.6 * chunk) == pytest.approx(1.4 * chunk, rel=0.01)
         # the first seen finished (SGLang admits arrivals right then): the second has just started
-        first = pol._pending.popleft()
-        assert pol._in_flight_prefill(t0 + chunk) == pytest.approx(chunk, rel=0.01)
-        pol._pending.appendleft(first)
-        assert pol._in_flight_prefill(t0 + 3 * chunk) == 0.0
+        first = pol.clock.pending.popleft()
+        assert pol.clock.in_flight(t0 + chunk) == pytest.approx(chunk, rel=0.01)
+        pol.clock.pending.appendleft(first)
+        assert pol.clock.in_flight(t0 + 3 * chunk) == 0.0
         long.prefix_indices = list(range(16384))  # SGLang cached both chunks at launch
         cache._test_scheduler.chunked_req = long
         _, total = pol.gpu_backlog(cache, model)
-        in_flight = pol._in_flight_prefill(time.perf_counter())
+        in_flight = pol.clock.in_flight(time.perf_counter())
         assert 1.9 * chunk < in_flight <= 2 * chunk
         assert total == pytest.approx(in_flight + 16384 * A, rel=0.01)  # the last 16k once, not the chunks again
         long.prefix_indices = list(range(8192))  # cached one chunk behind: the same work left
-        pol._backlog = None
+        pol.backlog = None
         assert pol.gpu_backlog(cache, model)[1] == pytest.approx(total, rel=0.01)
     finally:
         b.close()
@@ -904,7 +906,7 @@ def test_a_broken_batch_forecast_never_becomes_a_gpu_backlog(gds_dir, monkeypatc
     b, _ = open_backend(gds_dir)
     try:
         cache, _, pol = make_cache(b)
-        monkeypatch.setattr(policy, "_event", _Running)
+        monkeypatch.setattr(prefill_mod, "_event", _Running)
         mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
 
         def launch(n: int) -> None:
@@ -915,16 +917,16 @@ def test_a_broken_batch_forecast_never_becomes_a_gpu_backlog(gds_dir, monkeypatc
         with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang.policy"):
             launch(8192)
         assert "forecast at 1.8" in caplog.text and "counted as 0" in caplog.text
-        assert pol._in_flight_prefill(pol._pending[0].t0) == 0.0
+        assert pol.clock.in_flight(pol.clock.pending[0].t0) == 0.0
         pol.prefill.seed_coefficients(A, 0.0, 0.0, "test")
         launch(8192)  # a sane forecast after it: the broken one left nothing behind
-        t1 = pol._pending[-1].t0
-        assert pol._in_flight_prefill(t1) == pytest.approx(8192 * A, rel=0.01)
+        t1 = pol.clock.pending[-1].t0
+        assert pol.clock.in_flight(t1) == pytest.approx(8192 * A, rel=0.01)
         # batches seen finished leave the backlog; a forecast never carries past the ones pending
-        pol._pending.clear()
-        pol._gpu_until = t1 + 1e6  # as the carried forecast was
+        pol.clock.pending.clear()
+        pol.clock.gpu_until = t1 + 1e6  # as the carried forecast was
         launch(4096)
-        assert pol._in_flight_prefill(pol._pending[-1].t0) == pytest.approx(4096 * A, rel=0.01)
+        assert pol.clock.in_flight(pol.clock.pending[-1].t0) == pytest.approx(4096 * A, rel=0.01)
     finally:
         b.close()
 
@@ -958,7 +960,7 @@ _REGISTER = textwrap.dedent("""
         action.choices), action.choices
     args = p.parse_args(["--model-path", "m", "--hicache-storage-prefetch-policy", "wait_complete"])
     assert args.hicache_storage_prefetch_policy == "wait_complete"
-    cls = next(iter(policy_hooks._SUPPORTED))
+    cls = next(iter(policy_hooks.SUPPORTED))
     stop = "_can_terminate_prefetch" if hasattr(cls, "_can_terminate_prefetch") else "can_terminate_prefetch"
     for m in ("prefetch_from_storage", stop, "attach_storage_backend"):
         assert hasattr(getattr(cls, m), "__wrapped__"), m
@@ -989,7 +991,9 @@ def test_without_decision_points_sglangs_policies_are_all_there_is(monkeypatch, 
 
     from hicache_gds_sglang import plugin
     monkeypatch.setattr(plugin, "_policy_ready", False)
-    monkeypatch.setattr(plugin, "_POLICY_CACHES", {"sglang.srt.mem_cache.no_such_cache.Cache": ("__init__", "x")})
+    gone = "sglang.srt.mem_cache.no_such_cache.Cache"
+    monkeypatch.setattr(plugin, "HOOKS", tuple(h._replace(target=f"{gone}.{h.target.rsplit('.', 1)[1]}")
+                                              if h.group.startswith("policy@") else h for h in plugin.HOOKS))
     registered = []
     reg = types.SimpleNamespace(register=lambda *a: registered.append(a))
     with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):

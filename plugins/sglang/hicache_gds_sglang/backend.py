@@ -48,7 +48,7 @@ from hicache_gds import (ConfigError, ReadRate, align_up, default_budget, load_s
                          namespace_location, open_store, probe_read_rate, save_state)
 
 from .naming import KeyScheme, load_config, namespace_identity
-from .policy import PolicyConfig
+from .policy_config import PolicyConfig
 from .pools import PoolBinding, describe_pool
 
 __all__ = ["HiCacheGDS"]

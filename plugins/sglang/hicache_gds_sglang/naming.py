@@ -49,8 +49,8 @@ SGLANG_KEYS = (
 
 def load_config(extra_config: Mapping[str, Any] | None) -> Config:
     """The hicache-gds `Config` for one backend: extra-config keys > environment > defaults. The
-    prefetch policy's keys (`policy.POLICY_KEYS`) are the plugin's, read by `policy.PolicyConfig`."""
-    from .policy import POLICY_KEYS, check_removed
+    prefetch policy's keys (`policy_config.POLICY_KEYS`) are the plugin's, read by `policy_config.PolicyConfig`."""
+    from .policy_config import POLICY_KEYS, check_removed
     check_removed(extra_config)
     try:
         cfg = Config.load(dict(extra_config or {}), ignore=SGLANG_KEYS + POLICY_KEYS)
