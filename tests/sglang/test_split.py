@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_gds_sglang import HiCacheGDS, policy, split_policy, view
+from hicache_gds_sglang import HiCacheGDS, split_policy, view
 from hicache_gds_sglang import policy_hooks as hooks
 from hicache_gds_sglang import split as split_mod
 from hicache_gds_sglang import backend as backend_mod

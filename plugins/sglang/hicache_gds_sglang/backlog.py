@@ -111,7 +111,7 @@ def disk_backlog(cache: Any, model: CostModel, backend: Any) -> tuple[dict[str, 
     ps = view.page_size(cache)
     for ld in view.loads(cache):
         kept = view.kept(ld.op)
-        fetched = kept + backend.read_progress(getattr(ld.op, "host_indices", None)) * ps
+        fetched = kept + backend.read_progress(view.host_indices(ld.op)) * ps
         rem = max(0, ld.hit - fetched)
         acc += model.predict_load(rem * model.bytes_per_token) or 0.0
         out[ld.rid] = DiskSlot(acc, ld.hit, kept, fetched)

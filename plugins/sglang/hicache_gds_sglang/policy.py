@@ -65,11 +65,9 @@ from hicache_gds import CostModel, LoadPace, PrefillModel
 
 from . import backlog, host, split_policy, view
 from . import split as split_mod
-from .policy_config import (FALLBACK, POLICY, POLICY_KEYS, REMOVED_KEYS, SGLANG_POLICIES,  # noqa: F401
-                            PolicyConfig, check_removed)
+from .policy_config import FALLBACK, POLICY, POLICY_KEYS, SGLANG_POLICIES, PolicyConfig  # noqa: F401
 from .prefill import PrefillClock
 from .records import Backlog, Decided, DiskSlot, LoadWatch, Protected, Queued, SplitPlan, Tail  # noqa: F401
-from .split_policy import SPLIT_HOOKED  # noqa: F401
 
 __all__ = ["POLICY", "SGLANG_POLICIES", "FALLBACK", "POLICY_KEYS", "PolicyConfig", "LoadOrCompute", "policy_of",
            "process_policies", "admission_verdict"]
@@ -272,7 +270,7 @@ class LoadOrCompute:
         """In flight: True to stop the load now (and recompute what it has not loaded)."""
         backend = view.backend_of(cache)
         model = self.model(backend)
-        rid = view.rid(getattr(operation, "request_id", ""))
+        rid = view.op_rid(operation)
         if view.loaded_done(cache, operation):
             w = self.loads.pop(rid, None)  # once: 0.5.23 asks again until the load is acknowledged
             if w is not None:
@@ -285,7 +283,7 @@ class LoadOrCompute:
             # 0.5.23 settles a finished load through its acknowledgements (as for wait_complete);
             # 0.5.17 finishes it here, and its pages are then protected (`protect`).
             return not view.settles_by_ack(cache)
-        if operation.is_terminated():
+        if view.is_terminated(operation):
             # SGLang ended it (a get returned fewer pages than asked, an abort): it keeps what it read
             w = self.loads.pop(rid, None)
             if w is not None:

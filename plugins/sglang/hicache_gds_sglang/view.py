@@ -389,3 +389,13 @@ def controller_policy(controller: Any) -> Any:
     if buffer_only(controller):
         return None
     return attached(controller)
+
+
+def op_rid(op: Any) -> str:
+    """The request id of a prefetch operation."""
+    return rid(getattr(op, "request_id", ""))
+
+
+def host_indices(op: Any) -> Any:
+    """A load's host slots (None until its L3 hit is known)."""
+    return getattr(op, "host_indices", None)
