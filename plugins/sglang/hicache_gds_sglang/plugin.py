@@ -370,6 +370,6 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
     for name in ("admitted", "timing", "protect", "split"):
         if name not in hooked:
             g = GROUPS[name]
-            targets = ", ".join(h.target.split(".", 3)[-1] for h in HOOKS if h.group == name)
+            targets = ", ".join(".".join(h.target.rsplit(".", 2)[-2:]) for h in HOOKS if h.group == name)
             log.log(g.level, "hicache-gds: %s cannot be hooked here; %s", targets, g.fallback)
     _policy_ready = True
