@@ -1,6 +1,6 @@
 """The ``compute_or_load`` prefetch policy against the installed SGLang's own classes (0.5.17's
 HiRadixCache / 0.5.23's UnifiedRadixCache, HiCacheController, PrefetchOperation, their attach
-paths), and the backend's side of it (read rate, sliced gets, cancel, progress, persistence).
+paths), and the backend's side of it (read rate, cancel, progress, persistence).
 
 The caches and controllers are SGLang's classes built without their constructors (those need a
 GPU's pools); each test sets the attributes the exercised methods read, and calls the plugin's
@@ -24,9 +24,11 @@ import torch
 
 from hicache_gds import ConfigError
 from hicache_gds.costmodel import STATE_FILE
-from hicache_gds_sglang import HiCacheGDS, policy
+from hicache_gds_sglang import HiCacheGDS, backlog, host, policy, view
 from hicache_gds_sglang import policy_hooks as hooks
 from hicache_gds_sglang import backend as backend_mod
+from hicache_gds_sglang import prefill as prefill_mod
+from hicache_gds_sglang.records import Decided, Protected
 from hicache_gds_sglang.policy import POLICY, PolicyConfig
 from sgl_helpers import indices, keys, make_pool, page_bytes, poison, storage_config
 
@@ -57,8 +59,8 @@ A = 1 / 6000  # seeded prefill: 6k tokens/s, linear (the formula's b and c are t
 @pytest.fixture(autouse=True)
 def _fresh_rates():
     backend_mod._RATES.clear()
-    hooks._SUPPORTED.add(CACHE)
-    policy._logged.clear()
+    hooks.SUPPORTED.add(CACHE)
+    view._logged.clear()
     yield
     backend_mod._RATES.clear()
 
@@ -127,18 +129,13 @@ def ongoing(cache, rid: str, op, tokens: int) -> None:
 # -- configuration -------------------------------------------------------------------------------
 def test_policy_keys_are_the_plugins_and_checked(gds_dir):
     cfg = PolicyConfig.from_extra({"policy": POLICY, "policy_read_gbps": "1.5", "policy_host_fraction": 0.6,
-                                   "policy_read_slice": "64M", "policy_stop_margin": 0, "policy_partial": "off",
-                                   "policy_ready_first": "yes"})
-    assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.read_slice, cfg.stop_margin, cfg.partial,
-            cfg.ready_first) == (POLICY, 1.5, 0.6, 64 << 20, 0.0, "off", True)
-    assert PolicyConfig.from_extra({}).partial == "off" and PolicyConfig.from_extra({}).ready_first is False
-    assert [PolicyConfig.from_extra({"policy_partial": v}).partial for v in (False, "ALWAYS", True)] == [
-        "off", "always", "idle"]
+                                   "policy_stop_margin": 0})
+    assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.stop_margin) == (POLICY, 1.5, 0.6, 0.0)
+    # settings measured not to pay were removed: naming one is an error that says so, as an unknown key is
+    removed = [({k: v}, f"{k} was removed") for k, v in (("policy_read_slice", "64M"), ("policy_partial", "off"),
+                                                          ("policy_ready_first", "yes"))]
     for bad, match in (({"policy": "fastest"}, "policy: 'fastest'"), ({"policy_read_gbps": -1}, "policy_read_gbps"),
-                       ({"policy_host_fraction": 1.5}, "policy_host_fraction"), ({"policy_partial": "some"},
-                                                                                 "policy_partial: 'some'"),
-                       ({"policy_read_slice": "lots"}, "policy_read_slice"),
-                       ({"policy_ready_first": "maybe"}, "policy_ready_first: expected true or false")):
+                       ({"policy_host_fraction": 1.5}, "policy_host_fraction"), *removed):
         with pytest.raises(ConfigError, match=match):
             PolicyConfig.from_extra(bad)
         with pytest.raises(ConfigError, match=match):  # the attach fails with the reason
@@ -151,10 +148,10 @@ def test_policy_keys_are_the_plugins_and_checked(gds_dir):
 
 
 # -- the backend's side: sliced gets, cancel, progress, read rate --------------------------------------
-def test_sliced_gets_read_the_same_bytes_and_measure_the_rate(gds_dir, monkeypatch):
-    b, pool = open_backend(gds_dir, policy_read_slice=3 * PS * BPT)  # 3 pages per slice
+def test_gets_read_the_same_bytes_and_measure_the_rate(gds_dir, monkeypatch):
+    b, pool = open_backend(gds_dir)
     try:
-        cache, _, _ = make_cache(b)  # slices only while compute_or_load runs over the backend
+        cache, _, _ = make_cache(b)  # the policy in force: gets read whole, as under SGLang's policies
         kv = b._bindings["kv"]
         real_get, calls = kv.get, []
         monkeypatch.setattr(kv, "get", lambda k, h: (calls.append(len(k)), real_get(k, h))[1])
@@ -165,10 +162,10 @@ def test_sliced_gets_read_the_same_bytes_and_measure_the_rate(gds_dir, monkeypat
         b.get_stats()  # drain
         assert b.batch_get_v1(ks, indices(dst, PS)) == [True] * 10
         assert all(page_bytes(pool, s) == page_bytes(pool, d) for s, d in zip(src, dst))
-        assert calls == [3, 3, 3, 1]
+        assert calls == [10]
         m = b.get_stats()
-        assert m.prefetch_pgs == [10]  # one get, however many slices
-        cache.prefetch_stop_policy = "wait_complete"  # SGLang's policy: one read, no slices
+        assert m.prefetch_pgs == [10]
+        cache.prefetch_stop_policy = "wait_complete"  # SGLang's policy: the same one read
         poison(pool, dst)
         assert b.batch_get_v1(ks, indices(dst, PS)) == [True] * 10 and calls[-1] == 10
         assert all(page_bytes(pool, s) == page_bytes(pool, d) for s, d in zip(src, dst))
@@ -180,10 +177,11 @@ def test_sliced_gets_read_the_same_bytes_and_measure_the_rate(gds_dir, monkeypat
 
 
 def test_a_cancelled_prefetch_keeps_the_pages_read_before_and_reads_no_more(gds_dir, monkeypatch):
-    """SGLang's zero-copy page get (its real method) over a get the policy cancels after one slice."""
-    b, pool = open_backend(gds_dir, policy_read_slice=2 * PS * BPT)
+    """SGLang's zero-copy page get (its real method), batch after batch, over a prefetch the policy
+    cancels during its first batch: that get reads whole, the next reads nothing."""
+    b, pool = open_backend(gds_dir)
     try:
-        _cache = make_cache(b)  # noqa: F841 -- the policy in force: gets read in slices
+        _cache = make_cache(b)  # noqa: F841 -- the policy in force
         ks = keys(8)
         assert all(b.batch_set_v1(ks, indices(range(8), PS)))
         dst = list(range(30, 38))
@@ -204,34 +202,18 @@ def test_a_cancelled_prefetch_keeps_the_pages_read_before_and_reads_no_more(gds_
         monkeypatch.setattr(kv, "get", get)
         ctl = object.__new__(HiCacheController)
         ctl.storage_backend, ctl.page_size = b, PS
-        batch = op.host_indices[0:8 * PS]  # the controller passes slices of host_indices
-        got = ctl._page_get_zero_copy(op, ks, batch, None)
+        # the controller passes batches of pages, slices of host_indices
+        got = ctl._page_get_zero_copy(op, ks[:2], op.host_indices[0:2 * PS], None)
         loaded = got if V23 else op.completed_tokens // PS
         assert loaded == 2 and seen == [0]
         assert all(page_bytes(pool, s) == page_bytes(pool, d) for s, d in zip(range(2), dst[:2]))
+        before = kv.store.stats()["pages_read"]
+        got = ctl._page_get_zero_copy(op, ks[2:], op.host_indices[2 * PS:8 * PS], None)
+        assert (got if V23 else op.completed_tokens // PS - 2) == 0 and seen == [0]  # the next batch: nothing read
+        assert kv.store.stats()["pages_read"] == before
         fresh = torch.full_like(pool.get_dummy_flat_data_page().view(torch.uint8), 0xA5)
         assert all(page_bytes(pool, d) == fresh.numpy().tobytes() for d in dst[2:])  # never written
-        before = kv.store.stats()["pages_read"]
-        assert b.batch_get_v1(ks[4:], op.host_indices[4 * PS:8 * PS]) == [False] * 4  # the next batch: nothing read
-        assert kv.store.stats()["pages_read"] == before
-        assert b.read_rate.total_gets == 0  # a get cut short is no rate
-    finally:
-        b.close()
-
-
-def test_progress_of_the_get_in_flight_is_visible_between_slices(gds_dir, monkeypatch):
-    b, pool = open_backend(gds_dir, policy_read_slice=2 * PS * BPT)
-    try:
-        _cache = make_cache(b)  # noqa: F841
-        ks = keys(6)
-        assert all(b.batch_set_v1(ks, indices(range(6), PS)))
-        hi = indices(range(10, 16), PS)
-        kv = b._bindings["kv"]
-        real_get, seen = kv.get, []
-        monkeypatch.setattr(kv, "get", lambda k, h: (seen.append(b.read_progress(hi)), real_get(k, h))[1])
-        assert b.batch_get_v1(ks, hi[0:]) == [True] * 6
-        assert seen == [0, 2, 4] and b.read_progress(hi) == 0  # nothing in flight after
-        assert b.read_progress(torch.arange(4)) == 0
+        assert b.read_rate.total_gets == 1  # the whole get counts; a skipped one is no rate
     finally:
         b.close()
 
@@ -243,9 +225,9 @@ def test_a_cancel_stops_only_its_own_prefetch_among_views_of_one_free_slot_tenso
     did: the loads after a stopped one all ended with 0 pages, and were recomputed), and the
     progress of a get in flight counts for its own prefetch only."""
     from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
-    b, pool = open_backend(gds_dir, policy_read_slice=2 * PS * BPT)
+    b, pool = open_backend(gds_dir)
     try:
-        _cache = make_cache(b)  # noqa: F841 -- the policy in force: gets read in slices
+        _cache = make_cache(b)  # noqa: F841 -- the policy in force
         slots = LogicalHostPool(64 * PS, PS)
         first, second = slots.alloc(4 * PS), slots.alloc(4 * PS)
         assert first._base is not None and first._base is second._base  # one base, as in the server
@@ -260,7 +242,7 @@ def test_a_cancel_stops_only_its_own_prefetch_among_views_of_one_free_slot_tenso
         monkeypatch.setattr(kv, "get", lambda k, h: (seen.append((b.read_progress(second), b.read_progress(first))),
                                                      real_get(k, h))[1])
         assert b.batch_get_v1(ks[4:], second[0:4 * PS]) == [True] * 4  # the other one reads on
-        assert seen == [(0, 0), (2, 0)]  # its progress, not the stopped one's
+        assert seen == [(0, 0)]  # one whole get
         assert [page_bytes(pool, p) for p in range(4, 8)] == want[4:]  # second's slots: pages 4-7
         monkeypatch.setattr(kv, "get", real_get)
         del first  # the stopped prefetch is gone: its cancel with it
@@ -292,7 +274,7 @@ def test_read_rate_seeds_persists_and_carries_over_a_reattach(gds_dir):
         assert later.read_rate.source.startswith("persisted") and later.read_rate.rate > 0
         _, _, pol2 = make_cache(later)
         pol2.prefill = policy.PrefillModel()  # nothing measured: the persisted fit seeds it
-        pol2._model = None
+        pol2.cost_model = None
         pol2.model(later)
         assert pol2.prefill.coefficients()[1].startswith("persisted")
     finally:
@@ -376,12 +358,12 @@ def test_a_load_the_host_pool_cannot_keep_is_recomputed(gds_dir):
             leaf.host_value = torch.arange(8192)
             leaf.value = None  # evicted from the GPU: host only
             cache.evictable_host_leaves = {leaf}
-            assert leaf.evicted and policy._host_room(cache) == 12288 + 8192
+            assert leaf.evicted and host.host_room(cache) == 12288 + 8192
             pol.current_req = req("j", 18000)
             admit(cache, "j", 18000 - 64, calls)
             assert pol.last["action"] == "load" and calls == ["j"]
             # "j" is admitted and its host memory not yet allocated: the next load does not fit
-            assert policy._host_room(cache) == 12288 + 8192 - (18000 - 64) // PS * PS
+            assert host.host_room(cache) == 12288 + 8192 - (18000 - 64) // PS * PS
             pol.current_req = req("k", 8000)
             admit(cache, "k", 8000 - 64, calls)
             assert pol.last["action"] == "compute" and calls == ["j"]
@@ -422,10 +404,10 @@ def test_host_room_counts_a_chain_of_host_only_nodes_as_evict_host_frees_it():
     cache.evictable_host_leaves = {c, e, g}
     cache.ongoing_prefetch = {}
     cache.cache_controller = type("C", (), {"mem_pool_host": _Pool()})()
-    assert policy._host_evictable(cache) == 8192 + 8192 + 4096 + 1024 + 256
-    assert policy._host_room(cache) == 1000 + 8192 + 8192 + 4096 + 1024 + 256
+    assert view.host_evictable(cache) == 8192 + 8192 + 4096 + 1024 + 256
+    assert host.host_room(cache) == 1000 + 8192 + 8192 + 4096 + 1024 + 256
     b_.host_ref_counter = 1  # a protected node (a finished load) keeps itself and its ancestors
-    assert policy._host_evictable(cache) == 4096 + 1024 + 256
+    assert view.host_evictable(cache) == 4096 + 1024 + 256
     assert h.value is not None
 
 
@@ -452,9 +434,8 @@ def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_
     requests it could serve wait for the GPU. After a prefill batch is formed, the first waiting
     request decided "compute" whose hit loads before the GPU reaches it is prefetched through the
     scheduler's own path, which asks admission again with its place in the queue; one per pass,
-    each at most once, not where the GPU reaches it first, not on more than one rank (all or
-    nothing at admission: a part is `test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_loaded`)."""
-    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), policy_partial=False)  # loading takes 8x computing
+    each at most once, not where the GPU reaches it first, not on more than one rank."""
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0))  # loading takes 8x computing
     try:
         big = req("q0", 60000)  # 10 s of prefill queued ahead, not ours to decide
         r1, r2, r3 = req("r1", 18000), req("r2", 18000), req("r3", 18000)
@@ -474,14 +455,14 @@ def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_
         sched._prefetch_kvcache, sched.tree_cache = prefetch_kvcache, cache
         assert pol.late_admit(sched) is None  # still slow: nothing is given to the disk
         b.read_rate.seed(gbps_for(0.5) * 1e9, "test")  # the disk turns out 10x faster than forecast
-        pol._late_look = 0.0
+        pol.late_look = 0.0
         hooks.after_new_prefill_batch(None, sched)
-        assert calls == ["r1"] and pol.counts["late"] == 1 and pol._decided["r1"][0] == "load"
+        assert calls == ["r1"] and pol.counts["late"] == 1 and pol.decided["r1"].action == "load"
         assert pol.last["gpu_backlog"] == pytest.approx(60000 * A)  # admitted with what is ahead of it only
         assert pol.late_admit(sched) is None  # one per pass, at most every _LATE_EVERY_S
-        pol._late_look = 0.0
+        pol.late_look = 0.0
         assert pol.late_admit(sched) == "r2" and calls == ["r1", "r2"]  # behind r1's load, still in time
-        pol._late_look = 0.0
+        pol.late_look = 0.0
         assert pol.late_admit(sched) is None and pol.counts["late"] == 2  # nothing decided "compute" is left
 
         # where the GPU reaches it before its hit could land, it stays with the GPU
@@ -498,73 +479,14 @@ def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_
         assert pol2.late_admit(s2) is None  # loads in 0.9 s, the GPU reaches it in 0.17 s
         s2.waiting_queue.insert(0, big)
         cache2.tp_world_size = 2  # in time now, but a second rank would have to agree
-        pol2._late_look = 0.0
+        pol2.late_look = 0.0
         assert pol2.late_admit(s2) is None
         cache2.tp_world_size = 1
-        pol2._late_look = 0.0
+        pol2.late_look = 0.0
         s2._prefetch_kvcache = lambda r: calls.append(f"late {r.rid}")
         assert pol2.late_admit(s2) == "r3" and calls[-1] == "late r3"
     finally:
         b.close()
-
-
-def test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_loaded(gds_dir):
-    """Loading all of a hit takes 8x computing it, so alone (or all or nothing) it is recomputed;
-    behind 10 s of prefill the disk reads its leading pages before the GPU gets there: SGLang's
-    own prefetch runs on that shorter key, and the GPU backlog counts only the rest. With
-    ``always`` the next request's part waits behind that load on the disk; with ``idle`` a busy
-    disk takes no part; a part under the minimum, or with the setting off (the default), is
-    recomputed."""
-    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), policy_partial="always")
-    try:
-        big = req("q0", 60000)  # 10 s of prefill ahead
-        cache, ctl, pol = make_cache(b, queue_reqs=[big])
-        sched = cache._test_scheduler
-        tok_s = gbps_for(8.0) * 1e9 / BPT  # tokens the disk reads per second
-        calls: list = []
-        r1 = req("r1", 18000)
-        pol.current_req = r1
-        admit(cache, "r1", 18000 - 64, calls)
-        k = int(60000 * A / 1.05 * tok_s) // PS * PS
-        assert pol.last["action"] == "part" and pol.last["load"] == k and 1024 <= k < 18000 - 64
-        assert calls == ["r1"] and pol.counts["part"] == 1
-        entry = cache.ongoing_prefetch[handle("r1")]
-        key = entry.prefetch_key if V23 else entry[1]
-        assert len(key) == k  # SGLang prefetches the part only
-        assert pol._decided["r1"] == ("load", 18000, 0, k)
-        sched.waiting_queue.append(r1)
-        ahead, total = pol.gpu_backlog(cache, pol.model(b))
-        assert total == pytest.approx((60000 + 18000 - k) * A)  # r1's part is not prefill
-        # the next one: behind r1's part on the disk, a smaller part of its own
-        r2 = req("r2", 18000)
-        pol.current_req = r2
-        admit(cache, "r2", 18000 - 64, calls)
-        assert pol.last["disk_backlog"] == pytest.approx(k / tok_s, rel=0.02)
-        k2 = int((total / 1.05 - pol.last["disk_backlog"]) * tok_s) // PS * PS
-        assert pol.last["action"] == "part" and pol.last["load"] == k2 and k2 < k
-        # a GPU that gets there before 1024 tokens land: recomputed
-        cache2, _, pol2 = make_cache(b, queue_reqs=[req("small", 1200)])
-        pol2.current_req = req("r3", 18000)
-        admit(cache2, "r3", 18000 - 64, calls)
-        assert pol2.last["action"] == "compute" and calls[-1] != "r3"
-    finally:
-        b.close()
-    for setting in ("idle", None):
-        b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(8.0), **({"policy_partial": setting}
-                                                                        if setting else {}))
-        try:
-            cache, _, pol = make_cache(b, queue_reqs=[req("q0", 60000)])
-            calls = []
-            for rid in ("r1", "r2"):
-                pol.current_req = r = req(rid, 18000)
-                admit(cache, rid, 18000 - 64, calls)
-                cache._test_scheduler.waiting_queue.append(r)
-            # idle: the first one's part, then none while it is on the disk; off: never a part
-            want = [("part", "r1"), ("compute", None)] if setting == "idle" else [("compute", None), ("compute", None)]
-            assert pol.counts["part"] == sum(a == "part" for a, _ in want) and pol.last["action"] == "compute"
-            assert calls == [c for _, c in want if c]
-        finally:
-            b.close()
 
 
 def test_sglangs_policies_and_other_backends_are_untouched(gds_dir):
@@ -597,14 +519,14 @@ def test_a_slow_load_is_stopped_when_the_gpu_is_free_and_kept_where_it_is_busy(g
     try:
         cache, _, pol = make_cache(b)
         op = in_flight(cache, b, "s", 16384, kept=4096)
-        pol._decided["s"] = ("load", 16448, 0, 16384)
+        pol.decided["s"] = Decided("load", 16448, 0, 16384)
         assert hooks.around_can_terminate(getattr(CACHE, STOP), cache, op) is True
         assert pol.counts["stop"] == 1 and pol.last["kept"] == 4096
         assert b._is_cancelled(backend_mod._region(op.host_indices))  # its reads left are skipped
         # the same load behind a busy GPU runs on
         cache2, _, pol2 = make_cache(b, queue_reqs=[req("big", 60000), req("s2", 16448)])
         op2 = in_flight(cache2, b, "s2", 16384, kept=4096)
-        pol2._decided["s2"] = ("load", 16448, 0, 16384)
+        pol2.decided["s2"] = Decided("load", 16448, 0, 16384)
         assert hooks.around_can_terminate(getattr(CACHE, STOP), cache2, op2) is False
         assert pol2.counts["stop"] == 0 and not b._is_cancelled(backend_mod._region(op2.host_indices))
     finally:
@@ -624,7 +546,7 @@ def test_an_admitted_load_on_time_is_not_redecided_until_a_batch_lands_or_it_run
             admit(cache, "t", 16384, [])
         assert pol.last["action"] == "load" and "t load (16448 new" in caplog.text and "GB/s" in caplog.text
         pol.current_req = None
-        forecast = pol._loads["t"][1]
+        forecast = pol.loads["t"].io_s
         assert 0 < forecast < math.inf
         op = in_flight(cache, b, "t", 16384, kept=0)
         b.read_rate.seed(gbps_for(2.0) * 1e9, "drifted")  # now loading looks twice as slow as computing
@@ -650,7 +572,7 @@ def test_an_admitted_load_on_time_is_not_redecided_until_a_batch_lands_or_it_run
         b.read_rate.seed(gbps_for(2.0) * 1e9, "drifted")
         clock[0] += 0.05
         assert hooks.around_can_terminate(stop, cache, op2) is False
-        clock[0] += pol._loads["u"][1] * 1.25 + 0.2
+        clock[0] += pol.loads["u"].io_s * 1.25 + 0.2
         assert hooks.around_can_terminate(stop, cache, op2) is True
         assert pol.counts["stop"] == 2 and pol.last["kept"] == 0
     finally:
@@ -739,202 +661,10 @@ def test_a_finished_load_keeps_its_host_pages_until_the_gpu_takes_the_request(gd
         hooks.around_check_progress(CACHE.check_prefetch_progress, cache, "stuck")
         node2 = cache._match_prefix_helper(root, key2)[1]
         assert node2.host_ref_counter == 1
-        node_, since, n = pol._protected["stuck"]
-        pol._protected["stuck"] = (node_, since - policy._PROTECT_MAX_S - 1, n)
+        node_, since, n = pol.protected["stuck"]
+        pol.protected["stuck"] = Protected(node_, since - host.PROTECT_MAX_S - 1, n)
         hooks.after_new_prefill_batch(None, sched)
-        assert node2.host_ref_counter == 0 and "stuck" not in pol._protected
-    finally:
-        b.close()
-
-
-@pytest.fixture
-def prefill_adder():
-    """SGLang's real PrefillAdder (and Req) over CPU pools: a simulated radix tree for the locks,
-    a paged token allocator, the process config a scheduler publishes (reset after)."""
-    from array import array
-    from sglang.srt import runtime_context
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-    from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.server_args import ServerArgs
-
-    runtime_context.publish(ServerArgs(model_path="dummy", device="cpu"), role="test")
-    sim = RadixCache.create_simulated()
-
-    def new_adder(cache, chunk=8192):
-        kv = types.SimpleNamespace(size=1 << 17, dtype=torch.bfloat16, device="cpu")
-        alloc = PagedTokenToKVPoolAllocator(1 << 17, PS, torch.bfloat16, "cpu", kv, False)
-        adder = PrefillAdder(PS, sim, alloc, types.SimpleNamespace(reqs=[], batch_size=lambda: 0), 0.5, 1 << 16,
-                             chunk)
-        adder.tree_cache = cache  # the policy's cache, as in a server; its locks are the simulated tree's
-        for name in ("inc_lock_ref", "dec_lock_ref", "evictable_size", "is_tree_cache", "lock", "unlock"):
-            if hasattr(sim, name):
-                setattr(cache, name, getattr(sim, name))
-        if hasattr(cache, "finish_storage_prefetch_admission"):  # 0.5.23's L3-hit metrics: not built here
-            cache.finish_storage_prefetch_admission = lambda *a, **k: None
-        return adder
-
-    def new_req(rid, n, on_gpu=0):
-        r = Req(rid, "", array("q", range(n)), SamplingParams(max_new_tokens=1))
-        r.init_next_round_input(sim)
-        r.prefix_indices = torch.arange(on_gpu, dtype=torch.int64)  # what its match (and load back) holds
-        if isinstance(getattr(r, "prefix_len", None), int):
-            r.prefix_len = on_gpu
-        return r
-
-    yield types.SimpleNamespace(adder=new_adder, req=new_req, cls=PrefillAdder, OTHER=AddReqResult.OTHER)
-    runtime_context.reset_context()
-
-
-def _extend(r) -> int:
-    """Tokens a request prefills in the batch being formed (0.5.17: its extend range)."""
-    return r.extend_range.length if hasattr(r, "extend_range") else r.extend_len
-
-
-def _batch(adder, chunked, queue):
-    """SGLang's get_new_batch_prefill over the hooks: the chunked request first, then the queue
-    in order until a request is refused."""
-    out = hooks.around_add_chunked_req(type(adder).add_chunked_req, adder, chunked)
-    taken = []
-    for r in queue:
-        res = hooks.around_add_one_req(type(adder).add_one_req, adder, r, has_chunked_req=out is not None,
-                                       truncation_align_size=None)
-        if r in adder.can_run_list:
-            taken.append(r.rid)
-        if res.name != "CONTINUE":
-            break
-    return out, taken
-
-
-@pytest.mark.parametrize("ready_first", [True, False])
-def test_a_finished_load_enters_the_next_batch_beside_a_chunked_prefill(gds_dir, prefill_adder, caplog, ready_first):
-    """A request whose load finished has a few tokens left, but a chunked prefill in progress
-    takes SGLang's whole chunk budget until its last chunk, and a request that started while the
-    load ran goes ahead of it (on the GPU machine such waits reached 1.8 s on the 8B shape, 4.7 s
-    on the 32B one). With the policy the finished load goes to the queue's front and the next
-    chunk leaves it its tokens; a long request is then refused rather than chunked beside the
-    one in progress (SGLang tracks one). With ``policy_ready_first=false``, SGLang's behaviour."""
-    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5), policy_ready_first=str(ready_first).lower())
-    try:
-        cache, _, pol = make_cache(b)
-        sched = cache._test_scheduler
-        chunked = prefill_adder.req("c", 20000, on_gpu=8192)  # its second chunk is next
-        behind = prefill_adder.req("w", 20000)  # started by SGLang while the load ran: not begun yet here
-        loaded = prefill_adder.req("r", 12288 + 70, on_gpu=12288)  # its load landed (and came back)
-        sched.waiting_queue, sched.chunked_req = [behind, loaded], chunked
-        pol._decided.update(w=("compute", 20000, 0, 0), r=("load", 12288 + 70, 0, 12288))
-        in_flight(cache, b, "r", 12288, kept=12288)  # every page read: the scheduler settles it when it gets there
-
-        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang"):
-            hooks.after_calc_priority(None, types.SimpleNamespace(tree_cache=cache), sched.waiting_queue)
-            adder = prefill_adder.adder(cache)
-            out, taken = _batch(adder, chunked, sched.waiting_queue)
-        assert out is chunked and adder.new_chunked_req is None  # still one chunked request
-        if not ready_first:
-            assert [r.rid for r in sched.waiting_queue] == ["w", "r"] and taken == []
-            assert _extend(chunked) == 8192  # the whole chunk: the finished load waits for the next one
-            assert pol.counts["first"] == pol.counts["beside_chunk"] == 0
-            return
-        assert [r.rid for r in sched.waiting_queue] == ["r", "w"]
-        assert taken == ["r"]  # its 70 tokens, in this batch
-        assert _extend(chunked) == 8192 - 3 * PS  # the chunk gave up three pages (two for 70 tokens, one of slack)
-        assert _extend(loaded) == 70
-        assert pol.counts["first"] == 1 and pol.counts["beside_chunk"] == 1
-        said = [r.getMessage() for r in caplog.records]
-        assert any("r finished loading with 70 tokens left" in m for m in said)
-        assert any("the next chunk of c leaves 192 of its 8192 tokens to finished loads (r)" in m for m in said)
-
-        # the chunk's last piece leaves its budget to the queue anyway: nothing held back
-        last = prefill_adder.req("c2", 8192 + 4096, on_gpu=8192)
-        sched.waiting_queue = [loaded]
-        adder = prefill_adder.adder(cache)
-        assert pol.chunk_reserve(cache, adder.rem_chunk_tokens, last) == 0
-        # a load cut short (half a chunk or more left to prefill) is not moved, nor given tokens
-        pol._decided["r"] = ("load", 12288 + 70, 0, 12288)
-        cache.ongoing_prefetch.clear()
-        in_flight(cache, b, "r", 12288, kept=12288)
-        pol._decided["r"] = ("load", 12288 + 5000, 0, 12288)
-        assert pol.ready_loads(cache, [behind, loaded]) == {}
-        # still reading, or a stop turned it into a compute: not finished
-        pol._decided["r"] = ("load", 12288 + 70, 0, 12288)
-        cache.ongoing_prefetch.clear()
-        in_flight(cache, b, "r", 12288, kept=4096)
-        assert pol.ready_loads(cache, [behind, loaded]) == {}
-        pol._decided["r"] = ("compute", 12288 + 70, 0, 0)
-        cache.ongoing_prefetch.clear()
-        in_flight(cache, b, "r", 12288, kept=12288)
-        assert pol.ready_loads(cache, [behind, loaded]) == {}
-    finally:
-        b.close()
-
-
-def test_beside_a_held_back_chunk_only_requests_that_fit_whole_are_taken(gds_dir, prefill_adder, monkeypatch):
-    """The guard: with tokens held back, a request that would need chunking is refused (a second
-    chunked request would break SGLang's scheduler), one that fits whole is taken unless the GPU
-    memory it takes is what the chunked request still needs, and a request whose size cannot be
-    read is refused. Across ranks only settled loads count (ranks may see
-    different progress of one read)."""
-    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
-    try:
-        cache, _, pol = make_cache(b)
-        adder = prefill_adder.adder(cache)
-        adder._hgds_hold, adder.rem_chunk_tokens = True, 192
-        long, short = prefill_adder.req("long", 4096), prefill_adder.req("short", 100)
-        cls = prefill_adder.cls
-        assert hooks.around_add_one_req(cls.add_one_req, adder, long, has_chunked_req=True,
-                                        truncation_align_size=None) is prefill_adder.OTHER
-        assert adder.new_chunked_req is None and long not in adder.can_run_list
-        hooks.around_add_one_req(cls.add_one_req, adder, short, has_chunked_req=True, truncation_align_size=None)
-        assert short in adder.can_run_list and adder.new_chunked_req is None
-        # it fits the chunk's tokens but not the GPU memory the chunked request still needs
-        tight = prefill_adder.adder(cache)
-        tight._hgds_hold, tight.rem_chunk_tokens = tight.rem_total_tokens - 100, 192
-        small = prefill_adder.req("small", 64)
-        assert hooks.around_add_one_req(cls.add_one_req, tight, small, has_chunked_req=True,
-                                        truncation_align_size=None) is prefill_adder.OTHER
-        assert small not in tight.can_run_list
-        odd = types.SimpleNamespace(rid="odd", full_untruncated_fill_ids=object())
-        assert hooks.around_add_one_req(lambda *a, **k: pytest.fail("taken"), adder, odd) is prefill_adder.OTHER
-
-        sched = cache._test_scheduler
-        r = prefill_adder.req("r", 4096 + 70, on_gpu=4096)
-        pol._decided["r"] = ("load", 4096 + 70, 0, 4096)
-        in_flight(cache, b, "r", 4096, kept=4096)
-        assert pol.ready_loads(cache, [r]) == {"r": 70}
-        monkeypatch.setattr(policy, "_single_rank", lambda c: False)
-        assert pol.ready_loads(cache, [r]) == {}
-        sched.waiting_queue = [r]
-        assert pol.first(cache, sched.waiting_queue) == 0
-    finally:
-        b.close()
-
-
-def test_a_failing_ready_first_step_leaves_sglangs_batch_as_it_was(gds_dir, prefill_adder, monkeypatch, caplog):
-    """Fail-soft: an error while finding the finished loads leaves SGLang's order and the whole
-    chunk to the chunked request (logged once), and no request is refused for it."""
-    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5), policy_ready_first="true")
-    try:
-        cache, _, pol = make_cache(b)
-        sched = cache._test_scheduler
-        chunked = prefill_adder.req("c", 20000, on_gpu=8192)
-        queue = [prefill_adder.req("w", 20000), prefill_adder.req("r", 64)]
-        sched.waiting_queue, sched.chunked_req = queue, chunked
-
-        def broken(*a, **k):
-            raise RuntimeError("no queue here")
-        monkeypatch.setattr(pol, "ready_loads", broken)
-        with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang"):
-            hooks.after_calc_priority(None, types.SimpleNamespace(tree_cache=cache), queue)
-            hooks.after_calc_priority(None, types.SimpleNamespace(tree_cache=cache), queue)
-            adder = prefill_adder.adder(cache)
-            out, taken = _batch(adder, chunked, queue)
-        assert [r.rid for r in queue] == ["w", "r"] and out is chunked and _extend(chunked) == 8192
-        assert not getattr(adder, "_hgds_hold", 0) and taken == []
-        said = [r.getMessage() for r in caplog.records]
-        assert sum("finished loads not moved ahead (RuntimeError: no queue here)" in m for m in said) == 1
-        assert sum("no chunk tokens left to finished loads (RuntimeError: no queue here)" in m for m in said) == 1
+        assert node2.host_ref_counter == 0 and "stuck" not in pol.protected
     finally:
         b.close()
 
@@ -951,7 +681,7 @@ def test_without_the_policy_a_finished_load_is_left_to_sglangs_eviction(gds_dir)
         cache.ongoing_prefetch["loaded"] = (root, RadixKey(list(range(8192))), op)
         root.protect_host()
         assert hooks.around_check_progress(CACHE.check_prefetch_progress, cache, "loaded") is True
-        assert pol.counts["protect"] == 0 and not pol._protected
+        assert pol.counts["protect"] == 0 and not pol.protected
         cache.evict_host(8192)
         assert sum(freed) == 8192
     finally:
@@ -973,7 +703,7 @@ def test_finished_loads_pace_the_forecasts_and_loads_ended_by_sglang_are_logged(
             pol.current_req = req(rid, 8256)
             admit(cache, rid, 8192, [])
             assert pol.last["action"] == "load"
-            pol._loads[rid][0] -= 1.5 * pol._loads[rid][1]  # it took 1.5x its forecast
+            pol.loads[rid].since -= 1.5 * pol.loads[rid].io_s  # it took 1.5x its forecast
             op = in_flight(cache, b, rid, 8192, kept=8192)
             hooks.around_can_terminate(stop, cache, op)
             cache.ongoing_prefetch.clear()
@@ -991,7 +721,7 @@ def test_finished_loads_pace_the_forecasts_and_loads_ended_by_sglang_are_logged(
             pol.current_req = req("gone", 8256)
             admit(cache, "gone", 8192, [])
             cache.ongoing_prefetch.clear()  # revoked: no host memory for its hit
-            time.sleep(2 * policy._BACKLOG_TTL_S)
+            time.sleep(2 * backlog.BACKLOG_TTL_S)
             pol.gpu_backlog(cache, model)
         said = [r.getMessage() for r in caplog.records]
         assert any("short load ended by SGLang after 4096 of 8192 tokens" in m for m in said)
@@ -1140,29 +870,29 @@ def test_a_prefill_in_progress_counts_in_the_gpu_backlog_once_and_chunk_after_ch
     try:
         cache, _, pol = make_cache(b)
         model = pol.model(b)
-        monkeypatch.setattr(policy, "_event", _Running)
+        monkeypatch.setattr(prefill_mod, "_event", _Running)
         mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
         long = req("long", 32768)
         for k in range(2):  # the second chunk launched right after the first, both on the GPU
             batch = types.SimpleNamespace(forward_mode=mode, extend_lens=[8192], prefix_lens=[8192 * k], reqs=[long])
             hooks.around_forward(lambda w, bt: None, object(), batch)
-        t0 = pol._pending[0].t0
+        t0 = pol.clock.pending[0].t0
         chunk = 8192 * A
         # 0.6 chunks later: the first has 0.4 left and the second all of its own after it
-        assert pol._in_flight_prefill(t0 + 0.6 * chunk) == pytest.approx(1.4 * chunk, rel=0.01)
+        assert pol.clock.in_flight(t0 + 0.6 * chunk) == pytest.approx(1.4 * chunk, rel=0.01)
         # the first seen finished (SGLang admits arrivals right then): the second has just started
-        first = pol._pending.popleft()
-        assert pol._in_flight_prefill(t0 + chunk) == pytest.approx(chunk, rel=0.01)
-        pol._pending.appendleft(first)
-        assert pol._in_flight_prefill(t0 + 3 * chunk) == 0.0
+        first = pol.clock.pending.popleft()
+        assert pol.clock.in_flight(t0 + chunk) == pytest.approx(chunk, rel=0.01)
+        pol.clock.pending.appendleft(first)
+        assert pol.clock.in_flight(t0 + 3 * chunk) == 0.0
         long.prefix_indices = list(range(16384))  # SGLang cached both chunks at launch
         cache._test_scheduler.chunked_req = long
         _, total = pol.gpu_backlog(cache, model)
-        in_flight = pol._in_flight_prefill(time.perf_counter())
+        in_flight = pol.clock.in_flight(time.perf_counter())
         assert 1.9 * chunk < in_flight <= 2 * chunk
         assert total == pytest.approx(in_flight + 16384 * A, rel=0.01)  # the last 16k once, not the chunks again
         long.prefix_indices = list(range(8192))  # cached one chunk behind: the same work left
-        pol._backlog = None
+        pol.backlog = None
         assert pol.gpu_backlog(cache, model)[1] == pytest.approx(total, rel=0.01)
     finally:
         b.close()
@@ -1176,7 +906,7 @@ def test_a_broken_batch_forecast_never_becomes_a_gpu_backlog(gds_dir, monkeypatc
     b, _ = open_backend(gds_dir)
     try:
         cache, _, pol = make_cache(b)
-        monkeypatch.setattr(policy, "_event", _Running)
+        monkeypatch.setattr(prefill_mod, "_event", _Running)
         mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
 
         def launch(n: int) -> None:
@@ -1187,16 +917,16 @@ def test_a_broken_batch_forecast_never_becomes_a_gpu_backlog(gds_dir, monkeypatc
         with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang.policy"):
             launch(8192)
         assert "forecast at 1.8" in caplog.text and "counted as 0" in caplog.text
-        assert pol._in_flight_prefill(pol._pending[0].t0) == 0.0
+        assert pol.clock.in_flight(pol.clock.pending[0].t0) == 0.0
         pol.prefill.seed_coefficients(A, 0.0, 0.0, "test")
         launch(8192)  # a sane forecast after it: the broken one left nothing behind
-        t1 = pol._pending[-1].t0
-        assert pol._in_flight_prefill(t1) == pytest.approx(8192 * A, rel=0.01)
+        t1 = pol.clock.pending[-1].t0
+        assert pol.clock.in_flight(t1) == pytest.approx(8192 * A, rel=0.01)
         # batches seen finished leave the backlog; a forecast never carries past the ones pending
-        pol._pending.clear()
-        pol._gpu_until = t1 + 1e6  # as the carried forecast was
+        pol.clock.pending.clear()
+        pol.clock.gpu_until = t1 + 1e6  # as the carried forecast was
         launch(4096)
-        assert pol._in_flight_prefill(pol._pending[-1].t0) == pytest.approx(4096 * A, rel=0.01)
+        assert pol.clock.in_flight(pol.clock.pending[-1].t0) == pytest.approx(4096 * A, rel=0.01)
     finally:
         b.close()
 
@@ -1230,7 +960,7 @@ _REGISTER = textwrap.dedent("""
         action.choices), action.choices
     args = p.parse_args(["--model-path", "m", "--hicache-storage-prefetch-policy", "wait_complete"])
     assert args.hicache_storage_prefetch_policy == "wait_complete"
-    cls = next(iter(policy_hooks._SUPPORTED))
+    cls = next(iter(policy_hooks.SUPPORTED))
     stop = "_can_terminate_prefetch" if hasattr(cls, "_can_terminate_prefetch") else "can_terminate_prefetch"
     for m in ("prefetch_from_storage", stop, "attach_storage_backend"):
         assert hasattr(getattr(cls, m), "__wrapped__"), m
@@ -1242,10 +972,10 @@ _REGISTER = textwrap.dedent("""
     protects = cls.__name__ == "HiRadixCache" and batch is not None
     assert hasattr(cls.check_prefetch_progress, "__wrapped__") is protects
     assert batch is None or hasattr(batch, "__wrapped__") is protects
-    # a finished load's request into the next batch: all three hooked together
+    # SGLang's prefill batch order is left alone (the removed policy_ready_first hooked it)
     from sglang.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
     for m in (SchedulePolicy.calc_priority, PrefillAdder.add_chunked_req, PrefillAdder.add_one_req):
-        assert hasattr(m, "__wrapped__"), m
+        assert not hasattr(m, "__wrapped__"), m
     print("POLICY-OK", cls.__name__)
 """)
 
@@ -1261,7 +991,9 @@ def test_without_decision_points_sglangs_policies_are_all_there_is(monkeypatch, 
 
     from hicache_gds_sglang import plugin
     monkeypatch.setattr(plugin, "_policy_ready", False)
-    monkeypatch.setattr(plugin, "_POLICY_CACHES", {"sglang.srt.mem_cache.no_such_cache.Cache": ("__init__", "x")})
+    gone = "sglang.srt.mem_cache.no_such_cache.Cache"
+    monkeypatch.setattr(plugin, "HOOKS", tuple(h._replace(target=f"{gone}.{h.target.rsplit('.', 1)[1]}")
+                                              if h.group.startswith("policy@") else h for h in plugin.HOOKS))
     registered = []
     reg = types.SimpleNamespace(register=lambda *a: registered.append(a))
     with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):

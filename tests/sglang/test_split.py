@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_gds_sglang import HiCacheGDS, policy
+from hicache_gds_sglang import HiCacheGDS, split_policy, view
 from hicache_gds_sglang import policy_hooks as hooks
 from hicache_gds_sglang import split as split_mod
 from hicache_gds_sglang import backend as backend_mod
@@ -53,13 +53,13 @@ needs_0517 = pytest.mark.skipif(HiRadixCache is None, reason="SGLang 0.5.17's Hi
 @pytest.fixture(autouse=True)
 def _state():
     backend_mod._RATES.clear()
-    policy._logged.clear()
-    hooked = policy.SPLIT_HOOKED[0]
-    policy.SPLIT_HOOKED[0] = True  # as plugin.register does where the join point exists
+    view._logged.clear()
+    hooked = split_policy.SPLIT_HOOKED[0]
+    split_policy.SPLIT_HOOKED[0] = True  # as plugin.register does where the join point exists
     if HiRadixCache is not None:
-        hooks._SUPPORTED.add(HiRadixCache)
+        hooks.SUPPORTED.add(HiRadixCache)
     yield
-    policy.SPLIT_HOOKED[0] = hooked
+    split_policy.SPLIT_HOOKED[0] = hooked
     backend_mod._RATES.clear()
 
 
@@ -295,19 +295,19 @@ def world(gds_dir, monkeypatch):
 def test_the_tail_joins_where_the_chunks_reach_it_byte_exact(world):
     w = world
     req = w.admitted()
-    assert w.pol.counts["split"] == 1 and w.pol._decided["r1"][0] == "split"
-    tail = w.pol._tails["r1"][0]
+    assert w.pol.counts["split"] == 1 and w.pol.decided["r1"].action == "split"
+    tail = w.pol.tails["r1"].load
     assert (tail.start, tail.end) == (2 * CHUNK, PAGES * PS)  # the hash chain continued over the head
     assert len(tail.keys) == 2  # 4-page operations (SGLang's threshold: 256 tokens), each read in 2 gets
     w.read_tail()
     assert sum(op.completed_tokens for op in w.tail_ops()) == tail.tokens
     w.compute_chunk(req, CHUNK)  # not there yet: nothing joins
-    assert len(req.prefix_indices) == CHUNK and "r1" in w.pol._tails
+    assert len(req.prefix_indices) == CHUNK and "r1" in w.pol.tails
     w.compute_chunk(req, 2 * CHUNK)
     assert len(req.prefix_indices) == PAGES * PS, "the whole tail joined"
     assert req.cache_protected_len == PAGES * PS and req.cached_tokens_storage == tail.tokens
     w.check_prefix(req)
-    assert "r1" not in w.pol._tails and not w.tail_ops()
+    assert "r1" not in w.pol.tails and not w.tail_ops()
     assert w.pol.counts["split_joined"] == 1 and w.pol.counts["split_tokens"] == tail.tokens
     # the request holds its whole prefix: one lock along it, released as SGLang releases it
     w.load_done()
@@ -322,7 +322,7 @@ def test_the_tail_joins_where_the_chunks_reach_it_byte_exact(world):
 def test_a_short_read_joins_only_the_pages_read_and_the_gpu_computes_the_rest(world):
     w = world
     req = w.admitted()
-    tail = w.pol._tails["r1"][0]
+    tail = w.pol.tails["r1"].load
     w.read_tail(gets=2)  # 2 gets of 2 pages (the first operation), then a failed get
     assert w.tail_op(i=0).completed_tokens == 2 * BATCH * PS and w.tail_op(i=1).completed_tokens == 0
     w.compute_chunk(req, CHUNK)
@@ -343,7 +343,7 @@ def test_a_tail_not_read_when_the_chunks_reach_it_is_dropped_and_its_query_finds
     req = w.admitted()
     w.compute_chunk(req, CHUNK)
     w.compute_chunk(req, 2 * CHUNK)  # the disk has not even queried it: nothing joins
-    assert len(req.prefix_indices) == 2 * CHUNK and not w.pol._tails and not w.cache.ongoing_prefetch
+    assert len(req.prefix_indices) == 2 * CHUNK and not w.pol.tails and not w.cache.ongoing_prefetch
     assert w.pol.counts["split_dropped"] == 1 and w.cache.root_node.host_ref_counter == 0
     q = w.cache.cache_controller.prefetch_queue
     assert q.qsize() == 2
@@ -362,10 +362,10 @@ def test_a_request_that_leaves_before_its_chunks_reach_the_tail_frees_it(world):
     w.read_tail()
     w.sched.chunked_req = req
     hooks.after_new_prefill_batch(None, w.sched)
-    assert "r1" in w.pol._tails  # still being chunked
+    assert "r1" in w.pol.tails  # still being chunked
     req.done = True  # aborted
     hooks.after_new_prefill_batch(None, w.sched)
-    assert not w.pol._tails and not w.cache.ongoing_prefetch and w.pol.counts["split_dropped"] == 1
+    assert not w.pol.tails and not w.cache.ongoing_prefetch and w.pol.counts["split_dropped"] == 1
     w.drain_host()
     assert w.pool.available_size() == w.host_total and w.cache.root_node.host_ref_counter == 0
 
@@ -380,7 +380,7 @@ def test_pages_stored_under_another_prefix_never_join(world):
     w.tokens = other
     req = w.request()
     w.admit(req)
-    assert "r1" in w.pol._tails
+    assert "r1" in w.pol.tails
     w.read_tail()  # no hit: SGLang revokes it
     assert not w.cache.ongoing_prefetch
     slots = w.dev.alloc(2 * CHUNK)  # the GPU computed this prompt's head: its own slots, no stored page
@@ -390,7 +390,7 @@ def test_pages_stored_under_another_prefix_never_join(world):
     w.cache.cache_unfinished_req(req, chunked=True)
     hooks.after_cache_unfinished(None, w.cache, req)
     assert len(req.prefix_indices) == 2 * CHUNK and torch.equal(req.prefix_indices, slots)
-    assert not w.pol._tails and w.pol.counts["split_joined"] == 0
+    assert not w.pol.tails and w.pol.counts["split_joined"] == 0
 
 
 @needs_0517
@@ -409,7 +409,7 @@ def test_a_failure_inside_the_join_leaves_the_request_as_sglang_left_it(world, m
     assert "could not join" in caplog.text and "injected" in caplog.text
     assert len(req.prefix_indices) == 2 * CHUNK and req.cache_protected_len == 2 * CHUNK
     w.check_prefix(req)
-    assert not w.pol._tails and not w.cache.ongoing_prefetch and w.cache.root_node.host_ref_counter == 0
+    assert not w.pol.tails and not w.cache.ongoing_prefetch and w.cache.root_node.host_ref_counter == 0
     # the pages read are in the tree as host pages under the request's chunks, byte for byte
     m = w.cache.match_prefix(MatchPrefixParams(key=RadixKey(w.tokens[:PAGES * PS])))
     assert m.host_hit_length == PAGES * PS - 2 * CHUNK
@@ -428,7 +428,7 @@ def test_a_cached_prefix_ending_in_a_partial_page_drops_the_tail(world):
     req = w.admitted()
     w.read_tail()
     w.compute_chunk(req, CHUNK)
-    tail = w.pol._tails["r1"][0]
+    tail = w.pol.tails["r1"].load
     req.prefix_indices = torch.cat([req.prefix_indices, w.dev.alloc(CHUNK)])  # as if 2 chunks held
     req.cache_protected_len = CHUNK  # ... but only the first cached: SGLang's partial-page state
     assert split_mod.join(w.cache, req, tail) == 0
@@ -463,9 +463,9 @@ def test_a_request_admitted_again_keeps_its_one_tail(world):
     again for a queued one: a request with a tail in flight is never split twice."""
     w = world
     req = w.admitted()
-    first = w.pol._tails["r1"][0]
+    first = w.pol.tails["r1"].load
     w.admit(req)
-    assert w.pol._tails["r1"][0] is first and len(set(w.cache.ongoing_prefetch) - set(first.keys)) <= 1
+    assert w.pol.tails["r1"].load is first and len(set(w.cache.ongoing_prefetch) - set(first.keys)) <= 1
     assert w.pol.counts["split"] == 1
     ctl = w.cache.cache_controller
     for key in list(w.cache.ongoing_prefetch):
@@ -490,7 +490,7 @@ def test_where_the_disk_reads_the_rest_before_the_gpu_computes_a_chunk_the_join_
     after it; the pages the chunk computed are freed, not inserted twice."""
     w = world
     req = w.admitted()
-    tail = w.pol._tails["r1"][0]
+    tail = w.pol.tails["r1"].load
     ctl = w.cache.cache_controller
     first, second = ctl.prefetch_queue.get_nowait(), ctl.prefetch_queue.get_nowait()
     assert w.query(first) and w.query(second)
@@ -498,11 +498,11 @@ def test_where_the_disk_reads_the_rest_before_the_gpu_computes_a_chunk_the_join_
     w.b.read_rate.seed(100e9, "test: a disk far faster than the GPU")
     w.compute_chunk(req, CHUNK)
     w.compute_chunk(req, 2 * CHUNK)
-    assert len(req.prefix_indices) == 2 * CHUNK and "r1" in w.pol._tails  # waits one chunk
+    assert len(req.prefix_indices) == 2 * CHUNK and "r1" in w.pol.tails  # waits one chunk
     ctl._page_get_zero_copy(first, first.hash_value[2:], first.host_indices[2 * PS:])  # the rest lands meanwhile
     ctl._page_transfer(second)
     w.compute_chunk(req, 3 * CHUNK)
-    assert len(req.prefix_indices) == tail.end and not w.pol._tails
+    assert len(req.prefix_indices) == tail.end and not w.pol.tails
     w.check_prefix(req)
     w.release(req)
 
@@ -513,7 +513,7 @@ def test_a_tail_read_as_several_operations_joins_those_counted_when_the_chunks_r
     reach the tail: the first one's pages join, and the GPU computes the rest."""
     w = world
     req = w.admitted()
-    tail = w.pol._tails["r1"][0]
+    tail = w.pol.tails["r1"].load
     w.read_tail(ops=1)
     w.compute_chunk(req, CHUNK)
     w.compute_chunk(req, 2 * CHUNK)
@@ -542,7 +542,7 @@ def test_an_operation_sglang_revoked_ends_the_join_before_it(world):
     w.compute_chunk(req, CHUNK)
     w.compute_chunk(req, 2 * CHUNK)
     assert len(req.prefix_indices) == 2 * CHUNK and w.pol.counts["split_joined"] == 0
-    assert not w.pol._tails and not w.tail_ops() and w.pol.counts["split_dropped"] == 1
+    assert not w.pol.tails and not w.tail_ops() and w.pol.counts["split_dropped"] == 1
     w.check_prefix(req)
     w.release(req)
 
@@ -558,7 +558,7 @@ def test_policy_split_get_0_reads_the_tail_as_one_operation(gds_dir, monkeypatch
     w = World(gds_dir, extra={"policy_split_get": 0})
     try:
         req = w.admitted()
-        tail = w.pol._tails["r1"][0]
+        tail = w.pol.tails["r1"].load
         assert len(tail.keys) == 1
         w.read_tail()
         for upto in range(CHUNK, tail.start + 1, CHUNK):
@@ -598,7 +598,7 @@ def test_a_failed_cancel_of_the_tails_reads_still_joins_what_was_read(world, mon
     with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang.policy"):
         w.compute_chunk(req, 2 * CHUNK)
     assert "injected: cancel failed" in caplog.text
-    assert len(req.prefix_indices) == 2 * CHUNK + 4 * PS and not w.tail_ops() and not w.pol._tails
+    assert len(req.prefix_indices) == 2 * CHUNK + 4 * PS and not w.tail_ops() and not w.pol.tails
     w.check_prefix(req)
     monkeypatch.undo()
     w.read_tail()  # the second operation, ended before its query: skipped and revoked

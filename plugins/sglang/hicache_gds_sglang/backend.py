@@ -24,41 +24,35 @@ written, every page checked against its checksum).
 For the ``compute_or_load`` prefetch policy (`policy`): `read_rate` measures the KV store's gets
 (bytes and seconds of each `batch_get_v1`, seeded before the first from ``policy_read_gbps``, the
 estimate persisted in the KV namespace directory, or a short O_DIRECT read of its directories),
-`read_progress` says how far the get in flight has come, and `cancel_read` cuts short the reads of
-a prefetch the policy stopped: with ``policy_read_slice`` set, a get reads in slices of that many
-bytes and checks between them (by default it does not: whole gets).
+`read_progress` says how far the get in flight has come, and `cancel_read` skips the gets of a
+prefetch the policy stopped (between SGLang's batches of pages; the get in flight reads whole).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig, PoolHitPolicy,
-                                                  PoolName, PoolTransfer, PoolTransferResult)
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from hicache_gds import COST_STATE_FILE as STATE_FILE
 from hicache_gds import (ConfigError, ReadRate, align_up, default_budget, load_state, namespace_created,
                          namespace_location, open_store, probe_read_rate, save_state)
 
+from .backend_paths import CopyAndPoolPaths, pool_name
 from .naming import KeyScheme, load_config, namespace_identity
-from .policy import PolicyConfig
+from .policy_config import PolicyConfig
 from .pools import PoolBinding, describe_pool
 
 __all__ = ["HiCacheGDS"]
 
 log = logging.getLogger("hicache_gds_sglang")
-
-
-def _pool_name(name: Any) -> str:
-    return str(getattr(name, "value", name))
 
 
 # Read rates by KV namespace directory, for the life of the process: a backend attached again (a
@@ -82,18 +76,6 @@ def _region(t: Any) -> tuple[Any, int, int] | None:
 def _within(inner: tuple[Any, int, int] | None, outer: tuple[Any, int, int] | None) -> bool:
     """Whether region `inner` starts inside region `outer` of the same base."""
     return inner is not None and outer is not None and inner[0] is outer[0] and outer[1] <= inner[1] < outer[2]
-
-
-# 0.5.23's PoolTransferResult carries the restorable prefix lengths (its controller intersects
-# them across ranks); 0.5.17's has only the two counts, and a third argument is a TypeError.
-_HAS_RESTORABLE = "restorable_prefix_pages" in {f.name for f in dataclasses.fields(PoolTransferResult)}
-
-
-def _transfer_result(kv_pages: int, hit_count: dict, restorable: List[int]) -> PoolTransferResult:
-    """`PoolTransferResult` in the installed SGLang's shape."""
-    if _HAS_RESTORABLE:
-        return PoolTransferResult(kv_pages, hit_count, restorable)
-    return PoolTransferResult(kv_pages, hit_count)
 
 
 class _Metrics:
@@ -120,7 +102,7 @@ class _Metrics:
         return out
 
 
-class HiCacheGDS(HiCacheStorage):
+class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
     """SGLang HiCache storage backend on hicache-gds (see the module docstring for the contract)."""
 
     supports_compute_or_load = True  # read_rate, read_progress, cancel_read: what policy.py asks of a backend
@@ -280,7 +262,7 @@ class HiCacheGDS(HiCacheStorage):
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Bind a pool of the host pool group; "kv" is the anchor, bound by `register_mem_pool_host`."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        name = _pool_name(host_pool_name)
+        name = pool_name(host_pool_name)
         if name == "kv":
             if "kv" not in self._bindings:
                 self.register_mem_pool_host(host_pool)
@@ -351,10 +333,8 @@ class HiCacheGDS(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Read pages into the host pool's slots; per-page result (SGLang uses the leading run).
 
-        While the compute_or_load policy runs over this backend, reads in slices of
-        ``policy_read_slice`` bytes: between slices the progress is published (`read_progress`) and
-        a prefetch the policy stopped (`cancel_read`) ends, its pages left unread reported False
-        (SGLang keeps the leading run read before)."""
+        A get into the slots of a prefetch the policy stopped (`cancel_read`) reads nothing and
+        reports False (SGLang keeps the leading run its earlier gets read)."""
         kv = self._bindings.get("kv")
         try:
             n = len(keys)
@@ -366,22 +346,10 @@ class HiCacheGDS(HiCacheStorage):
         if kv is None or not n or not isinstance(host_indices, torch.Tensor) or \
                 not kv.check_indices(keys, host_indices):
             return self._io("batch_get_v1", kv, keys, host_indices, write=False)  # says what is wrong
-        ps = kv.geo.page_size
-        sliced = self.policy_config.read_slice and self._policy_in_force()
-        step = max(1, self.policy_config.read_slice // kv.geo.page_bytes) if sliced else n
-        out: List[bool] = []
         t0 = time.perf_counter()
         self._reading = (region, 0)
         try:
-            for i in range(0, n, step):
-                if i and self._is_cancelled(region):
-                    break
-                res = self._io("batch_get_v1", kv, keys[i:i + step], host_indices[i * ps:(i + step) * ps], write=False,
-                               record=False)
-                out.extend(res)
-                self._reading = (region, len(out))
-                if not all(res):
-                    break
+            out: List[bool] = list(self._io("batch_get_v1", kv, keys, host_indices, write=False, record=False))
         finally:
             self._reading = None
         secs = time.perf_counter() - t0
@@ -392,12 +360,6 @@ class HiCacheGDS(HiCacheStorage):
         return out + [False] * (n - len(out))
 
     # -- the compute_or_load policy's view of the reads (policy.py) -------------------------------
-    def _policy_in_force(self) -> bool:
-        """Slices cost a little throughput (the requests of one slice drain before the next is
-        posted): only while compute_or_load, which may cut a get short, runs over this backend."""
-        from .policy import process_policies
-        return any(p.in_force_for(self) for p in process_policies())
-
     def kv_bytes_per_token(self) -> float | None:
         """Bytes of this rank's KV per token in the store (a KV page / its tokens)."""
         kv = self._bindings.get("kv")
@@ -410,7 +372,7 @@ class HiCacheGDS(HiCacheStorage):
 
     def cancel_read(self, host_indices: Any) -> None:
         """Skip the reads into `host_indices` (a stopped prefetch's slots): gets into slices of it
-        return False from the next slice on; gets of other prefetches, views of the same free-slot
+        return False from the next get on; gets of other prefetches, views of the same free-slot
         tensor, read on. Held weakly: forgotten with the prefetch (whose view keeps the base, and
         so its identity, alive until then)."""
         region = _region(host_indices)
@@ -435,142 +397,6 @@ class HiCacheGDS(HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Write pages from the host pool's slots; present pages are not rewritten (True)."""
         return self._io("batch_set_v1", self._bindings.get("kv"), keys, host_indices, write=True)
-
-    # -- copy path (SGLang's generic page functions) ----------------------------------------------
-    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
-        out = self.batch_get([key], [target_location])
-        return out[0]
-
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
-        """Read flat pages into `target_locations` (allocated when None); None per miss."""
-        n = len(keys)
-        targets = list(target_locations) if target_locations is not None else [None] * n
-        ok = [False] * n
-        try:
-            groups: dict[int, tuple[PoolBinding, list[int], list[str]]] = {}
-            for i, k in enumerate(keys):
-                b, base = self._route(k)
-                if b is None:
-                    continue
-                if targets[i] is None:
-                    targets[i] = torch.empty(b.geo.page_bytes // b.geo.flat_dtype.itemsize, dtype=b.geo.flat_dtype)
-                groups.setdefault(id(b), (b, [], []))[1].append(i)
-                groups[id(b)][2].append(base)
-            for b, idx, base_keys in groups.values():
-                t0 = time.perf_counter()
-                res = b.get_tensors(base_keys, [targets[i] for i in idx])
-                if b.name == "kv":
-                    self._metrics.record(False, sum(res), sum(res) * b.geo.page_bytes, time.perf_counter() - t0)
-                for i, r in zip(idx, res):
-                    ok[i] = r
-        except Exception as exc:  # noqa: BLE001
-            self._fail("batch_get", exc)
-        return [t if good else None for t, good in zip(targets, ok)]
-
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
-        return self.batch_set([key], [value])
-
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
-        """Write flat pages (``get_data_page(i, flat=True)``); True when every page is stored."""
-        try:
-            values = list(values or [])
-            if len(values) != len(keys):
-                self._fail("batch_set", f"{len(keys)} keys but {len(values)} values")
-                return False
-            groups: dict[int, tuple[PoolBinding, list[int], list[str]]] = {}
-            for i, k in enumerate(keys):
-                b, base = self._route(k)
-                if b is None:
-                    self._fail("batch_set", "no host pool is registered")
-                    return False
-                groups.setdefault(id(b), (b, [], []))[1].append(i)
-                groups[id(b)][2].append(base)
-            good = True
-            for b, idx, base_keys in groups.values():
-                if b.read_only:
-                    continue
-                t0 = time.perf_counter()
-                res = b.put_tensors(base_keys, [values[i] for i in idx])
-                if b.name == "kv":
-                    self._metrics.record(True, sum(res), sum(res) * b.geo.page_bytes, time.perf_counter() - t0)
-                good = good and all(res)
-            return good
-        except Exception as exc:  # noqa: BLE001
-            self._fail("batch_set", exc)
-            return False
-
-    def exists(self, key: str) -> bool:
-        try:
-            b, base = self._route(key)
-            return bool(b is not None and b.exists([base])[0])
-        except Exception as exc:  # noqa: BLE001
-            self._fail("exists", exc)
-            return False
-
-    # -- hybrid pools (v2) -----------------------------------------------------------------------
-    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
-                        extra_info: Any = None) -> PoolTransferResult:
-        """HiCacheFile's fold (0.5.23): KV longest prefix, then each pool's hit policy.
-
-        `kv_hit_pages` is the longest prefix every pool can restore, and `restorable_prefix_pages`
-        all such lengths where the installed `PoolTransferResult` has that field. 0.5.17's has not
-        (nor does its controller read it); the counts are the same answer, which is never longer
-        than 0.5.17's HiCacheFile gives and shorter only when two pools' trailing windows end at
-        different lengths (where HiCacheFile 0.5.17 reports a prefix one pool cannot restore).
-        """
-        try:
-            kv = self._bindings.get("kv")
-            kv_pages = kv.prefix(keys) if kv is not None and keys else 0
-            hit_count: dict = {PoolName.KV: kv_pages} if kv_pages else {}
-            restorable = list(range(1, kv_pages + 1))
-            for t in pool_transfers or []:
-                if not restorable:
-                    break
-                b = self._bindings.get(_pool_name(t.name))
-                has = b.exists(keys[:kv_pages]) if b is not None else [False] * kv_pages
-                if t.hit_policy == PoolHitPolicy.ALL_PAGES:
-                    boundary = next((i for i, h in enumerate(has) if not h), kv_pages)
-                    pool_ok = set(range(1, boundary + 1))
-                elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                    trailing = max(1, len(t.keys) if t.keys else 1)
-                    pool_ok, run = set(), 0
-                    for p in range(1, kv_pages + 1):
-                        run = run + 1 if has[p - 1] else 0
-                        if run >= min(trailing, p):
-                            pool_ok.add(p)
-                    boundary = max(pool_ok, default=0)
-                else:
-                    self._fail("batch_exists_v2", f"hit policy {t.hit_policy} of pool {t.name} is not supported")
-                    return _transfer_result(0, {}, [])
-                if boundary:
-                    hit_count[t.name] = boundary
-                restorable = [p for p in restorable if p in pool_ok]
-            return _transfer_result(restorable[-1] if restorable else 0, hit_count, restorable)
-        except Exception as exc:  # noqa: BLE001
-            self._fail("batch_exists_v2", exc)
-            return _transfer_result(0, {}, [])
-
-    def _batch_v2(self, op: str, transfers: List[PoolTransfer], write: bool) -> dict:
-        out = {}
-        try:
-            for t in transfers:
-                keys = list(t.keys or [])
-                out[t.name] = self._io(f"{op}[{_pool_name(t.name)}]", self._bindings.get(_pool_name(t.name)), keys,
-                                       t.host_indices, write)
-        except Exception as exc:  # noqa: BLE001 -- a malformed transfer list: never raise into SGLang
-            self._fail(op, exc)
-        return out
-
-    def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Any = None) -> dict:
-        """Per pool: read pages into `registered_pools[name]` at ``host_indices[i*page_size]``."""
-        return self._batch_v2("batch_get_v2", transfers, write=False)
-
-    def batch_set_v2(self, transfers: List[PoolTransfer], extra_info: Any = None) -> dict:
-        """Per pool: write pages from its host pool."""
-        return self._batch_v2("batch_set_v2", transfers, write=True)
 
     # -- control ---------------------------------------------------------------------------------
     def clear(self) -> bool:

@@ -52,7 +52,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from queue import Empty, Queue
-from types import SimpleNamespace
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -63,7 +62,7 @@ from hicache_gds import (ConfigError, Counters, Lease, MemKind, Op, Pages, Trans
 
 from .gather import (ALIGN, GATHER_BELOW, READ_RUN, DevicePages, choose_impl, gather_pages, page_layout_identity, plan_io,
                      scatter_pages)
-from .naming import KeyScheme, load_config, namespace_identity
+from .naming import KeyScheme, load_config, namespace_identity, server_topology
 
 try:  # the real base and counter; without SGLang (GPU machine tests, tools) same-shaped stand-ins
     from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -84,34 +83,6 @@ class _Load:
     rid: str
     keys: list[str]
     indices: torch.Tensor
-
-
-def _topology(server_args: Any, params: Any, rank_replicated: bool) -> SimpleNamespace:
-    """Ranks and model name as SGLang's HiCache controller computes them (`_generate_storage_config`),
-    so keys and namespaces match HiCacheGDS's."""
-    tp_rank, tp_size, dcp_size = 0, 1, 1
-    try:
-        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-        from sglang.srt.runtime_context import get_parallel
-        par = get_parallel()
-        if is_dp_attention_enabled():
-            tp_rank, tp_size = par.attn_tp_rank, par.attn_tp_size
-        else:
-            tp_rank, tp_size = par.tp_rank, par.tp_size
-        dcp_size = par.attn_dcp_size
-    except Exception:  # noqa: BLE001 -- no SGLang runtime (tests, tools): the TP group, if any
-        group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
-        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            tp_rank, tp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-    try:
-        from sglang.srt.runtime_context import get_serving
-        model = get_serving().served_model_name
-    except Exception:  # noqa: BLE001
-        model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
-    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size, pp_rank=getattr(params, "pp_rank", 0),
-                           pp_size=getattr(params, "pp_size", 1), attn_cp_rank=getattr(params, "attn_cp_rank", 0),
-                           attn_cp_size=getattr(params, "attn_cp_size", 1), is_mla_model=rank_replicated,
-                           model_name=model, dcp_size=dcp_size, dcp_rank=0, logical_page_size=None)
 
 
 def _kv(transfers: Any) -> Any:
@@ -147,7 +118,7 @@ class GDSLinker(UnifiedCacheLinker):
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.dev = DevicePages(kvcache, self.page_size)
         self.kind = MemKind.VRAM if self.dev.device.type == "cuda" else MemKind.DRAM
-        topo = _topology(server_args, params, self.dev.kind == "mla")
+        topo = server_topology(server_args, params, self.dev.kind == "mla")
         if topo.dcp_size > 1:
             raise ConfigError("GDSLinker does not serve decode context parallelism (dcp_size > 1)")
         self.scheme = KeyScheme.from_storage_config(topo)

@@ -28,11 +28,12 @@ rank writes its own shard of that state, in 0.5.17 as in 0.5.23.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 from hicache_gds import Config, ConfigError
 
-__all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity"]
+__all__ = ["SGLANG_KEYS", "SCHEMA", "load_config", "KeyScheme", "namespace_identity", "server_topology"]
 
 SCHEMA = "hicache-gds-sglang/2"  # 2: the DP rank left the identity (replicas share)
 
@@ -49,8 +50,9 @@ SGLANG_KEYS = (
 
 def load_config(extra_config: Mapping[str, Any] | None) -> Config:
     """The hicache-gds `Config` for one backend: extra-config keys > environment > defaults. The
-    prefetch policy's keys (`policy.POLICY_KEYS`) are the plugin's, read by `policy.PolicyConfig`."""
-    from .policy import POLICY_KEYS
+    prefetch policy's keys (`policy_config.POLICY_KEYS`) are the plugin's, read by `policy_config.PolicyConfig`."""
+    from .policy_config import POLICY_KEYS, check_removed
+    check_removed(extra_config)
     try:
         cfg = Config.load(dict(extra_config or {}), ignore=SGLANG_KEYS + POLICY_KEYS)
     except ConfigError as exc:
@@ -112,3 +114,31 @@ def namespace_identity(scheme: KeyScheme, pool: str, geometry: Mapping[str, Any]
     ident.update(geometry)
     return {str(k): str(v) for k, v in ident.items()}
 
+
+def server_topology(server_args: Any, params: Any, rank_replicated: bool) -> SimpleNamespace:
+    """Ranks and model name as SGLang's HiCache controller computes them (`_generate_storage_config`),
+    so the keys and namespaces of `linker.GDSLinker` match HiCacheGDS's."""
+    tp_rank, tp_size, dcp_size = 0, 1, 1
+    try:
+        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+        from sglang.srt.runtime_context import get_parallel
+        par = get_parallel()
+        if is_dp_attention_enabled():
+            tp_rank, tp_size = par.attn_tp_rank, par.attn_tp_size
+        else:
+            tp_rank, tp_size = par.tp_rank, par.tp_size
+        dcp_size = par.attn_dcp_size
+    except Exception:  # noqa: BLE001 -- no SGLang runtime (tests, tools): the TP group, if any
+        import torch
+        group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            tp_rank, tp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    try:
+        from sglang.srt.runtime_context import get_serving
+        model = get_serving().served_model_name
+    except Exception:  # noqa: BLE001
+        model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
+    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size, pp_rank=getattr(params, "pp_rank", 0),
+                           pp_size=getattr(params, "pp_size", 1), attn_cp_rank=getattr(params, "attn_cp_rank", 0),
+                           attn_cp_size=getattr(params, "attn_cp_size", 1), is_mla_model=rank_replicated,
+                           model_name=model, dcp_size=dcp_size, dcp_rank=0, logical_page_size=None)

@@ -38,11 +38,7 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    protected from eviction once inserted) and ``Scheduler.get_new_batch_prefill`` (AFTER: the
    protection ends when the request leaves the waiting queue, and a waiting request sent to the
    GPU may be given to the disk: the policy's late admission);
-8. ``SchedulePolicy.calc_priority`` (AFTER), ``PrefillAdder.add_chunked_req`` and
-   ``PrefillAdder.add_one_req`` (AROUND): a request whose load finished goes into the next
-   prefill batch, ahead of the prefills not started and beside a chunked prefill in progress
-   (`policy.LoadOrCompute.ready_loads`; ``policy_ready_first``);
-   0.5.17's ``HiRadixCache.cache_unfinished_req`` (AFTER): a split hit's tail joins the request's
+8. 0.5.17's ``HiRadixCache.cache_unfinished_req`` (AFTER): a split hit's tail joins the request's
    prefix where its chunks reach it (`split`; ``policy_split``).
 
 9. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
@@ -51,9 +47,13 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
 Caches without those points (0.5.17's hybrid-model caches) keep SGLang's policy: the name turns
 into SGLang's default there.
 
-These are SGLang internals (tested against 0.5.17 and 0.5.23). When one of 1-3 is missing
-(another SGLang version), nothing is hooked and one log line gives the ``dynamic`` command line,
-which needs no hook; when 5 is missing, SGLang's three policies are all there is.
+These are SGLang internals (tested against 0.5.17 and 0.5.23). Every point is one entry of the
+declarative table `HOOKS` (its target class and method, the release(s) that have it, the hook and
+its kind, and its group); `GROUPS` says when a group goes in and what runs where it does not (its
+fallback, logged once), and `policy_paths` lists the policy's paths as active or falling back on
+the installed release. When one of 1-3 is missing (another SGLang version), nothing is hooked and
+one log line gives the ``dynamic`` command line, which needs no hook; when 5 is missing, SGLang's
+three policies are all there is.
 """
 
 from __future__ import annotations
@@ -61,48 +61,117 @@ from __future__ import annotations
 import json
 import logging
 import pkgutil
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
-__all__ = ["register", "BACKEND_NAME", "DYNAMIC_EXTRA_CONFIG", "dynamic_command"]
+__all__ = ["register", "BACKEND_NAME", "DYNAMIC_EXTRA_CONFIG", "dynamic_command", "Hook", "Group", "HOOKS", "GROUPS",
+           "present_groups", "hooked_groups", "policy_paths"]
 
 log = logging.getLogger("hicache_gds_sglang.plugin")
 
 BACKEND_NAME = "gds"
 DYNAMIC_EXTRA_CONFIG = {"backend_name": "gds", "module_path": "hicache_gds_sglang", "class_name": "HiCacheGDS",
                         "interface_v1": 1}
-_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+_CC = "sglang.srt.managers.cache_controller.HiCacheController"
+_HIRADIX = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"  # 0.5.17's cache of dense models
+_UNIFIED = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"  # 0.5.23's every HiCache stack
+_MAMBA = "sglang.srt.mem_cache.hi_mamba_radix_cache.HiMambaRadixCache"
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _FACTORY_CLASS = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory"
-# First that exists wins: 0.5.23 builds backends in `_do_create_backend` (wrapped by `create_backend`).
-_FACTORY_METHODS = ("_do_create_backend", "create_backend")
-_ATTACH = "sglang.srt.managers.cache_controller.HiCacheController.attach_storage_backend"
-_DRAFT = "sglang.srt.managers.cache_controller.HiCacheController._maybe_register_draft_with_storage"
-_RATE = "sglang.srt.managers.cache_controller.HiCacheController.prefetch_rate_limited"
-# cache class -> (init method, stop method): the policy's decision points in each release
-_POLICY_CACHES = {
-    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache": ("__init__", "can_terminate_prefetch"),  # 0.5.17
-    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": ("init_hicache", "_can_terminate_prefetch"),  # 0.5.23
+_POLICY_GROUPS = ("policy@0.5.17", "policy@0.5.23")
+
+
+class Hook(NamedTuple):
+    """One hook: its `target` (``module.Class.method``), SGLang's hook `kind` (``AFTER``:
+    ``hook(result, self, *args)``; ``AROUND``: ``hook(original, self, *args)``), the `hook`
+    function (a name in `policy_hooks`, or ``plugin.<name>`` here), the `releases` whose classes
+    have the target, and its `group`: a group's hooks go in together or not at all (`Group`).
+    `needs`: other attributes the target's class must have for the hook to work."""
+
+    target: str
+    kind: str
+    hook: str
+    releases: str
+    group: str
+    needs: tuple[str, ...] = ()
+
+
+class Group(NamedTuple):
+    """When a group of `HOOKS` goes in, and what runs where it does not. A group is *present*
+    where each of its targets (and `needs`) exists in the installed SGLang; it is hooked where it
+    is present, every group in `requires` is present, at least one of `requires_any` (if any) is,
+    and none of `unless` is. `fallback`: what runs instead (logged at `level` where it applies)."""
+
+    requires: tuple[str, ...] = ()
+    requires_any: tuple[str, ...] = ()
+    unless: tuple[str, ...] = ()
+    fallback: str = ""
+    level: int = logging.INFO
+
+
+_POLICY = ("backend", "rate")
+# Every SGLang point the plugin hooks, in registration order (module docstring, 1-8).
+HOOKS: tuple[Hook, ...] = (
+    Hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", "plugin._add_choice", "0.5.17, 0.5.23", "backend"),
+    Hook(f"{_FACTORY_CLASS}._do_create_backend", "AROUND", "plugin._create", "0.5.23", "factory@0.5.23"),
+    Hook(f"{_FACTORY_CLASS}.create_backend", "AROUND", "plugin._create", "0.5.17", "factory@0.5.17"),
+    Hook(f"{_CC}.attach_storage_backend", "AFTER", "plugin._select_zero_copy", "0.5.17, 0.5.23", "backend",
+         ("_page_get_zero_copy", "_page_set_zero_copy")),
+    Hook(f"{_CC}._maybe_register_draft_with_storage", "AFTER", "plugin._bind_draft", "0.5.17", "draft"),
+    Hook(f"{_CC}.prefetch_rate_limited", "AROUND", "around_rate_limited", "0.5.17, 0.5.23", "rate"),
+    Hook(f"{_HIRADIX}.__init__", "AFTER", "after_init", "0.5.17", "policy@0.5.17"),
+    Hook(f"{_HIRADIX}.prefetch_from_storage", "AROUND", "around_admit", "0.5.17", "policy@0.5.17"),
+    Hook(f"{_HIRADIX}.can_terminate_prefetch", "AROUND", "around_can_terminate", "0.5.17", "policy@0.5.17"),
+    Hook(f"{_HIRADIX}.attach_storage_backend", "AROUND", "around_attach", "0.5.17", "policy@0.5.17"),
+    Hook(f"{_UNIFIED}.init_hicache", "AFTER", "after_init", "0.5.23", "policy@0.5.23"),
+    Hook(f"{_UNIFIED}.prefetch_from_storage", "AROUND", "around_admit", "0.5.23", "policy@0.5.23"),
+    Hook(f"{_UNIFIED}._can_terminate_prefetch", "AROUND", "around_can_terminate", "0.5.23", "policy@0.5.23"),
+    Hook(f"{_UNIFIED}.attach_storage_backend", "AROUND", "around_attach", "0.5.23", "policy@0.5.23"),
+    # caches whose policy name is settled (ours turned into SGLang's default) without the policy
+    Hook(f"{_MAMBA}.__init__", "AFTER", "after_init", "0.5.17", "settle@mamba"),
+    Hook(f"{_MAMBA}.attach_storage_backend", "AROUND", "around_attach", "0.5.17", "settle@mamba"),
+    Hook(f"{_UNIFIED}.init_hicache", "AFTER", "after_init", "0.5.23", "settle@unified"),
+    Hook(f"{_UNIFIED}.attach_storage_backend", "AROUND", "around_attach", "0.5.23", "settle@unified"),
+    Hook(f"{_SCHED}._prefetch_kvcache", "AROUND", "around_prefetch_kvcache", "0.5.17, 0.5.23", "admitted"),
+    Hook("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", "AROUND", "around_forward",
+         "0.5.17, 0.5.23", "timing"),
+    # 0.5.17 inserts a finished load into the tree whenever the scheduler reaches its request: the
+    # policy protects those host pages there until the scheduler takes the request, and after each
+    # prefill batch is formed it may give a waiting request to the disk (late admission). 0.5.23
+    # settles loads through acknowledgements into its tree core: not hooked there.
+    Hook(f"{_HIRADIX}.check_prefetch_progress", "AROUND", "around_check_progress", "0.5.17", "protect",
+         ("_match_prefix_helper",)),
+    Hook(f"{_SCHED}.get_new_batch_prefill", "AFTER", "after_new_prefill_batch", "0.5.17", "protect"),
+    # The join point of a split (0.5.17): SGLang caches a chunked request's chunks there before it
+    # forms the next chunk (the tail's pages join the prefix right after).
+    Hook(f"{_HIRADIX}.cache_unfinished_req", "AFTER", "after_cache_unfinished", "0.5.17", "split"),
+)
+GROUPS: dict[str, Group] = {
+    "backend": Group(requires=("backend",), requires_any=("factory@0.5.23", "factory@0.5.17"), level=logging.WARNING,
+                     fallback="`--hicache-storage-backend gds` is not available; select the backend with the "
+                              "`dynamic` command line (`dynamic_command`)"),
+    "factory@0.5.23": Group(requires=("backend",)),
+    "factory@0.5.17": Group(requires=("backend",), unless=("factory@0.5.23",)),
+    "draft": Group(requires=("backend",), fallback="no separate draft host pool (0.5.23 packs draft layers into "
+                                                   "the KV pool): nothing to bind"),
+    "rate": Group(requires=_POLICY, requires_any=_POLICY_GROUPS,
+                  fallback="SGLang's own prefetch policies run (no decision points here)"),
+    "policy@0.5.17": Group(requires=_POLICY, fallback="not this release's cache"),
+    "policy@0.5.23": Group(requires=_POLICY, fallback="not this release's cache"),
+    "settle@mamba": Group(requires=_POLICY, requires_any=_POLICY_GROUPS, fallback="no such cache here"),
+    "settle@unified": Group(requires=_POLICY, requires_any=_POLICY_GROUPS, unless=("policy@0.5.23",),
+                            fallback="the policy runs on this cache"),
+    "admitted": Group(requires=_POLICY, requires_any=_POLICY_GROUPS, level=logging.WARNING,
+                      fallback="the policy runs on its seeds and the disk queue (no scheduler bound)"),
+    "timing": Group(requires=_POLICY, requires_any=_POLICY_GROUPS, level=logging.WARNING,
+                    fallback="the policy runs on its seeds and the disk queue (prefill batches not timed)"),
+    "protect": Group(requires=_POLICY, requires_any=_POLICY_GROUPS,
+                     fallback="a finished load's host pages are SGLang's to evict; no late admission"),
+    "split": Group(requires=(*_POLICY, "protect"), requires_any=_POLICY_GROUPS,
+                   fallback="policy_split does nothing (no join point for a split hit)"),
 }
-# caches whose policy name must be settled (ours turned into SGLang's default) without the policy
-_SETTLE_CACHES = {
-    "sglang.srt.mem_cache.hi_mamba_radix_cache.HiMambaRadixCache": "__init__",
-    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache": "init_hicache",
-}
-_OPTIONAL = ("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache",
-             "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation")
-# 0.5.17 inserts a finished load into the tree whenever the scheduler reaches its request: the
-# policy protects those host pages there until the scheduler takes the request (0.5.23 settles
-# loads through acknowledgements into its tree core: not hooked there).
-_PROTECT = ("sglang.srt.mem_cache.hiradix_cache.HiRadixCache.check_prefetch_progress",
-            "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill")
-# The chunk budget beside a chunked prefill in progress: a finished load's few tokens go into the
-# next batch (all three or none: the chunk's reserve needs the guard that keeps a second request
-# from being chunked, and the queue's order puts the finished loads where the reserve is).
-# The join point of a split (0.5.17): SGLang caches a chunked request's chunks there before it
-# forms the next chunk (the tail's pages join the prefix right after).
-_JOIN = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.cache_unfinished_req"
-_READY = ("sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
-          "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
-          "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req")
+# Back-compatible names of single points (tests and `trace` resolve them)
+_JOIN = f"{_HIRADIX}.cache_unfinished_req"
+_PROTECT = (f"{_HIRADIX}.check_prefetch_progress", f"{_SCHED}.get_new_batch_prefill")
 _registered = False
 _policy_ready = False
 
@@ -129,7 +198,7 @@ def _add_choice(result: Any, *args: Any, **kwargs: Any) -> None:
             _append(action, BACKEND_NAME)
             found = True
         elif action.dest == "hicache_storage_prefetch_policy" and _policy_ready:
-            from .policy import POLICY
+            from .policy_config import POLICY
             _append(action, POLICY)
             action.default = POLICY  # with any backend but gds it turns into SGLang's default (policy_hooks._settle)
             action.help = (f"{action.help or ''} {POLICY} (hicache-gds, the default): load an L3 hit or recompute "
@@ -179,17 +248,66 @@ def _bind_draft(result: Any, controller: Any, *args: Any, **kwargs: Any) -> None
     return None
 
 
-def _factory_target() -> str:
-    """The factory method to hook in the installed SGLang; AttributeError when there is none."""
-    cls = pkgutil.resolve_name(_FACTORY_CLASS)
-    for attr in _FACTORY_METHODS:
-        if hasattr(cls, attr):
-            return f"{_FACTORY_CLASS}.{attr}"
-    raise AttributeError(f"{_FACTORY_CLASS} has none of {', '.join(_FACTORY_METHODS)}")
+def _present(hook: Hook) -> bool:
+    cls_path, attr = hook.target.rsplit(".", 1)
+    cls = _resolve(cls_path)
+    return cls is not None and callable(getattr(cls, attr, None)) and all(hasattr(cls, n) for n in hook.needs)
+
+
+def present_groups(hooks: tuple[Hook, ...] | None = None) -> set[str]:
+    """The groups of `hooks` (`HOOKS`) whose every target (and need) exists in the installed SGLang."""
+    groups: dict[str, bool] = {}
+    for h in HOOKS if hooks is None else hooks:
+        groups[h.group] = groups.get(h.group, True) and _present(h)
+    return {g for g, ok in groups.items() if ok}
+
+
+def hooked_groups(present: set[str]) -> set[str]:
+    """The groups `register` hooks, given those present (`Group`'s rule)."""
+    out = set()
+    for name, g in GROUPS.items():
+        if name in present and all(r in present for r in g.requires) and \
+                (not g.requires_any or any(r in present for r in g.requires_any)) and \
+                not any(u in present for u in g.unless):
+            out.add(name)
+    return out
+
+
+def _hook_fn(name: str) -> Callable:
+    if name.startswith("plugin."):
+        return globals()[name.split(".", 1)[1]]
+    from . import policy_hooks
+    return getattr(policy_hooks, name)
+
+
+def policy_paths(present: set[str] | None = None) -> dict[str, str]:
+    """Each path of the compute_or_load policy in the installed SGLang: ``active`` or
+    ``fallback: <what runs instead>`` (the admission decision, agreement across ranks, host-pool
+    share, host protection, late admission, split)."""
+    present = present_groups() if present is None else present
+    hooked = hooked_groups(present)
+    policy_on = any(g in hooked for g in _POLICY_GROUPS)
+    off = "fallback: " + GROUPS["rate"].fallback
+
+    def path(on: bool, group: str) -> str:
+        return "active" if policy_on and on else (off if not policy_on else "fallback: " + GROUPS[group].fallback)
+
+    caches = [_resolve(h.target.rsplit(".", 1)[0]) for h in HOOKS if h.group in hooked and h.group in _POLICY_GROUPS]
+    reduces = bool(caches) and all(callable(getattr(c, "_all_reduce", None)) for c in caches)
+    return {
+        "decision": path(True, "rate"),
+        "agreement": "active" if policy_on and reduces else (off if not policy_on else
+                                                             "fallback: each rank decides alone"),
+        "host share": path("rate" in hooked, "rate"),
+        "host protection": path("protect" in hooked, "protect"),
+        "late admission": path("protect" in hooked, "protect"),
+        "split": path("split" in hooked, "split"),
+    }
 
 
 def register() -> None:
-    """Entry point (``sglang.srt.plugins``): hook SGLang so that ``gds`` names this backend.
+    """Entry point (``sglang.srt.plugins``): hook SGLang so that ``gds`` names this backend, and
+    place the policy's hooks (`HOOKS`, where each group's rule says).
 
     Fails soft: if SGLang's internals differ, logs the ``dynamic`` command line and hooks nothing.
     """
@@ -198,29 +316,28 @@ def register() -> None:
         return
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-        factory = _factory_target()
-        for target in (_ARGS, factory, _ATTACH):
-            obj_path, attr = target.rsplit(".", 1)
-            if not hasattr(pkgutil.resolve_name(obj_path), attr):
-                raise AttributeError(f"{target} does not exist")
-        ctl = pkgutil.resolve_name(_ATTACH.rsplit(".", 1)[0])
-        for attr in ("_page_get_zero_copy", "_page_set_zero_copy"):
-            if not hasattr(ctl, attr):
-                raise AttributeError(f"HiCacheController.{attr} does not exist")
+        hooked = hooked_groups(present_groups())
+        if "backend" not in hooked:
+            missing = [h.target for h in HOOKS if h.group in ("backend", "factory@0.5.23", "factory@0.5.17")
+                       and not _present(h)]
+            raise AttributeError(f"missing: {', '.join(missing)}")
     except Exception as exc:  # noqa: BLE001 -- a plugin must never break SGLang's start
         log.warning("hicache-gds: SGLang's internals differ from 0.5.17-0.5.23 (%s); `--hicache-storage-backend gds` "
                     "is not available. Select the backend with: %s", exc, dynamic_command())
         return
-    _register_policy(HookRegistry, HookType)
+    _register_policy(HookRegistry, HookType, hooked)
     from . import trace
     if trace.enabled():
         trace.register(HookRegistry, HookType, _resolve)
-    HookRegistry.register(_ARGS, _add_choice, HookType.AFTER)
-    HookRegistry.register(factory, _create, HookType.AROUND)
-    HookRegistry.register(_ATTACH, _select_zero_copy, HookType.AFTER)
-    if hasattr(ctl, _DRAFT.rsplit(".", 1)[1]):  # 0.5.17's separate draft host pool
-        HookRegistry.register(_DRAFT, _bind_draft, HookType.AFTER)
+    _place(HookRegistry, HookType, hooked, ("backend", "factory@0.5.23", "factory@0.5.17", "draft"))
     _registered = True
+
+
+def _place(registry: Any, hook_type: Any, hooked: set[str], groups: tuple[str, ...]) -> None:
+    """Register the hooks of `groups` that are in `hooked`, in `HOOKS`' order."""
+    for h in HOOKS:
+        if h.group in groups and h.group in hooked:
+            registry.register(h.target, _hook_fn(h.hook), getattr(hook_type, h.kind))
 
 
 def _resolve(path: str) -> Any:
@@ -232,62 +349,27 @@ def _resolve(path: str) -> Any:
         return None
 
 
-def _register_policy(registry: Any, hook_type: Any) -> None:
-    """Hook the compute_or_load policy's decision points (module docstring, 5-6) where they exist.
-    Fails soft: without them nothing is hooked and SGLang's own policies are all there is."""
+def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = None) -> None:
+    """Hook the compute_or_load policy's decision points (`HOOKS`' policy groups) where they
+    exist, and log once what falls back. Fails soft: without them nothing is hooked and SGLang's
+    own policies are all there is."""
     global _policy_ready
-    from . import policy, policy_hooks as hooks
-    full = []
-    for path, (init, stop) in _POLICY_CACHES.items():
-        cls = _resolve(path)
-        if isinstance(cls, type) and all(callable(getattr(cls, m, None))
-                                         for m in (init, stop, "prefetch_from_storage", "attach_storage_backend")):
-            full.append((path, cls, init, stop))
-    if not full or _resolve(_RATE) is None:
+    from . import policy_hooks, split_policy
+    from .policy_config import POLICY
+    hooked = hooked_groups(present_groups()) if hooked is None else hooked
+    if "rate" not in hooked:
         log.info("hicache-gds: this SGLang has none of the prefetch decision points the %s policy hooks; SGLang's "
-                 "own prefetch policies run", policy.POLICY)
+                 "own prefetch policies run", POLICY)
         return
-    for path, cls, init, stop in full:
-        hooks._SUPPORTED.add(cls)
-        registry.register(f"{path}.{init}", hooks.after_init, hook_type.AFTER)
-        registry.register(f"{path}.prefetch_from_storage", hooks.around_admit, hook_type.AROUND)
-        registry.register(f"{path}.{stop}", hooks.around_can_terminate, hook_type.AROUND)
-        registry.register(f"{path}.attach_storage_backend", hooks.around_attach, hook_type.AROUND)
-    for path, init in _SETTLE_CACHES.items():
-        if path in {p for p, *_ in full}:
-            continue
-        cls = _resolve(path)
-        if cls is not None and callable(getattr(cls, init, None)):
-            registry.register(f"{path}.{init}", hooks.after_init, hook_type.AFTER)
-            if callable(getattr(cls, "attach_storage_backend", None)):
-                registry.register(f"{path}.attach_storage_backend", hooks.around_attach, hook_type.AROUND)
-    registry.register(_RATE, hooks.around_rate_limited, hook_type.AROUND)
-    missing = []
-    for path, hook in zip(_OPTIONAL, (hooks.around_prefetch_kvcache, hooks.around_forward)):
-        if _resolve(path) is None:
-            missing.append(path)
-        else:
-            registry.register(path, hook, hook_type.AROUND)
-    if missing:
-        log.warning("hicache-gds: %s cannot be hooked here; the %s policy runs on its seeds and the disk queue",
-                    ", ".join(missing), policy.POLICY)
-    check, batch = (_resolve(p) for p in _PROTECT)
-    cache_cls = _resolve(_PROTECT[0].rsplit(".", 1)[0])
-    if check is not None and batch is not None and callable(getattr(cache_cls, "_match_prefix_helper", None)):
-        registry.register(_PROTECT[0], hooks.around_check_progress, hook_type.AROUND)
-        registry.register(_PROTECT[1], hooks.after_new_prefill_batch, hook_type.AFTER)
-        if _resolve(_JOIN) is not None:  # a tail is joined there, and swept after each prefill batch
-            registry.register(_JOIN, hooks.after_cache_unfinished, hook_type.AFTER)
-            policy.SPLIT_HOOKED[0] = True
-    if not policy.SPLIT_HOOKED[0]:
-        log.info("hicache-gds: this SGLang has no join point for a split hit (%s); policy_split does nothing",
-                 ".".join(_JOIN.rsplit(".", 2)[-2:]))
-    if all(_resolve(p) is not None for p in _READY):
-        for path, hook, kind in zip(_READY, (hooks.after_calc_priority, hooks.around_add_chunked_req,
-                                             hooks.around_add_one_req), (hook_type.AFTER, hook_type.AROUND,
-                                                                          hook_type.AROUND)):
-            registry.register(path, hook, kind)
-    else:
-        log.info("hicache-gds: SGLang's prefill batch cannot be hooked here; a finished load waits for the chunked "
-                 "prefill in progress")
+    groups = (*_POLICY_GROUPS, "settle@mamba", "settle@unified", "rate", "admitted", "timing", "protect", "split")
+    for h in HOOKS:
+        if h.group in _POLICY_GROUPS and h.group in hooked:
+            policy_hooks.SUPPORTED.add(_resolve(h.target.rsplit(".", 1)[0]))
+    _place(registry, hook_type, hooked, groups)
+    split_policy.SPLIT_HOOKED[0] = "split" in hooked
+    for name in ("admitted", "timing", "protect", "split"):
+        if name not in hooked:
+            g = GROUPS[name]
+            targets = ", ".join(".".join(h.target.rsplit(".", 2)[-2:]) for h in HOOKS if h.group == name)
+            log.log(g.level, "hicache-gds: %s cannot be hooked here; %s", targets, g.fallback)
     _policy_ready = True

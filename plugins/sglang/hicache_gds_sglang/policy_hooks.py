@@ -10,19 +10,18 @@ would (load, wait, SGLang's host-pool limit), and the policy's name turns into S
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
-from . import split as split_mod
-from .policy import (FALLBACK, POLICY, LoadOrCompute, _agree, _agree_int, _backend, _once, _rid,  # noqa: F401
-                     _on_gpu, _to_prefill, policy_of, process_policies)
+from . import split_policy, view
+from .policy import FALLBACK, POLICY, LoadOrCompute, policy_of, process_policies
+from .view import agree, agree_int, once
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
            "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch", "around_forward",
-           "after_calc_priority", "around_add_chunked_req", "around_add_one_req", "after_cache_unfinished",
+           "after_cache_unfinished",
            "publish_metrics"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
@@ -75,7 +74,7 @@ def publish_metrics(backend: Any) -> None:
                 for m, v in metric_values({**pst.get("local", {}), **pst}):
                     g[f"store:{m.name}"].labels(pool=pool).set(v)
     except Exception as exc:  # noqa: BLE001 -- metrics must never break the scheduler
-        _once("metrics", "hicache-gds: policy metrics not published (%s: %s)", type(exc).__name__, exc)
+        once("metrics", "hicache-gds: policy metrics not published (%s: %s)", type(exc).__name__, exc)
 
 
 # -- hooks (registered by plugin.register through SGLang's HookRegistry) ------------------------
@@ -83,42 +82,38 @@ def _settle(cache: Any) -> None:
     """After init or attach: apply the backend's `policy` key, give the cache its policy object,
     and turn our name into SGLang's default where the backend is not ours."""
     try:
-        b = _backend(cache)
+        b = view.backend_of(cache)
         if b is not None and b.policy_config.policy:
-            cache.prefetch_stop_policy = b.policy_config.policy
-        if getattr(cache, "_hgds_policy", None) is None and _supported(cache):
-            cache._hgds_policy = LoadOrCompute(cache)
-        cc = getattr(cache, "cache_controller", None)
-        if cc is not None and getattr(cache, "_hgds_policy", None) is not None:
-            cc._hgds_policy = cache._hgds_policy
-        if getattr(cache, "prefetch_stop_policy", None) == POLICY:
-            storage = cc is not None and getattr(cc, "enable_storage", False)
-            if not _supported(cache):
-                _once(f"unsupported-{type(cache).__name__}", "hicache-gds: the %s policy is not available for %s; "
+            view.set_stop_policy(cache, b.policy_config.policy)
+        view.attach(cache, LoadOrCompute(cache) if view.attached(cache) is None and supported(cache) else None)
+        if view.stop_policy(cache) == POLICY:
+            storage = view.storage_on(cache)
+            if not supported(cache):
+                once(f"unsupported-{type(cache).__name__}", "hicache-gds: the %s policy is not available for %s; "
                       "SGLang's %s policy runs", POLICY, type(cache).__name__, FALLBACK)
-                cache.prefetch_stop_policy = FALLBACK
+                view.set_stop_policy(cache, FALLBACK)
             elif storage and b is None:
                 log.info("hicache-gds: the %s policy needs --hicache-storage-backend gds (here: %s); SGLang's %s "
-                         "policy runs", POLICY, getattr(cc, "storage_backend_type", "?"), FALLBACK)
-                cache.prefetch_stop_policy = FALLBACK
+                         "policy runs", POLICY, view.storage_type(cache), FALLBACK)
+                view.set_stop_policy(cache, FALLBACK)
             elif b is not None:
-                pol = cache._hgds_policy
+                pol = view.attached(cache)
                 model = pol.model(b)
                 est = model.estimates() if model is not None else {}
                 log.info("hicache-gds: prefetch policy %s (read rate %s, prefill %s)", POLICY,
                          est.get("read_source", "unknown"), est.get("prefill_source", "unknown"))
     except Exception as exc:  # noqa: BLE001 -- a plugin must never break SGLang's start
-        _once("settle", "hicache-gds: the %s policy could not be set up (%s: %s); SGLang's %s policy runs", POLICY,
+        once("settle", "hicache-gds: the %s policy could not be set up (%s: %s); SGLang's %s policy runs", POLICY,
               type(exc).__name__, exc, FALLBACK)
-        if getattr(cache, "prefetch_stop_policy", None) == POLICY:
-            cache.prefetch_stop_policy = FALLBACK
+        if view.stop_policy(cache) == POLICY:
+            view.set_stop_policy(cache, FALLBACK)
 
 
-_SUPPORTED: set[type] = set()
+SUPPORTED: set[type] = set()  # the cache classes whose decision points the hook table placed
 
 
-def _supported(cache: Any) -> bool:
-    return any(isinstance(cache, c) for c in _SUPPORTED)
+def supported(cache: Any) -> bool:
+    return any(isinstance(cache, c) for c in SUPPORTED)
 
 
 def after_init(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
@@ -138,7 +133,7 @@ def around_attach(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     out = original(cache, **bound)
     ok = bool(out[0]) if isinstance(out, tuple) and out else bool(out)
     if ok and wanted == POLICY:
-        cache.prefetch_stop_policy = POLICY
+        view.set_stop_policy(cache, POLICY)
         log.info("hicache-gds: set hicache_storage_prefetch_policy to %s", POLICY)
     if ok:
         _settle(cache)
@@ -158,12 +153,12 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
         matched = kwargs.get("matched_prefix_tokens")
         take = pol.admit(cache, request, tokens, None if matched is None else len(matched))
     except Exception as exc:  # noqa: BLE001
-        _once("admit", "hicache-gds policy: admission failed (%s: %s); loading as SGLang would", type(exc).__name__,
+        once("admit", "hicache-gds policy: admission failed (%s: %s); loading as SGLang would", type(exc).__name__,
               exc)
         take = len(tokens)
-    take = _agree_int(cache, int(take), "MIN")
+    take = agree_int(cache, int(take), "MIN")
     if take <= 0:
-        if pol._split_plan:
+        if pol.split_plans:
             _start_tail(pol, cache, args, kwargs, tokens)
         return None
     if take < len(tokens):
@@ -181,13 +176,13 @@ def _start_tail(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: Any) ->
     names = ("req_id", "last_host_node", "new_input_tokens", "last_hash", "prefix_keys")
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
-    rid = _rid(bound.get("req_id", ""))
+    rid = view.rid(bound.get("req_id", ""))
     try:
         pol.start_tail(cache, rid, bound.get("last_host_node"), tokens, bound.get("last_hash"),
                        bound.get("prefix_keys"))
     except Exception as exc:  # noqa: BLE001 -- the request is recomputed, as admission's fallback
-        pol._split_plan.pop(rid, None)
-        _once("split-start", "hicache-gds policy: a split's tail load could not start (%s: %s); the request is "
+        pol.split_plans.pop(rid, None)
+        once("split-start", "hicache-gds policy: a split's tail load could not start (%s: %s); the request is "
               "recomputed", type(exc).__name__, exc)
 
 
@@ -195,20 +190,18 @@ def after_cache_unfinished(result: Any, cache: Any, req: Any, *args: Any, **kwar
     """0.5.17's ``cache_unfinished_req`` (SGLang cached a chunked request's chunks, before its next
     chunk is formed): a split's tail read so far joins the request's prefix there
     (`LoadOrCompute.join_tail`)."""
-    pol = getattr(cache, "_hgds_policy", None)
-    if pol is None or not pol._tails:
+    pol = view.attached(cache)
+    if pol is None or not pol.tails:
         return None
     try:
         pol.join_tail(cache, req)
     except Exception as exc:  # noqa: BLE001 -- the request computes on; its tail is dropped
-        _once("split-join", "hicache-gds policy: a split's tail could not join its request (%s: %s); it is "
+        once("split-join", "hicache-gds policy: a split's tail could not join its request (%s: %s); it is "
               "computed instead", type(exc).__name__, exc)
-        entry = pol._tails.pop(_rid(req), None)
-        if entry is not None:
-            try:
-                split_mod.cancel(cache, entry[0])
-            except Exception:  # noqa: BLE001
-                pass
+        try:
+            split_policy.drop_tail(pol, cache, view.rid(req))
+        except Exception:  # noqa: BLE001
+            pass
     return None
 
 
@@ -219,15 +212,12 @@ def around_can_terminate(original: Any, cache: Any, operation: Any, *args: Any, 
     try:
         stop = pol.stop(cache, operation)
     except Exception as exc:  # noqa: BLE001
-        _once("stop", "hicache-gds policy: stop decision failed (%s: %s); waiting for the load", type(exc).__name__,
+        once("stop", "hicache-gds policy: stop decision failed (%s: %s); waiting for the load", type(exc).__name__,
               exc)
         stop = False
-    stop = _agree(cache, stop or operation.is_terminated(), "MAX")
-    hv = getattr(operation, "hash_value", None) or []
-    if stop and int(getattr(operation, "completed_tokens", 0) or 0) < len(hv) * int(getattr(cache, "page_size", 1)):
-        b = _backend(cache)
-        if b is not None:  # the rest of its reads: skipped, and the one in flight cut short
-            b.cancel_read(getattr(operation, "host_indices", None))
+    stop = agree(cache, stop or view.is_terminated(operation), "MAX")
+    if stop:
+        view.cancel_rest(cache, operation)  # the rest of its reads: skipped
     return stop
 
 
@@ -236,13 +226,13 @@ def around_check_progress(original: Any, cache: Any, req_id: Any, *args: Any, **
     tree) has its host pages protected until the request leaves the waiting queue
     (`LoadOrCompute.protect`)."""
     pol = policy_of(cache)
-    entry = cache.ongoing_prefetch.get(req_id) if pol is not None else None
+    entry = view.loading_entry(cache, req_id) if pol is not None else None
     done = original(cache, req_id, *args, **kwargs)
-    if entry is not None and done and req_id not in cache.ongoing_prefetch:
+    if entry is not None and done and view.loading_entry(cache, req_id) is None:
         try:
-            pol.protect(cache, _rid(req_id), entry)
+            pol.protect(cache, view.rid(req_id), entry)
         except Exception as exc:  # noqa: BLE001 -- unprotected pages are SGLang's behaviour
-            _once("protect", "hicache-gds policy: a finished load's host pages not protected (%s: %s)",
+            once("protect", "hicache-gds policy: a finished load's host pages not protected (%s: %s)",
                   type(exc).__name__, exc)
     return done
 
@@ -251,131 +241,42 @@ def after_new_prefill_batch(result: Any, scheduler: Any, *args: Any, **kwargs: A
     """``Scheduler.get_new_batch_prefill``: requests it took from the waiting queue hold their
     loaded pages through their load back now; their host protection ends here. Then a waiting
     request sent to the GPU may be given to the disk (`LoadOrCompute.late_admit`)."""
-    pol = getattr(getattr(scheduler, "tree_cache", None), "_hgds_policy", None)
+    pol = view.attached(view.tree_cache(scheduler))
     if pol is None:
         return None
-    if pol._protected:
+    if pol.protected:
         try:
-            pol.release_protected(getattr(scheduler, "waiting_queue", None))
+            pol.release_protected(view.waiting(scheduler))
         except Exception as exc:  # noqa: BLE001
-            _once("release", "hicache-gds policy: host protection not released (%s: %s)", type(exc).__name__, exc)
-    if pol._tails:
+            once("release", "hicache-gds policy: host protection not released (%s: %s)", type(exc).__name__, exc)
+    if pol.tails:
         try:
             pol.sweep_tails(scheduler)
         except Exception as exc:  # noqa: BLE001
-            _once("split-sweep", "hicache-gds policy: split tails not swept (%s: %s)", type(exc).__name__, exc)
+            once("split-sweep", "hicache-gds policy: split tails not swept (%s: %s)", type(exc).__name__, exc)
     try:
         pol.late_admit(scheduler)
     except Exception as exc:  # noqa: BLE001 -- the request stays with the GPU, as admission decided
-        _once("late", "hicache-gds policy: late admission failed (%s: %s)", type(exc).__name__, exc)
+        once("late", "hicache-gds policy: late admission failed (%s: %s)", type(exc).__name__, exc)
     return None
-
-
-def _ready_first(cache: Any) -> "LoadOrCompute | None":
-    pol = policy_of(cache) if cache is not None else None
-    b = _backend(cache) if pol is not None else None
-    return pol if b is not None and b.policy_config.ready_first else None
-
-
-def after_calc_priority(result: Any, sched_policy: Any, waiting_queue: Any = None, *args: Any, **kwargs: Any) -> None:
-    """``SchedulePolicy.calc_priority`` (SGLang's ordering of the waiting queue, in place): the
-    finished loads go to its front (`LoadOrCompute.first`)."""
-    if waiting_queue is None:
-        waiting_queue = kwargs.get("waiting_queue")
-    try:
-        pol = _ready_first(getattr(sched_policy, "tree_cache", None))
-        if pol is not None and isinstance(waiting_queue, list) and waiting_queue:
-            pol.first(pol._cache(), waiting_queue)
-    except Exception as exc:  # noqa: BLE001 -- SGLang's order stands
-        _once("first", "hicache-gds policy: finished loads not moved ahead (%s: %s)", type(exc).__name__, exc)
-    return None
-
-
-def around_add_chunked_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """``PrefillAdder.add_chunked_req``: the chunked prefill in progress, added first to every
-    prefill batch, takes the whole chunk budget until its last chunk. Its next chunk gives up the
-    tokens the finished loads have left (`LoadOrCompute.chunk_reserve`), so they enter this batch
-    beside it; while it holds back, `around_add_one_req` admits only requests that fit whole in
-    what is left (SGLang tracks one chunked request at a time)."""
-    reserve = 0
-    try:
-        pol = _ready_first(getattr(adder, "tree_cache", None))
-        if pol is not None:
-            reserve = pol.chunk_reserve(pol._cache(), getattr(adder, "rem_chunk_tokens", None), req)
-    except Exception as exc:  # noqa: BLE001 -- the whole chunk, as SGLang would
-        _once("reserve", "hicache-gds policy: no chunk tokens left to finished loads (%s: %s)", type(exc).__name__,
-              exc)
-        reserve = 0
-    if not reserve:
-        return original(adder, req, *args, **kwargs)
-    adder._hgds_chunk = adder.rem_chunk_tokens
-    adder.rem_chunk_tokens -= reserve
-    try:
-        out = original(adder, req, *args, **kwargs)
-    finally:
-        adder.rem_chunk_tokens += reserve
-    # What the chunked request still needs after this chunk: SGLang checked at its first chunk
-    # that all of it fits in memory, and takes each chunk from that; a request let in beside it
-    # must leave it that much (`around_add_one_req`).
-    try:
-        end = getattr(req, "extend_end", None)
-        if not isinstance(end, int):
-            end = req.extend_range.end if req in adder.can_run_list else _on_gpu(req)
-        adder._hgds_hold = max(0, len(req.full_untruncated_fill_ids) - int(end)) + 1
-    except Exception:  # noqa: BLE001 -- unknown: leave it all it had (as if no chunk ran)
-        adder._hgds_hold = len(getattr(req, "full_untruncated_fill_ids", ()) or ()) + 1
-    return out
-
-
-def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """``PrefillAdder.add_one_req``: beside a chunked prefill that held tokens back for finished
-    loads (`around_add_chunked_req`), a request is refused as SGLang refuses one past the budget
-    (``AddReqResult.OTHER``) where it does not fit whole in the tokens left (it would become a
-    second chunked request, which SGLang cannot track), or where the GPU memory it takes would
-    leave the chunked request less than its remaining chunks need (SGLang checked, at its first
-    chunk, that all of it fits, and does not check again: an H200 server ran out of memory in a
-    32B burst before this check)."""
-    hold = getattr(adder, "_hgds_hold", 0)
-    if hold:
-        try:
-            ps = max(1, int(getattr(adder, "page_size", 1) or 1))
-            tokens = _to_prefill(req)
-            need = -(-tokens // ps) * ps
-            left = adder.rem_chunk_tokens
-            # GPU memory: all it holds after its load back and its output, with what the chunked
-            # request still needs (`hold`) kept out of reach, one chunk of it to spare.
-            memory = tokens + int(getattr(req, "host_hit_length", 0) or 0) + _max_new(req) + 2 * ps
-            refuse = (left is not None and need > left) or \
-                memory + hold + int(getattr(adder, "_hgds_chunk", 0) or 0) >= adder.rem_total_tokens
-        except Exception as exc:  # noqa: BLE001 -- unknown size: refuse, never a second chunked request
-            _once("fit", "hicache-gds policy: a request's size beside a held-back chunk unknown (%s)", exc)
-            refuse = True
-        if refuse:
-            return sys.modules[type(adder).__module__].AddReqResult.OTHER
-    return original(adder, req, *args, **kwargs)
-
-
-def _max_new(req: Any) -> int:
-    sp = getattr(req, "sampling_params", None)
-    return max(0, int(getattr(sp, "max_new_tokens", 0) or 0) - len(getattr(req, "output_ids", None) or ()))
 
 
 def around_rate_limited(original: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
-    pol = getattr(controller, "_hgds_policy", None)
-    cache = pol._cache() if pol is not None else None
-    if cache is None or policy_of(cache) is None or getattr(controller, "host_memory_mode", "") == "buffer_only":
+    pol = view.controller_policy(controller)
+    cache = pol.cache() if pol is not None else None
+    if cache is None or policy_of(cache) is None:
         return original(controller, *args, **kwargs)
     try:
         return pol.rate_limited(controller)
     except Exception as exc:  # noqa: BLE001
-        _once("rate", "hicache-gds policy: host-pool admission failed (%s); SGLang's limit applies", exc)
+        once("rate", "hicache-gds policy: host-pool admission failed (%s); SGLang's limit applies", exc)
         return original(controller, *args, **kwargs)
 
 
 def around_prefetch_kvcache(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """Scheduler._prefetch_kvcache: tells the policy which scheduler it serves and which request
     is being admitted (its tokens and what the cache already holds of them)."""
-    pol = getattr(getattr(scheduler, "tree_cache", None), "_hgds_policy", None)
+    pol = view.attached(view.tree_cache(scheduler))
     if pol is None:
         return original(scheduler, req, *args, **kwargs)
     pol.bind(scheduler)
@@ -386,31 +287,23 @@ def around_prefetch_kvcache(original: Any, scheduler: Any, req: Any, *args: Any,
         pol.current_req = None
 
 
-def _is_prefill(batch: Any) -> bool:
-    fm = getattr(batch, "forward_mode", None)
-    try:
-        return bool(fm is not None and fm.is_extend() and not (getattr(fm, "is_mixed", None) and fm.is_mixed()))
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def around_forward(original: Any, worker: Any, *args: Any, **kwargs: Any) -> Any:
     """TpModelWorker.forward_batch_generation: time prefill batches for every policy of the process."""
     pols = process_policies()
     batch = args[0] if args else kwargs.get("batch")
-    if not pols or batch is None or not _is_prefill(batch):
+    if not pols or batch is None or not view.is_prefill(batch):
         return original(worker, *args, **kwargs)
     tokens = []
     for p in pols:
         try:
-            tokens.append((p, p.prefill_begin(batch)))
+            tokens.append((p, p.clock.begin(batch)))
         except Exception as exc:  # noqa: BLE001
-            _once("forward", "hicache-gds policy: prefill not observed (%s)", exc)
+            once("forward", "hicache-gds policy: prefill not observed (%s)", exc)
     try:
         return original(worker, *args, **kwargs)
     finally:
         for p, tok in tokens:
             try:
-                p.prefill_end(tok)
+                p.clock.end(tok)
             except Exception as exc:  # noqa: BLE001
-                _once("forward-end", "hicache-gds policy: prefill not observed (%s)", exc)
+                once("forward-end", "hicache-gds policy: prefill not observed (%s)", exc)

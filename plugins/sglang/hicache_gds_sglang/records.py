@@ -1,0 +1,93 @@
+"""The policy's state as named records: what was decided per request, and what it watches.
+
+Decisions are values (`Decided`, `SplitPlan`); what a load, a queued request, a protected load
+or a split's tail carries while the policy watches it is one record each, keyed by request id
+in `policy.LoadOrCompute`'s tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+__all__ = ["Decided", "LoadWatch", "Queued", "Protected", "SplitPlan", "Tail", "DiskSlot", "Backlog"]
+
+
+class Decided(NamedTuple):
+    """A request's decision: ``load``, ``wait`` (a load kept in flight), ``compute`` or ``split``,
+    with the request's tokens to prefill (`new`) and held (`held`) when decided, and the tokens
+    of its hit loaded (`hit`; for ``split``: the head computed)."""
+
+    action: str
+    new: int
+    held: int
+    hit: int
+
+    @property
+    def loads(self) -> bool:
+        return self.action in ("load", "wait")
+
+
+@dataclass
+class LoadWatch:
+    """A load admitted: when, the seconds forecast for its reads, the kept tokens seen at the last
+    look and when that was, and the load pace when admitted (NaN: admitted before this policy)."""
+
+    since: float
+    io_s: float = 0.0
+    seen: float = -1.0
+    last_look: float = 0.0
+    pace: float = math.nan
+
+
+@dataclass
+class Queued:
+    """A decided request in the waiting queue: it, and when it was first and last seen there."""
+
+    req: Any
+    first: float
+    last: float
+
+
+class Protected(NamedTuple):
+    """A finished load's host pages protected from eviction: the node, since when, its tokens."""
+
+    node: Any
+    since: float
+    tokens: int
+
+
+class SplitPlan(NamedTuple):
+    """A split decided at admission, until its tail starts: head tokens computed, tail tokens
+    forecast read by the join, and the hit."""
+
+    head: int
+    expect: int
+    hit: int
+
+
+class Tail(NamedTuple):
+    """A split's tail in flight (`split.TailLoad`) and its request (it may leave meanwhile)."""
+
+    load: Any
+    req: Any
+
+
+class DiskSlot(NamedTuple):
+    """A load on the disk's queue: seconds until its last page lands (loads run one after
+    another), its hit, tokens kept and tokens fetched so far."""
+
+    ready_s: float
+    hit: int
+    kept: int
+    fetched: int
+
+
+class Backlog(NamedTuple):
+    """The GPU backlog of one scheduler pass: the queue it was summed for, the seconds of prefill
+    ahead of each queued request (by rid; "" : the whole queue), and when."""
+
+    key: tuple
+    ahead: dict
+    at: float

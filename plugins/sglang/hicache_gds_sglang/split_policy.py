@@ -1,0 +1,133 @@
+"""The policy's side of a split (`split` moves the pages): when a hit may be split, starting its
+tail, joining it where the request's chunks reach it, and dropping the tails of requests gone.
+
+On by `PolicyConfig.split` where this SGLang has the join point (`SPLIT_HOOKED`, set by the
+plugin's hook table), the cache has what `split` uses, and it serves one rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from hicache_gds import CostModel
+
+from . import split as split_mod
+from . import view
+from .records import Decided, Tail
+
+__all__ = ["SPLIT_HOOKED", "can_split", "tail_pages", "start_tail", "join_tail", "drop_tail", "sweep_tails"]
+
+log = logging.getLogger("hicache_gds_sglang.policy")
+
+SPLIT_HOOKED = [False]  # the join point of a split (``cache_unfinished_req``) is hooked in this process
+
+
+def can_split(pol: Any, cache: Any, backend: Any) -> bool:
+    """Splits are on, this SGLang has what they use, and the cache serves one rank."""
+    return bool(backend.policy_config.split != "off" and SPLIT_HOOKED[0] and pol.prefill.chunk
+                and split_mod.supported(cache) and view.single_rank(cache))
+
+
+def tail_pages(cache: Any, backend: Any, model: CostModel) -> int | None:
+    """Pages per operation (and get) of a split's tail (`split.tail_pages`; None: the tail is
+    one operation, read in SGLang's own gets)."""
+    ps = view.page_size(cache)
+    threshold = -(-view.threshold(cache) // ps)
+    return split_mod.tail_pages(int(model.bytes_per_token * ps), backend.policy_config.split_get, threshold)
+
+
+def start_tail(pol: Any, cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any,
+               prefix_keys: Any) -> bool:
+    """Admission chose a split for `rid`: prefetch the tail of its hit. False (and the request
+    is a plain recompute) where the tail cannot be started."""
+    plan = pol.split_plans.pop(rid, None)
+    req = pol.current_req if pol.current_req is not None and view.rid(pol.current_req) == rid else None
+    if plan is None or req is None or rid in pol.tails:
+        return False
+    matched = view.on_gpu(req) + view.host_hit(req)
+    backend, model = view.backend_of(cache), pol.cost_model
+    per_op = None if backend is None or model is None else tail_pages(cache, backend, model)
+    tail = split_mod.start(cache, rid, last_host_node, tokens, last_hash, prefix_keys, matched=matched,
+                           head=plan.head, expect=plan.expect, pages_per_op=per_op)
+    if tail is None:
+        d = pol.decided.get(rid)
+        if d is not None:
+            pol.decided[rid] = Decided("compute", d.new, d.held, plan.hit)
+        return False
+    pol.tails[rid] = Tail(tail, req)  # until it joins or is swept: the request may leave meanwhile
+    return True
+
+
+def join_tail(pol: Any, cache: Any, req: Any) -> int:
+    """SGLang cached the chunks of `req`: once they reach its tail, join the pages read (or wait
+    one more chunk, where the disk reads the rest before the GPU computes it and that finishes
+    first). Returns the tokens joined."""
+    rid = view.rid(req)
+    entry = pol.tails.get(rid)
+    if entry is None:
+        return 0
+    tail = entry.load
+    cached = view.cached_prefix(req)
+    if cached < tail.start:
+        return 0
+    read, complete, alive = split_mod.progress(cache, tail)
+    if alive and not complete and _wait_for_tail(pol, req, tail, cached, read):
+        return 0
+    grown = split_mod.join(cache, req, tail)  # where it raises, the hook drops the tail (`drop_tail`)
+    del pol.tails[rid]
+    if grown > 0:
+        pol.counts["split_joined"] += 1
+        pol.counts["split_tokens"] += grown
+        view.count_storage_tokens(req, grown)
+    else:
+        pol.counts["split_dropped"] += 1
+    log.info("hicache-gds policy: %s split joined %d of its %d tail tokens at %d (%d read, forecast %d; %.3f s "
+             "after admission; %d prefetch operations)", rid, grown, tail.tokens, cached, read, tail.expect,
+             time.monotonic() - tail.since, len(tail.keys))
+    return grown
+
+
+def _wait_for_tail(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> bool:
+    """Whether to compute one more chunk before joining: the disk reads the rest of the tail
+    before the GPU computes that chunk, and that finishes the request first."""
+    chunk = pol.prefill.chunk
+    model = pol.cost_model
+    if not chunk or model is None or cached + chunk >= tail.end:
+        return False
+    n = sum(view.req_work(req))  # the request's tokens: left to prefill and held
+    frontier = max(cached, tail.start + read)
+    io_left = model.predict_load((tail.end - tail.start - read) * model.bytes_per_token)
+    c_chunk = model.predict_compute(chunk, cached)
+    now = model.predict_compute(n - frontier, frontier)
+    later = model.predict_compute(n - tail.end, tail.end)
+    if None in (io_left, c_chunk, now, later):
+        return False
+    return io_left <= c_chunk and c_chunk + later < now
+
+
+def drop_tail(pol: Any, cache: Any, rid: str) -> None:
+    """Drop the tail of `rid` (after a failed join): its reads stop and its host memory is freed."""
+    entry = pol.tails.pop(rid, None)
+    if entry is not None:
+        split_mod.cancel(cache, entry.load)
+
+
+def sweep_tails(pol: Any, scheduler: Any) -> None:
+    """Drop the tails of requests no longer waiting or being chunked (finished, aborted, or
+    prefilled past them without a join)."""
+    if not pol.tails:
+        return
+    cache = view.tree_cache(scheduler)
+    chunked = view.chunked(scheduler)
+    waiting = {id(r) for r in view.waiting(scheduler)}
+    for rid, (tail, req) in list(pol.tails.items()):
+        if (req is chunked or id(req) in waiting) and not view.is_finished(req):
+            continue
+        del pol.tails[rid]
+        if cache is not None:
+            split_mod.cancel(cache, tail)
+        pol.counts["split_dropped"] += 1
+        log.info("hicache-gds policy: %s split tail of %d tokens dropped: the request left before its chunks "
+                 "reached it", rid, tail.tokens)

@@ -1,0 +1,98 @@
+"""Every path of the ``compute_or_load`` policy on the installed SGLang release: active, or the
+fallback that runs instead, read from the plugin's hook table (`plugin.HOOKS`, `plugin.GROUPS`)
+against SGLang's real classes.
+
+Run under both releases (the venv's 0.5.23, and 0.5.17 through its overlay); the expected table of
+each release is below. ``Scheduler`` and ``TpModelWorker`` import only with a server's packages
+(not on a CPU test machine): for their hooks the method is looked up in the module's source.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+
+import pytest
+
+from hicache_gds_sglang import plugin, split_policy
+
+SERVER_ONLY = ("sglang.srt.managers.scheduler.", "sglang.srt.managers.tp_worker.")
+
+EXPECTED = {
+    "0.5.17": {"decision": "active", "agreement": "active", "host share": "active", "host protection": "active",
+               "late admission": "active", "split": "active"},
+    # 0.5.23 settles a finished load through acknowledgements into its tree core (UnifiedRadixCache
+    # has no `_match_prefix_helper` and no `cache_unfinished_req` join point): those paths fall back
+    "0.5.23": {"decision": "active", "agreement": "active", "host share": "active",
+               "host protection": "fallback: " + plugin.GROUPS["protect"].fallback,
+               "late admission": "fallback: " + plugin.GROUPS["protect"].fallback,
+               "split": "fallback: " + plugin.GROUPS["split"].fallback},
+}
+
+
+def _release() -> str:
+    return "0.5.17" if plugin._resolve("sglang.srt.mem_cache.hiradix_cache.HiRadixCache") is not None else "0.5.23"
+
+
+def _in_source(target: str) -> bool:
+    mod, cls, meth = target.rsplit(".", 2)
+    spec = importlib.util.find_spec(mod)
+    if spec is None or not spec.origin:
+        return False
+    text = open(spec.origin, encoding="utf-8").read()
+    return f"class {cls}" in text and re.search(rf"\n    def {re.escape(meth)}\(", text) is not None
+
+
+@pytest.fixture
+def present(monkeypatch):
+    real = plugin._present
+    monkeypatch.setattr(plugin, "_present", lambda h: _in_source(h.target) if h.target.startswith(SERVER_ONLY)
+                        else real(h))
+    return plugin.present_groups()
+
+
+def test_each_policy_path_is_active_or_falls_back_as_listed_for_this_release(present):
+    release = _release()
+    paths = plugin.policy_paths(present)
+    assert paths == EXPECTED[release], (release, paths)
+    assert f"policy@{release}" in plugin.hooked_groups(present)
+
+
+def test_every_hook_names_its_target_release_and_a_fallback():
+    for h in plugin.HOOKS:
+        assert h.kind in ("AFTER", "AROUND") and h.group in plugin.GROUPS, h
+        assert set(re.split(r",\s*", h.releases)) <= {"0.5.17", "0.5.23"}, h
+        assert callable(plugin._hook_fn(h.hook)), h
+    for name, g in plugin.GROUPS.items():
+        assert g.fallback or name.startswith("factory@"), name  # a factory's fallback is the other release's
+    # each hook whose release is the installed one has its target here (server-only ones in source)
+    release = _release()
+    for h in plugin.HOOKS:
+        if release in h.releases:
+            ok = _in_source(h.target) if h.target.startswith(SERVER_ONLY) else plugin._present(h)
+            assert ok, (release, h.target)
+
+
+def test_registration_places_the_table_and_logs_what_falls_back(present, caplog):
+    from sglang.srt.plugins.hook_registry import HookType
+
+    registered = []
+
+    class Registry:
+        @staticmethod
+        def register(target, fn, kind):
+            registered.append((target, fn.__name__, kind.name))
+
+    hooked_split = split_policy.SPLIT_HOOKED[0]
+    try:
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):
+            plugin._register_policy(Registry, HookType, plugin.hooked_groups(present))
+        want = [(h.target, h.hook, h.kind) for h in plugin.HOOKS if h.group in plugin.hooked_groups(present)
+                and not h.group.startswith(("backend", "factory@", "draft"))]
+        assert registered == want
+        assert split_policy.SPLIT_HOOKED[0] is ("split" in plugin.hooked_groups(present))
+        if _release() == "0.5.23":  # split turns itself off there, with an INFO line
+            assert "policy_split does nothing" in caplog.text
+    finally:
+        split_policy.SPLIT_HOOKED[0] = hooked_split
