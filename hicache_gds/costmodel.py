@@ -33,19 +33,9 @@ of the hit is the optimum, never a part. In a burst, each request goes to the qu
 finishes it first, so the disk and the GPU work at once on different requests, and the makespan
 approaches ``W / (R/B + P)`` tokens for ``W`` tokens at prefill rate ``P``.
 
-Behind a GPU backlog a part pays as well (``part_min`` set): the leading ``k`` tokens of the hit
-that the disk reads before the GPU reaches the request, ``D + L(k) <= G / (1 + margin)``, cost the
-request nothing to wait for and take ``C(n, p) - C(n - k, p + k) > 0`` off the GPU's queue::
-
-    part:     t_P = G + C(n - k, p + k)      (k page-aligned, k >= part_min)
-
-Over ``k`` in ``[0, h]`` the finish time falls until that ``k`` and is concave past it, so the
-best is one of none, ``k`` or all: admission takes the earliest of ``t_C``, ``t_P`` and ``t_L``.
-Without it a request the GPU would reach in 2 s whose whole hit takes 3 s to read is recomputed
-from its first token while the disk idles. That is earliest finish for the request itself; the
-disk time a part takes is not there for a later request's whole load, which takes that request
-off the GPU's queue, and on an H200 parts did not pay in bursts (the SGLang policy's
-``policy_partial``, off by default, says where they were measured).
+A part of a hit (its leading pages that land before a GPU backlog reaches the request) can finish
+a request as early, but the disk time it takes is not there for a later request's whole load; on
+an H200 parts did not pay in bursts, so admission weighs none, all, or a split (below).
 
 Loads run slower under an engine than its gets alone say (the engine's IO thread waits for host
 memory between them, its batches leave gaps, other IO shares the disk): `LoadPace` keeps the
@@ -122,7 +112,7 @@ class Decision:
     t_load: float
     t_compute: float
     reason: str
-    tokens: int | None = None  # load: the hit's leading `tokens` only (a part; None: all of it); split: the head
+    tokens: int | None = None  # split: the head computed first (None otherwise)
     tail: int | None = None  # split: the tokens after the head forecast to be read when they are joined
 
     @property
@@ -164,7 +154,7 @@ class CostModel:
 
     def decide(self, new: int, prefix: int, hit: int, *, kept: int = 0, fetched: int | None = None,
                in_flight: bool = False, gpu_backlog: float = 0.0, disk_backlog: float = 0.0,
-               smooth: bool = False, page: int = 1, part_min: int | None = None,
+               smooth: bool = False, page: int = 1,
                split_chunk: int | None = None, split_grain: int | None = None) -> Decision:
         """Load or compute (admission), wait or stop (a load in flight); see the module docstring.
 
@@ -172,9 +162,8 @@ class CostModel:
         of the hit already loaded and kept if stopped now; fetched: read so far (>= kept, for the
         time left); gpu_backlog: seconds of prefill ahead on the GPU; disk_backlog: seconds of
         loads ahead of this one on the disk; smooth: batches counted fractionally
-        (`PrefillModel.predict`), for judging a few tokens at the margin; part_min: at admission,
-        weigh loading a part of at least this many tokens (multiples of `page`) that lands before
-        the GPU reaches the request (None: all or nothing); split_chunk: at admission, weigh
+        (`PrefillModel.predict`), for judging a few tokens at the margin; page: tokens per page
+        (a split's tail is whole pages); split_chunk: at admission, weigh
         computing a head of whole chunks of this many tokens while the disk loads the rest
         (`split`; None: never), whose tail is counted read in gets of split_grain tokens.
         Unknown rates: load (the engine's own behaviour)."""
@@ -190,13 +179,6 @@ class CostModel:
         t_load = max(t_load_io, gpu_backlog) + c_tail
         t_compute = gpu_backlog + c_rest
         if not in_flight:
-            k = self._part(hit, page, gpu_backlog, disk_backlog) if part_min is not None and hit else 0
-            if 0 < k < hit and k >= max(1, part_min):
-                c_part = self.predict_compute(new - k, prefix + k, smooth=smooth)
-                t_part = gpu_backlog + (c_part if c_part is not None else c_rest)
-                if t_part < t_compute and t_part <= t_load:
-                    return Decision("load", t_part, t_compute, f"{k} of the {hit} tokens in L3 land before the GPU "
-                                    f"reaches the request (all of them: {t_load:.3f} s)", tokens=k)
             best = min(t_load, t_compute)
             sp = self.split(new, prefix, hit, chunk=split_chunk, gpu_backlog=gpu_backlog,
                             disk_backlog=disk_backlog, page=page, grain=split_grain) if split_chunk else None
@@ -246,17 +228,6 @@ class CostModel:
             if best is None or t < best[1]:
                 best = (k, t, f)
         return best
-
-    def _part(self, hit: int, page: int, gpu_backlog: float, disk_backlog: float) -> int:
-        """Leading tokens of a hit (whole pages) the disk reads, behind its backlog, with
-        `stop_margin` to spare before the GPU reaches the request."""
-        r = self.read.rate
-        spare = gpu_backlog / (1.0 + self.stop_margin) - disk_backlog
-        if r is None or spare <= 0:
-            return 0
-        k = int(spare * r / (self.bytes_per_token * self.pace.factor))
-        page = max(1, int(page))
-        return min(int(hit), k // page * page)
 
     def estimates(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kv_bytes_per_token": self.bytes_per_token}

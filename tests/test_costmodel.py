@@ -143,43 +143,6 @@ def test_loading_part_of_a_hit_is_never_better_than_all_or_none():
         assert min(times) == pytest.approx(min(times[0], times[-1]))
 
 
-@settings(max_examples=200, deadline=None)
-@given(n=st.integers(2048, 40000), g=st.floats(0.0, 12.0), d=st.floats(0.0, 8.0), gbps=st.floats(0.2, 6.0))
-def test_behind_a_gpu_backlog_the_part_that_lands_in_time_is_weighed_with_none_and_all(n, g, d, gbps):
-    """Admission with ``part_min``: the part is the whole pages read behind the disk's backlog with
-    the margin to spare before the GPU reaches the request; the decision is the earliest of none,
-    that part and all, and never later than the all-or-nothing decision."""
-    m = model(gbps)
-    h = n // 64 * 64
-    full = m.decide(n, 0, h, gpu_backlog=g, disk_backlog=d)
-    dec = m.decide(n, 0, h, gpu_backlog=g, disk_backlog=d, page=64, part_min=1024)
-    tok_s = gbps * 1e9 / (256 * KIB)
-    k = min(h, int((g / 1.05 - d) * tok_s) // 64 * 64) if g / 1.05 > d else 0
-    t_part = g + m.predict_compute(n - k, k)
-    if dec.tokens is not None:
-        assert dec.tokens == k and 1024 <= k < h and k % 64 == 0 and dec.action == "load"
-        assert dec.t_load == pytest.approx(t_part) and t_part <= full.t_load and t_part < full.t_compute
-        assert d + m.predict_load(k * 256 * KIB) <= g / 1.05 * (1 + 1e-9)  # lands before the GPU gets there
-    else:
-        assert dec.action == full.action
-        assert not (1024 <= k < h) or min(full.t_load, full.t_compute) <= t_part
-    assert min(dec.t_load, dec.t_compute) <= min(full.t_load, full.t_compute) + 1e-12
-
-
-def test_a_part_is_weighed_only_when_asked_and_never_for_a_request_alone():
-    m = model(0.5)  # loading all of it never pays
-    n = 18000
-    assert m.decide(n, 0, n, gpu_backlog=5.0).action == "compute"  # all or nothing: recomputed
-    part = m.decide(n, 0, n, gpu_backlog=5.0, page=64, part_min=1024)
-    assert part.action == "load" and 1024 <= part.tokens < n and "land before the GPU" in part.reason
-    assert m.decide(n, 0, n, page=64, part_min=1024).tokens is None  # the GPU is free: nothing lands in time
-    assert m.decide(n, 0, n, gpu_backlog=0.05, page=64, part_min=1024).action == "compute"  # under part_min
-    assert m.decide(n, 0, n, gpu_backlog=5.0, disk_backlog=5.0, page=64, part_min=1024).action == "compute"
-    fast = model(6.0)  # loading pays: all of it, not the part that lands in time
-    whole = fast.decide(n, 0, n, gpu_backlog=1.0, page=64, part_min=1024)
-    assert whole.action == "load" and whole.tokens is None
-
-
 def simulate_burst(m: CostModel, lengths: list[int]) -> tuple[float, float, list[str]]:
     """Admit a burst one request at a time as the policy does: each to the queue finishing it first."""
     g = d = 0.0
