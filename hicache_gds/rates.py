@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["ReadRate", "PrefillModel", "LoadPace", "STATE_FILE", "estimates_state", "seed_from_state", "load_state",
+__all__ = ["ReadRate", "PrefillModel", "LoadPace", "STATE_FILE", "estimates_state", "seed_from_state", "seed_read_rate", "load_state",
            "save_state"]
 
 STATE_FILE = "costmodel.json"
@@ -290,6 +290,29 @@ def seed_from_state(st: Mapping[str, Any], read: ReadRate | None, prefill: Prefi
     except (TypeError, ValueError):
         return done
     return done
+
+
+def seed_read_rate(read: ReadRate, *, configured: float | None = None, key: str = "",
+                   state: Mapping[str, Any] | None = None, dirs: Sequence[str] = (), probe_bytes: int = 0) -> str:
+    """Seed `read` before its first measurement, one way for every adapter: `configured` bytes/s
+    (given by the adapter's setting `key`), else a rate an earlier run measured and persisted
+    (`state`, from `load_state`), else an O_DIRECT read of `probe_bytes` from each of `dirs` now
+    (`hicache_gds.probe`; 0: none), so that a fresh store's first decisions weigh a load against
+    a real rate rather than loading blind. Returns what was done, in words, for the log."""
+    if configured:
+        read.seed(float(configured), f"configured ({key})" if key else "configured")
+        return f"read rate {float(configured) / 1e9:.2f} GB/s, configured ({key})"
+    seeded = seed_from_state(state or {}, read, None)
+    if seeded:
+        return seeded[0]
+    if not probe_bytes:
+        return "no read rate known before the first get (read_probe is 0)"
+    from .probe import probe_read_rate
+    got, why = probe_read_rate(dirs, nbytes=probe_bytes)
+    if got is None:
+        return f"no read rate known before the first get ({why})"
+    read.seed(got.bytes_per_s, got.source)
+    return f"read rate {got.bytes_per_s / 1e9:.2f} GB/s, {got.source}, in {got.seconds:.2f} s"
 
 
 def load_state(path: str) -> dict[str, Any] | None:

@@ -327,3 +327,23 @@ def test_a_split_needs_a_tail_read_in_time_and_pays_alone_where_load_and_compute
     assert got is not None and got[2] % 64 == 0
     assert grained is not None and (grained[2] == 40000 - grained[0] or grained[2] % 8192 == 0)
     assert grained[1] >= got[1]
+
+
+def test_seed_read_rate_configured_then_persisted_then_probed(tmp_path):
+    """Every adapter seeds its read rate one way: configured, else an earlier run's measurement
+    (only one of this version, only one measured), else a probe of the directories, else none."""
+    import time as _time
+
+    from hicache_gds import ReadRate, seed_read_rate
+    from hicache_gds.rates import _STATE_VERSION
+    r = ReadRate()
+    assert "configured (policy_read_gbps)" in seed_read_rate(r, configured=2e9, key="policy_read_gbps")
+    assert r.rate == pytest.approx(2e9)
+    st = {"version": _STATE_VERSION, "saved_at": _time.time(), "read_bytes_per_s": 1.5e9, "read_source": "measured"}
+    r = ReadRate()
+    assert "persisted" in seed_read_rate(r, state=st, dirs=[str(tmp_path)], probe_bytes=8 << 20) and r.rate == pytest.approx(1.5e9)
+    r = ReadRate()
+    said = seed_read_rate(r, state={**st, "read_source": "configured"}, dirs=[str(tmp_path)], probe_bytes=8 << 20)
+    assert "probed at open" in said and r.rate > 0 and os.listdir(tmp_path) == []  # the probe leaves no file
+    r = ReadRate()
+    assert "read_probe is 0" in seed_read_rate(r, dirs=[str(tmp_path)]) and r.rate is None

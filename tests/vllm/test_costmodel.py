@@ -423,3 +423,15 @@ def test_a_waiting_request_keeps_its_answer_near_a_tie(gds_dir):
     assert "load kept" in m.advisor.last.reason
     assert plain(tie * 1.2) == "compute"
     assert scan(m, "r", keys)[0] is LookupResult.MISS
+
+
+def test_a_fresh_manager_probes_the_read_rate_unless_told_or_persisted(gds_dir):
+    """The read rate before the first load: configured (`load_bytes_per_s`), else an earlier run's
+    persisted measurement, else an O_DIRECT probe of GDS_PATH at start (`read_probe` bytes, the
+    SGLang adapter's way, `hicache_gds.seed_read_rate`); `read_probe` 0 leaves it unknown."""
+    m = make_manager(gds_dir)
+    assert m.cost.read.rate and m.cost.read.rate > 0 and m.cost.read.source.startswith("probed at open")
+    m = make_manager(gds_dir, load_bytes_per_s=3e9)
+    assert m.cost.read.rate == pytest.approx(3e9) and "configured" in m.cost.read.source
+    m = make_manager(gds_dir, read_probe=0)
+    assert m.cost.read.rate is None

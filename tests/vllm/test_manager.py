@@ -24,7 +24,9 @@ def key(i: int, group: int = 0):
 
 
 def make_manager(gds_dir, chunks: int = 3, world_size: int = 1, events: bool = False, warm: bool = False):
-    extra = {**BASE_EXTRA, "gds_path": gds_dir, "capacity": chunks * CHUNK}
+    # read_probe 0: no read rate before the first load, so the cost model answers "load" and these
+    # tests see the manager's own bookkeeping (test_costmodel.py covers the model's answers).
+    extra = {**BASE_EXTRA, "gds_path": gds_dir, "capacity": chunks * CHUNK, "read_probe": 0}
     spec = HiCacheGDSOffloadingSpec(make_config(extra, world_size=world_size, events=events))
     assert spec.capacity_chunks == chunks
     return HiCacheGDSManager(spec, warm_start=warm)

@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from hicache_gds import COST_STATE_FILE as STATE_FILE
 from hicache_gds import (ConfigError, ReadRate, align_up, default_budget, load_state, namespace_created,
-                         namespace_location, open_store, probe_read_rate, save_state)
+                         namespace_location, open_store, save_state, seed_read_rate)
 
 from .backend_paths import CopyAndPoolPaths, pool_name
 from .naming import KeyScheme, load_config, namespace_identity
@@ -225,27 +225,10 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
                 if self.policy_config.read_gbps:
                     self.read_rate.seed(self.policy_config.read_gbps * 1e9, "configured (policy_read_gbps)")
                 return
-            if self.policy_config.read_gbps:
-                self.read_rate.seed(self.policy_config.read_gbps * 1e9, "configured (policy_read_gbps)")
-                return
-            st = self.cost_state()
-            r = (st or {}).get("read_bytes_per_s")
-            if r and str(st.get("read_source", "")).startswith("measured"):
-                age = max(0.0, time.time() - float(st.get("saved_at", 0)))
-                self.read_rate.seed(float(r), f"persisted {age / 3600:.1f} h ago" if age >= 3600
-                                    else f"persisted {age:.0f} s ago")
-                return
-            # Nothing known (a fresh store): measure the directories now, so that the first
-            # decisions weigh a load against a real rate rather than recomputing every hit.
-            if not self.config.read_probe:
-                log.info("hicache-gds: no read rate known before the first get (read_probe is 0)")
-                return
-            got, why = probe_read_rate(dirs, nbytes=self.config.read_probe)
-            if got is None:
-                log.info("hicache-gds: no read rate known before the first get (%s)", why)
-                return
-            self.read_rate.seed(got.bytes_per_s, got.source)
-            log.info("hicache-gds: read rate %.2f GB/s, %s, in %.2f s", got.bytes_per_s / 1e9, got.source, got.seconds)
+            gbps = self.policy_config.read_gbps
+            log.info("hicache-gds: %s", seed_read_rate(
+                self.read_rate, configured=gbps * 1e9 if gbps else None, key="policy_read_gbps",
+                state=None if gbps else self.cost_state(), dirs=dirs, probe_bytes=self.config.read_probe))
         except Exception as exc:  # noqa: BLE001 -- an estimate is never worth failing the attach
             log.warning("hicache-gds: no read-rate estimate from an earlier run (%s)", exc)
 

@@ -16,8 +16,10 @@ would (`CostModel.decide`), given
 The rates are measured in the running engine: the read rate from this engine's loads (bytes and
 service time, `ReadRate`), the prefill cost from its steps (per request new tokens and cached
 prefix, and the step's wall time, `PrefillModel`; `HiCacheGDSConnector` times them). Before a
-first measurement, `load_bytes_per_s` / `prefill_tokens_per_s` seed them; with neither, the model
-answers "load" (the adapter's behaviour without a model). `cost_model`: "on" (default; "rate" is
+first measurement, `load_bytes_per_s` / `prefill_tokens_per_s` seed them; else what an earlier
+run measured and persisted; else the read rate is probed at start (`read_probe` bytes of O_DIRECT
+reads per directory, `hicache_gds.seed_read_rate`, as the SGLang adapter does); with no read rate at
+all, the model answers "load" (the adapter's behaviour without a model). `cost_model`: "on" (default; "rate" is
 the same), "off" (every chunk found is a hit), or "package.module:Class", a `CostModel` subclass
 built as ``Class(extra_config, bytes_per_token)``.
 """
