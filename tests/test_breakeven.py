@@ -25,7 +25,8 @@ def test_probe_of_a_directory_it_cannot_write_says_why(tmp_path):
     assert "error" in probe_read_rate(str(tmp_path / "missing"), 1 << 20)
 
 
-@pytest.mark.parametrize("shape,kv", [("llama3-8b-shape", 128 << 10), ("llama-32b-shape", 256 << 10)])
+@pytest.mark.parametrize("shape,kv", [("llama3-8b-shape", 128 << 10), ("llama-32b-shape", 256 << 10),
+                                      ("deepseek-v3-shape", 61 * (512 + 64) * 2)])  # MLA: one latent per layer
 def test_kv_bytes_per_token_from_the_benchmark_shapes(shape, kv):
     d = os.path.join(REPO, "benchmarks", "e2e", shape)
     assert kv_bytes_per_token(d) == (shape, kv)

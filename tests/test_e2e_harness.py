@@ -292,3 +292,52 @@ def test_an_open_loop_repetition_counts_only_where_every_configuration_measured_
     assert s["open"]["recompute"][0.5]["p90"] == pytest.approx(2.0) and s["open"]["recompute"][0.5]["reps"] == 1
     assert "Left out, their repetition not measured for every configuration at that rate: open/recompute/1/0.5" in \
         suite_report.markdown(doc, s)
+
+
+def test_kv_bytes_per_token_counts_one_latent_per_layer_for_mla():
+    from e2elib import model_info
+    ds = model_info(os.path.join(E2E, "deepseek-v3-shape"), tp=8)
+    assert ds["attention"] == "mla" and ds["layers"] == 61
+    # one latent per layer, the same on every rank: one copy in L3
+    assert ds["kv_bytes_per_token"] == ds["gpu_kv_bytes_per_token"] == 61 * (512 + 64) * 2 == 70272
+    llama = model_info(os.path.join(E2E, "llama3-8b-shape"))
+    assert llama["attention"] == "mha" and llama["kv_bytes_per_token"] == llama["gpu_kv_bytes_per_token"] == 128 << 10
+    tp2 = model_info(os.path.join(E2E, "llama3-8b-shape"), tp=2)
+    assert tp2["kv_bytes_per_token"] == 128 << 10 and tp2["gpu_kv_bytes_per_token"] == 64 << 10  # heads split
+    assert model_info(os.path.join(E2E, "llama3-8b-shape"), tp=16)["gpu_kv_bytes_per_token"] == 16 << 10  # replicated
+
+
+def test_tp_reaches_the_server_command_only_above_one():
+    import argparse
+    base = dict(fake=False, model="m", page_size=64, max_total_tokens=1000, chunk=512, mem_fraction=0.6, shape="m",
+                hicache_ratio=2.0, layout="page_first", capacity="1G", dir="/tmp/none", gds_path="")
+    one, _ = suite.server_command(argparse.Namespace(**base, tp=1), 1)
+    eight, _ = suite.server_command(argparse.Namespace(**base, tp=8), 1)
+    assert "--tp-size" not in one and eight[:len(one)] == one and eight[len(one):] == ["--tp-size", "8"]
+    import bench_sglang_server as bss
+    cmd, _ = bss.server_command("gds", argparse.Namespace(**base, tp=4, prefetch_policy="wait_complete"), 1, "/tmp/x")
+    assert cmd[cmd.index("--tp-size") + 1] == "4"
+    cmd, _ = bss.server_command("gds", argparse.Namespace(**base, tp=1, prefetch_policy="wait_complete"), 1, "/tmp/x")
+    assert "--tp-size" not in cmd
+
+
+def test_a_tp8_dry_run_of_the_deepseek_shape_with_fewer_layers(tmp_path):
+    r = run(tmp_path, "--model", os.path.join(E2E, "deepseek-v3-shape"), "--tp", "8", "--layers", "4",
+            "--weights", "bf16", "--workloads", "single", "--reps", "single=1",
+            "--configs", "recompute,gds-wait_complete")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    shape = "deepseek-v3-shape-L4-bf16"
+    doc = json.load(open(tmp_path / "out" / f"suite-{shape}.json"))
+    assert doc["args"]["tp"] == 8 and doc["args"]["layers"] == 4 and doc["model"]["tp"] == 8
+    assert doc["model"]["layers"] == 4 and doc["model"]["kv_bytes_per_token"] == 4 * 576 * 2
+    cmd = doc["calls"][0]["command"].split()
+    assert cmd[cmd.index("--tp-size") + 1] == "8"
+    assert cmd[cmd.index("--model-path") + 1] == str(tmp_path / "out" / "models" / shape)
+    cfg = json.load(open(tmp_path / "out" / "models" / shape / "config.json"))
+    assert cfg["num_hidden_layers"] == 4 and cfg["first_k_dense_replace"] == 3 and "quantization_config" not in cfg
+    assert doc["cells"]["single/gds-wait_complete/0"]["stats"]["split"]["storage"] > 0
+    md = open(tmp_path / "out" / f"suite-{shape}.md").read()
+    assert "TP=8" in md and "4 layers, mla attention" in md
+    fp8 = suite.model_variant(os.path.join(E2E, "deepseek-v3-shape"), str(tmp_path), 0, "fp8")
+    assert json.load(open(os.path.join(fp8, "config.json")))["quantization_config"]["weight_block_size"] == [128, 128]
+    assert os.path.basename(fp8) == "deepseek-v3-shape-fp8"

@@ -58,8 +58,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2elib import (Result, Server, _jsonable, _revive, backed_up_tokens, compare, drop_caches,  # noqa: E402,F401
-                    free_port, generate, install_guard, log_facts, machine, metrics_lines, raw_disk, stop_leftovers,
-                    tokens, ttft_stats, versions, wait_stored)
+                    free_port, generate, install_guard, log_facts, machine, metrics_lines, model_info, model_variant,
+                    raw_disk, stop_leftovers, tokens, ttft_stats, versions, wait_stored)
+import suite  # noqa: E402 -- its options (--tp, --layers) are this script's too
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_DIR = os.path.join(HERE, "llama3-8b-shape")
@@ -77,6 +78,7 @@ def server_command(cfg: str, a: argparse.Namespace, port: int, store_dir: str) -
            "--max-total-tokens", str(a.max_total_tokens), "--chunked-prefill-size", str(a.chunk),
            "--mem-fraction-static", str(a.mem_fraction), "--random-seed", "0", "--enable-metrics",
            "--served-model-name", f"e2e-{os.path.basename(os.path.normpath(a.model))}"]
+    cmd += suite.tp_args(a)
     env = dict(os.environ)
     if cfg == "recompute":
         return cmd, env
@@ -260,7 +262,8 @@ def markdown(doc: dict[str, Any]) -> str:
     a, summary = doc["args"], doc["summary"]
     lines = [f"# SGLang server TTFT ({a['mode']}), {doc['machine']}", "",
              f"sglang {doc['versions'].get('sglang')}, torch {doc['versions'].get('torch')}, "
-             f"model {os.path.basename(a['model'])} (dummy weights), page {a['page_size']} tokens, "
+             f"model {os.path.basename(a['model'])} (dummy weights), TP={a.get('tp', 1)}, "
+             f"page {a['page_size']} tokens, "
              f"GPU pool {a['max_total_tokens']} tokens, host pool x{a['hicache_ratio']}, layout {a['layout']}, "
              f"prefetch {a['prefetch_policy']}", ""]
     raw = doc.get("raw_disk", {})
@@ -334,7 +337,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep each configuration's L3 files")
     p.add_argument("--resume", action="store_true",
                    help="keep the configurations already in --out's results (split a long run over several calls)")
-    import suite
     suite.add_args(p)
     a = p.parse_args(argv)
     if a.mode in ("suite", "single", "burst", "open"):
@@ -343,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         return suite.main(a)
     a.prefixes = a.prefixes or 12
     a.raw_size = "4G" if a.raw_size is None else a.raw_size
+    if a.tp < 1:
+        p.error(f"--tp {a.tp}: must be at least 1")
+    a.model = model_variant(a.model, a.out, a.layers, a.weights)
+    a.model_info = model_info(a.model, a.tp)
     install_guard()
     stop_leftovers()
     cfgs = [c.strip() for c in a.configs.split(",") if c.strip()]

@@ -500,8 +500,17 @@ def stop_leftovers(wait_s: float = 60.0) -> list[int]:
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "fp8": 1}
 
 
-def model_info(model_dir: str) -> dict[str, Any]:
-    """KV bytes per token (per GPU, TP 1) and the shape, from the model's config.json."""
+def model_info(model_dir: str, tp: int = 1) -> dict[str, Any]:
+    """The shape and KV bytes per token from the model's config.json, at tensor-parallel size `tp`.
+
+    ``kv_bytes_per_token`` is what one token's KV takes in L3, all ranks together: what the disk
+    writes and reads per token. MHA/GQA: layers x (K, V) x KV heads x head dim x dtype bytes, the
+    heads split over the ranks, each rank storing its share. MLA (DeepSeek-V2/V3: a config with
+    ``kv_lora_rank``): layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes -- one latent per
+    layer, not per head, and every rank holds the same latent, so one copy goes to L3 (one writer
+    rank, hicache-gds' MLA split). ``gpu_kv_bytes_per_token`` is what one GPU's KV pool holds per
+    token: the MHA share (KV heads / tp, at least one head), or the whole latent for MLA.
+    """
     with open(os.path.join(model_dir, "config.json")) as f:
         c = json.load(f)
     layers = int(c["num_hidden_layers"])
@@ -509,11 +518,63 @@ def model_info(model_dir: str) -> dict[str, Any]:
     kv_heads = int(c.get("num_key_value_heads", heads))
     head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
     dtype = str(c.get("torch_dtype", "bfloat16"))
-    kv = layers * 2 * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
+    nbytes = _DTYPE_BYTES.get(dtype, 2)
+    mla = c.get("kv_lora_rank") is not None
+    if mla:
+        per_layer = int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim", 0))
+        kv = gpu_kv = layers * per_layer * nbytes
+    else:
+        kv = layers * 2 * kv_heads * head_dim * nbytes
+        gpu_kv = layers * 2 * max(1, kv_heads // tp) * head_dim * nbytes  # fewer KV heads than ranks: replicated
     return {"name": os.path.basename(os.path.normpath(model_dir)), "layers": layers, "heads": heads,
             "kv_heads": kv_heads, "head_dim": head_dim, "hidden": int(c["hidden_size"]),
             "intermediate": int(c.get("intermediate_size", 0)), "dtype": dtype, "kv_bytes_per_token": kv,
+            "attention": "mla" if mla else "mha", "tp": tp, "gpu_kv_bytes_per_token": gpu_kv,
+            "quantization": (c.get("quantization_config") or {}).get("quant_method"),
             "vocab_size": int(c.get("vocab_size", 32000))}
+
+
+# DeepSeek-V3's published checkpoint quantization (block-wise FP8 e4m3, 128x128 scales): with
+# dummy weights SGLang allocates FP8 weights directly, which is what lets 61 layers fit 8 GPUs.
+FP8_BLOCK = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def model_variant(model_dir: str, out_dir: str, layers: int = 0, weights: str = "") -> str:
+    """`model_dir` as is, or a copy of its config.json under ``out_dir/models/`` with
+    ``num_hidden_layers`` = `layers` (0: unchanged) and, for `weights` ``"fp8"``, the block-FP8
+    ``quantization_config`` (``"bf16"``: none). The copy's directory name says what changed
+    (``deepseek-v3-shape-L24-bf16``), so reports and result files name it. Returns its directory."""
+    if not layers and not weights:
+        return model_dir
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    name = os.path.basename(os.path.normpath(model_dir))
+    if layers:
+        if layers < 1:
+            raise SystemExit(f"--layers {layers}: must be at least 1")
+        c["num_hidden_layers"] = layers
+        # DeepSeek's first dense layers: keep the count valid when fewer layers remain
+        if "first_k_dense_replace" in c:
+            c["first_k_dense_replace"] = min(int(c["first_k_dense_replace"]), layers)
+        name += f"-L{layers}"
+    if weights == "fp8":
+        c["quantization_config"] = dict(FP8_BLOCK)
+        name += "-fp8"
+    elif weights == "bf16":
+        c.pop("quantization_config", None)
+        name += "-bf16"
+    elif weights:
+        raise SystemExit(f"--weights {weights!r}: choose fp8 or bf16")
+    d = os.path.join(os.path.abspath(out_dir), "models", name)
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, "config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(c, f, indent=2)
+    os.replace(tmp, os.path.join(d, "config.json"))
+    for extra in os.listdir(model_dir):  # tokenizer and generation files travel with the config
+        if extra != "config.json" and os.path.isfile(os.path.join(model_dir, extra)):
+            shutil.copyfile(os.path.join(model_dir, extra), os.path.join(d, extra))
+    return d
 
 
 def admin(srv: "Server", method: str, path: str, key: str, body: dict | None = None,

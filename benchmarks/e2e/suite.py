@@ -56,8 +56,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2elib import (Result, Server, _jsonable, admin, backed_up_tokens, drop_caches, free_port,  # noqa: E402
-                    generate, install_guard, log_facts, machine, metrics_lines, model_info, overwrite, pct, raw_disk,
-                    stop_leftovers, tokens, versions, wait_writes_quiet)
+                    generate, install_guard, log_facts, machine, metrics_lines, model_info, model_variant, overwrite,
+                    pct, raw_disk, stop_leftovers, tokens, versions, wait_writes_quiet)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEY = "hicache-gds-suite"
@@ -174,6 +174,7 @@ def server_command(a: argparse.Namespace, port: int) -> tuple[list[str], dict[st
         "--hicache-io-backend", "kernel", "--hicache-write-policy", "write_through",
         "--hicache-storage-backend", "gds", "--hicache-storage-prefetch-policy", "wait_complete",
         "--hicache-storage-backend-extra-config", json.dumps(gds_extra(a))]
+    cmd += tp_args(a)
     env = dict(os.environ)
     env["GDS_PATH"] = ",".join(gds_dirs(a))
     env["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] = os.path.join(a.dir, "nixl")
@@ -183,6 +184,17 @@ def server_command(a: argparse.Namespace, port: int) -> tuple[list[str], dict[st
     if getattr(a, "trace", False):  # the prefetch timeline of every backend (trace_report.py reads it)
         env["HICACHE_GDS_TRACE"] = "1"
     return cmd, env
+
+
+def tp_args(a: argparse.Namespace) -> list[str]:
+    """``--tp-size N`` where ``--tp`` asks for more than one GPU (TP=1: the command as before).
+
+    What is sized per GPU stays as given: ``--max-total-tokens`` counts tokens, and every rank's
+    pool holds all of them (its share of the KV heads, or for MLA the whole latent);
+    ``--mem-fraction-static`` is each GPU's fraction. The host pool and the L3 are per rank too:
+    with MHA each rank stores its heads' share of a page, with MLA rank 0 alone writes and every
+    rank reads (hicache-gds' MLA split)."""
+    return ["--tp-size", str(a.tp)] if getattr(a, "tp", 1) > 1 else []
 
 
 def gds_dirs(a: argparse.Namespace) -> list[str]:
@@ -525,12 +537,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet-s", type=float, default=2.0,
                    help="before each measurement and after writing the L3s, wait until the L3 devices have "
                         "written nothing for this long (their sectors written, /sys/dev/block; 0: no wait)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: the server gets --tp-size N (N GPUs); recorded in the report")
+    g.add_argument("--layers", type=int, default=0,
+                   help="run the model's shape with this many layers: a copy of its config.json under "
+                        "<out>/models/ (num_hidden_layers=N), named <shape>-L<N> in the report and result files")
+    g.add_argument("--weights", default="", choices=("", "bf16", "fp8"),
+                   help="weights' dtype in that copy: fp8 adds DeepSeek-V3's block-FP8 quantization_config, "
+                        "bf16 drops any (default: the config's own)")
     g.add_argument("--trace", action="store_true",
                    help="log each request's prefetch timeline in the server (HICACHE_GDS_TRACE=1; trace_report.py)")
 
 
 def main(a: argparse.Namespace) -> int:
-    a.model_info = model_info(a.model)
+    if a.tp < 1:
+        raise SystemExit(f"--tp {a.tp}: must be at least 1")
+    a.model = model_variant(a.model, a.out, a.layers, a.weights)
+    a.model_info = model_info(a.model, a.tp)
     a.shape = a.model_info["name"]
     a.vocab = a.model_info["vocab_size"]
     if a.configs == "recompute,hicache,file,nixl,gds":  # bench_sglang_server's default: the suite's instead
@@ -543,7 +566,8 @@ def main(a: argparse.Namespace) -> int:
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.dir, exist_ok=True)
     kv = a.model_info["kv_bytes_per_token"]
-    print(f"[suite] {a.shape}: {kv} bytes of KV per token ({kv / 1024:.0f} KiB); L3 of {a.prefixes} prompts "
+    print(f"[suite] {a.shape} ({a.model_info['attention']}, {a.model_info['layers']} layers, TP={a.tp}): {kv} bytes "
+          f"of KV per token in L3 ({kv / 1024:.0f} KiB); L3 of {a.prefixes} prompts "
           f"{lengths(a)[0]}-{lengths(a)[-1]} tokens = {sum(lengths(a)) * kv / 1e9:.1f} GB (gds), "
           f"{sum(lengths(a)[i] for i in single_set(a)) * kv / 1e9:.1f} GB (nixl)", flush=True)
     return Suite(a).run()

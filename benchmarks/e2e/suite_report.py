@@ -186,7 +186,11 @@ def markdown(doc: dict[str, Any], s: dict[str, Any], extra: Any = ()) -> str:
     """The report; `extra` (lines) goes before the targets."""
     a, m = doc.get("args", {}), doc.get("model", {})
     lines = [f"# Compute or load: {m.get('name')} ({m.get('kv_bytes_per_token', 0) // 1024} KiB of KV per token), "
-             f"{doc.get('machine')}", "",
+             f"TP={a.get('tp', 1)}, {doc.get('machine')}", "",
+             f"{m.get('layers')} layers, {m.get('attention', 'mha')} attention"
+             + (", one latent per token and layer: rank 0 writes the L3, every rank reads it"
+                if m.get('attention') == "mla" else "")
+             + (f", {m['quantization']} weights" if m.get("quantization") else ""), "",
              f"sglang {doc.get('versions', {}).get('sglang')}, one server, configurations switched at runtime; "
              f"page {a.get('page_size')}, GPU pool {a.get('max_total_tokens')} tokens, host pool x{a.get('hicache_ratio')}, "
              f"chunk {a.get('chunk')}, {a.get('gen')} greedy tokens per request; prompts "

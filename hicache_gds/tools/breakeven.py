@@ -26,15 +26,20 @@ _COMMON = (("8B-class (Llama-3-8B: 128 KiB)", 128 << 10), ("32B-class (64 layers
 
 def kv_bytes_per_token(model: str) -> tuple[str, int]:
     """(name, KV bytes per token on one GPU) from a Hugging Face config.json (or its directory):
-    layers x (K, V) x KV heads x head dim x dtype bytes. `ValueError` naming what is missing."""
+    layers x (K, V) x KV heads x head dim x dtype bytes; for MLA (a config with ``kv_lora_rank``:
+    DeepSeek-V2/V3) layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, one latent per layer
+    rather than per head. `ValueError` naming what is missing."""
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     try:
         with open(path) as f:
             c = json.load(f)
-        heads = int(c["num_attention_heads"])
-        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
-        kv = int(c["num_hidden_layers"]) * 2 * int(c.get("num_key_value_heads", heads)) * head_dim * \
-            _DTYPE_BYTES.get(str(c.get("torch_dtype", "bfloat16")), 2)
+        nbytes = _DTYPE_BYTES.get(str(c.get("torch_dtype", "bfloat16")), 2)
+        if c.get("kv_lora_rank") is not None:
+            kv = int(c["num_hidden_layers"]) * (int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim", 0))) * nbytes
+        else:
+            heads = int(c["num_attention_heads"])
+            head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+            kv = int(c["num_hidden_layers"]) * 2 * int(c.get("num_key_value_heads", heads)) * head_dim * nbytes
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--model {model}: not a readable Hugging Face config.json ({type(exc).__name__}: {exc})") \
             from exc

@@ -596,3 +596,81 @@ def test_a_new_host_pool_rebinds_the_same_namespace(gds_dir):
         assert same_pages(first, list(range(4)), second, list(range(4)))
     finally:
         b.close()
+
+
+def test_mla_eight_ranks_one_writer_seven_readers_at_once(gds_dir):
+    """TP=8 on an MLA model (DeepSeek-V3 at TP=8): rank 0 writes, ranks 1-7 read the same pages in
+    their own threads while the writer keeps adding new ones, then the writer restarts. Every get
+    returns exactly the writer's bytes or a miss (its destination poisoned first, so a partial copy
+    shows); readers' sets are no-ops that report success and write nothing."""
+    tp, batch, first, later = 8, 4, 32, 8
+    ks = keys(first + later, "mla8")
+    wpool = make_pool("mla", "page_first", seed=int.from_bytes(os.urandom(4), "little"))
+    src = {k: page_bytes(wpool, i) for i, k in enumerate(ks)}  # key i is the writer's page i
+    writer = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=0, tp_size=tp), wpool)
+    rpools = [make_pool("mla", "page_first", seed=None) for _ in range(1, tp)]  # a host pool per rank
+    readers = [attach(storage_config(gds_dir, is_mla_model=True, tp_rank=r, tp_size=tp), pool)
+               for r, pool in zip(range(1, tp), rpools)]
+    done = threading.Event()
+    wrong: list[str] = []
+    hits = [0] * len(readers)
+
+    def write(lo: int, hi: int) -> None:
+        for s in range(lo, hi, batch):
+            assert writer.batch_set_v1(ks[s:s + batch], indices(range(s, s + batch))) == [True] * batch
+
+    def read(n: int) -> None:
+        reader, pool = readers[n], rpools[n]
+        dst = list(range(first))
+        while True:
+            last = done.is_set()  # one more full pass after the writer's last batch
+            poison(pool, dst, value=0x5A + n)
+            got = reader.batch_get_v1(ks[:first], indices(dst))
+            for k, d, ok in zip(ks, dst, got):
+                if ok:
+                    hits[n] += 1
+                    if page_bytes(pool, d) != src[k]:
+                        wrong.append(f"rank {n + 1}: {k} in page {d}")
+            assert reader.batch_set_v1(ks[:batch], indices(dst[:batch])) == [True] * batch  # the writer's job
+            if last:
+                assert got == [True] * first, f"rank {n + 1} missed pages the writer had finished"
+                return
+
+    errors: list[BaseException] = []
+
+    def guarded(f, *args) -> None:
+        try:
+            f(*args)
+        except BaseException as exc:  # noqa: BLE001 -- re-raised in the test's thread
+            errors.append(exc)
+        finally:
+            if f is write:
+                done.set()  # the readers' next pass is their last (also when the writer failed)
+
+    try:
+        threads = [threading.Thread(target=guarded, args=(read, n)) for n in range(len(readers))]
+        threads.append(threading.Thread(target=guarded, args=(write, 0, first)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[0]
+        assert not wrong, wrong[:5]
+        assert all(hits), hits
+        writer.close()  # a restarted writer keeps serving the readers, and adds to what they find
+        writer = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=0, tp_size=tp), wpool)
+        write(first, first + later)
+        for n, (reader, pool) in enumerate(zip(readers, rpools)):
+            assert reader.batch_exists(ks) == first + later
+            dst = list(range(first + later))
+            poison(pool, dst, value=0xC3)
+            assert reader.batch_get_v1(ks, indices(dst)) == [True] * (first + later)
+            assert all(page_bytes(pool, d) == src[k] for k, d in zip(ks, dst)), f"rank {n + 1}"
+        # the readers' sets wrote nothing: keys only a reader was given stay unknown to the writer
+        only_read = keys(batch, "mla8-reader")
+        assert all(r.batch_set_v1(only_read, indices(range(batch))) == [True] * batch for r in readers)
+        assert writer.batch_exists(only_read) == 0
+    finally:
+        writer.close()
+        for r in readers:
+            r.close()

@@ -9,6 +9,7 @@ hooks exactly as SGLang's HookRegistry wrapper does: ``hook(original, self, *arg
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -1043,3 +1044,51 @@ def test_a_fresh_store_decides_with_a_probed_read_rate(gds_dir, caplog):
         assert b.read_rate.source.startswith("configured") and abs(b.read_rate.rate - 1.5e9) < 1
     finally:
         b.close()
+
+
+_RANK = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    try:
+        from sglang.srt.mem_cache.hiradix_cache import HiRadixCache as CACHE
+    except ImportError:
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as CACHE
+    from hicache_gds_sglang import policy
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cache = object.__new__(CACHE)  # what SGLang's own _all_reduce reads at TP=world, one PP stage
+    cache.tp_world_size, cache.tp_group, cache.pp_rank, cache.pp_size, cache.pp_group = \\
+        world, dist.group.WORLD, 0, 1, None
+    cache.attn_cp_group = cache.attn_tp_group = None
+    out = {"load": policy._agree(cache, rank != 5, "MIN"),     # one rank cannot load: none does
+           "stop": policy._agree(cache, rank == 3, "MAX"),     # one rank stops: all stop
+           "take": policy._agree_int(cache, 1000 * (rank + 1) + 64, "MIN"),  # the tokens all of them hold
+           "single": policy._single_rank(cache)}
+    dist.destroy_process_group()
+    print(json.dumps(out))
+""")
+
+
+def test_decisions_are_agreed_across_eight_tp_ranks_through_sglangs_all_reduce():
+    """TP=8 (DeepSeek-V3 at TP=8): eight processes, a gloo group standing in for SGLang's TP group,
+    SGLang's own cache class doing the reduction; every rank ends with the same verdicts although
+    each started from its own."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), "8", port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(8)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert outs == [{"load": False, "stop": True, "take": 1064, "single": False}] * 8
