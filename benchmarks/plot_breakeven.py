@@ -30,6 +30,7 @@ Needs matplotlib (``pip install 'hicache-gds[plot]'``) for the figure only; `cur
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -39,11 +40,12 @@ import numpy as np
 
 from hicache_gds.costmodel import CostModel, PrefillModel, ReadRate, breakeven_prefill_rate
 
-__all__ = ["Rates", "Curves", "curves", "plot", "main", "DEFAULT_COEFFICIENTS"]
+__all__ = ["Rates", "Curves", "curves", "measured_points", "plot", "main", "DEFAULT_COEFFICIENTS"]
 
 # (a, b, c) fitted on run 14's recompute TTFTs (H200, Llama-3-8B shape, SGLang 0.5.17):
-# PrefillModel().observe([n], [0], ttft) per revisit, then .coefficients(). `a` came out 0: over
-# 10k-27k tokens attention dominates, and the per-token term hides in `c` (0.12 s a request).
+# PrefillModel().observe([n], [0], ttft) per revisit, then .coefficients(); run 13's 8 revisits
+# give b 4.80e-9, c 0.109. `a` came out 0: over 10k-27k tokens the fit cannot tell a per-token
+# term from the constant and attention, so below ~8k tokens the recompute curve is a guess.
 DEFAULT_COEFFICIENTS = (0.0, 4.8169e-9, 0.12409)
 DEFAULT_SOURCE = "H200, Llama-3-8B shape, fit on 16 recompute TTFTs of 10k-27k tokens (RESULTS run 14)"
 DEFAULT_KV = 128 << 10
@@ -124,7 +126,6 @@ def measured_points(path: str) -> tuple[list[tuple[int, float]], list[tuple[int,
     """(recompute, load) (prompt tokens, TTFT s) of one at a time revisits in a suite's JSON
     (`benchmarks/e2e/suite.py`: configurations `recompute` and `gds-wait_complete`, which loads
     every hit), and the raw O_DIRECT read rate of that run in GB/s."""
-    import json
     with open(path) as f:
         d = json.load(f)
     rec, load = [], []
