@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from hicache_gds import PageStore, Pages
 from hicache_gds.cli import main
@@ -245,6 +246,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_verify_while_another_process_writes_and_evicts_reports_nothing_false(gds_dir):
     # PYTHONHASHSEED fixed: the writer derives page bytes from hash(key)
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONHASHSEED="0")

@@ -94,6 +94,7 @@ def test_a_named_engine_that_cannot_run_is_an_error(capsys, gds_dir):
 
 # --------------------------------------------------------------------------- modes and output
 
+@pytest.mark.slow
 def test_randrw_numjobs_iodepth_and_normal_output(capsys, gds_dir):
     rc, out, _ = bench(capsys, "--rw=randrw", "--rwmixread=60", "--bs=64k", "--batch=4", "--size=2m",
                        "--iodepth=2", "--numjobs=2", "--verify=1", "--drop-caches=0", "--fio=0",
@@ -105,6 +106,7 @@ def test_randrw_numjobs_iodepth_and_normal_output(capsys, gds_dir):
     assert "\nRun status group 0 (all jobs):\n" in out and "x raw" in out       # the summary table
 
 
+@pytest.mark.slow
 def test_numjobs_are_processes_sharing_one_namespace(capsys, gds_dir, tmp_path):
     """fio's numjobs: every job is a process with its own PageStore on the one namespace; written
     pages are verified by the runner's process, time-based jobs loop on their own."""
@@ -190,6 +192,7 @@ def test_verify_reports_a_flipped_byte(gds_dir, monkeypatch, store_checksums):
     assert "err=84 (verify: 1 of 16 page(s) bad" in to_fio_normal([r])
 
 
+@pytest.mark.slow
 def test_racing_jobs_report_evicted_pages_and_still_catch_wrong_bytes(gds_dir):
     """numjobs that loop on their own evict one another's pages (LRU): a job whose last pass ended
     first may lose part of it before the verify. Pages gone are reported as evicted (as many as

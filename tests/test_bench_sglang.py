@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+# a timeline over SGLang's classes: ~25 s on 2 cores (scripts/test.sh --quick leaves it out)
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

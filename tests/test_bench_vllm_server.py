@@ -65,6 +65,7 @@ def test_command_lines_of_every_configuration(tmp_path):
     assert extra["load_bytes_per_s"] == 1_660_000_000  # gds-cost starts from the raw read of the same run
 
 
+@pytest.mark.slow
 def test_dry_run_tables_resume_and_deadline(tmp_path):
     assert run(tmp_path, "--configs", "recompute,cpu", "--raw-size", str(32 << 20)) == 0
     doc = json.load(open(tmp_path / "out" / "results.json"))
@@ -89,6 +90,7 @@ def test_dry_run_tables_resume_and_deadline(tmp_path):
     assert doc3["unfinished"] == ["bounce"] and len(doc3["records"]) == 3
 
 
+@pytest.mark.slow
 def test_leftover_server_of_a_killed_run_is_stopped(tmp_path):
     """A harness killed by the device call's timeout leaves its server (its own session) running; the
     next run stops it before starting its own."""
@@ -134,6 +136,7 @@ def test_sigterm_stops_the_server(tmp_path):
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_configuration_that_stalls_is_bounded_and_the_run_goes_on(tmp_path, monkeypatch):
     """A server whose requests stop being answered (the first GPU run: a load retried for minutes)
     costs its workload's timeout, records the error with what it measured, and the next
@@ -151,6 +154,7 @@ def test_a_configuration_that_stalls_is_bounded_and_the_run_goes_on(tmp_path, mo
     assert "| gds | error: WorkloadTimeout" in md and "| recompute |" in md
 
 
+@pytest.mark.slow
 def test_a_configuration_whose_requests_all_fail_prints_dashes(tmp_path, monkeypatch):
     """Every request of a configuration failing leaves no TTFT: the table prints "-" (the first GPU
     run's harness crashed formatting None)."""
@@ -164,6 +168,7 @@ def test_a_configuration_whose_requests_all_fail_prints_dashes(tmp_path, monkeyp
     assert "- / - / -" in row and "None" not in row
 
 
+@pytest.mark.slow
 def test_the_default_gpu_plan_dry_run(tmp_path):
     """run_vllm_e2e.sh without arguments -- the one device call of the plan: the 8B shape's recompute
     and gds, the 32B shape's recompute, gds-cost and gds, then the 8B shape's cpu (vLLM's own CPU

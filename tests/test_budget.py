@@ -166,6 +166,7 @@ def test_least_recently_used_idle_namespaces_go_first(tmpfs, caplog):
     assert _below_ceiling(tmpfs)
 
 
+@pytest.mark.slow
 def test_last_use_is_recorded_durably_and_ls_shows_idle_namespaces_and_since_when(tmpfs, capsys):
     # A closed namespace, an open one, and one whose process was killed with SIGKILL after a write.
     with _open(tmpfs, "closed", capacity="4M") as st:
@@ -213,6 +214,7 @@ def test_last_use_is_recorded_durably_and_ls_shows_idle_namespaces_and_since_whe
         assert "2 idle (" in text and "least recently used first" in text
 
 
+@pytest.mark.slow
 def test_two_processes_opening_new_namespaces_at_once_remove_only_idle_ones(tmpfs):
     """Two processes open new namespaces at the same moment on a mount where idle namespaces hold
     the room they need: each opens, each removes an idle namespace (never the other's, just

@@ -7,6 +7,9 @@ import pytest
 
 from hicache_gds.testing.crash import run_rounds
 
+# kill -9 rounds in subprocesses: ~45 s on 2 cores (scripts/test.sh --quick leaves them out)
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("engine", ["nixl-posix", "bounce"])
 def test_kill9_during_puts(gds_dir, engine):

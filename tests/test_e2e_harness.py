@@ -71,6 +71,7 @@ def test_the_plan_interleaves_configurations_and_repeats():
         suite.parse_reps("single=three")
 
 
+@pytest.mark.slow
 def test_a_dry_run_measures_everything_then_resumes_with_nothing_to_do(tmp_path):
     r = run(tmp_path, "--plot")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -98,6 +99,7 @@ def suite_args(doc):
     return type("A", (), {k: a[k] for k in ("configs", "reps", "workloads", "open_configs", "rates")})()
 
 
+@pytest.mark.slow
 def test_a_deadline_stops_early_and_the_next_call_reuses_the_l3(tmp_path):
     r = run(tmp_path, "--deadline", "8")
     assert r.returncode == 3, r.stdout[-3000:]
@@ -236,6 +238,7 @@ def test_the_ideal_server_fits_the_prefill_and_bounds_the_open_loop():
     assert k["split_ratio"] <= k["joined_ratio"] <= k["per_request_ratio"] < 1.0
 
 
+@pytest.mark.slow
 def test_the_report_sets_the_open_loop_against_the_ideal_server():
     import open_loop_bound as olb
 

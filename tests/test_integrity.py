@@ -30,6 +30,7 @@ def judge(case):
 # -- 1. failures between reserve and publish -----------------------------------------------------------------
 
 @pytest.mark.parametrize("fault", I.FAULTS)
+@pytest.mark.slow
 def test_a_failing_put_gives_its_slots_back_and_evicts_nothing(gds_dir, fault):
     """64 slots, 32 acknowledged pages, 8 failing puts of 8 pages; then 16 pages from this process and
     8 from another go in, and the acknowledged pages read byte-exact (none was evicted)."""
@@ -320,6 +321,7 @@ def test_a_membership_is_never_judged_dead_while_it_is_being_created(gds_dir):
     judge(case)
 
 
+@pytest.mark.slow
 def test_processes_opening_and_closing_one_namespace_never_judge_a_live_one_dead(gds_dir):
     case = I.membership_processes_case(gds_dir, processes=3, seconds=2)
     judge(case)

@@ -42,6 +42,7 @@ def test_pages_published_by_one_process_are_read_byte_exact_by_another(gds_dir):
         assert index_problems(me.index) == []
 
 
+@pytest.mark.slow
 def test_the_same_keys_put_by_several_processes_at_once_are_stored_once(gds_dir):
     ks = keys(48)
     peers = [Peer(gds_dir, slots=3 * 48) for _ in range(3)]  # room for every copy in flight

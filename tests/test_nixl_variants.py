@@ -139,6 +139,7 @@ def _stored(r: dict) -> None:
 
 
 @pytest.mark.parametrize("variant", ["cu12", "cu13"])
+@pytest.mark.slow
 def test_only_one_build_installed_is_used(sites, tmp_path, variant):
     # `python -S`: no site-packages, so this build is the only NIXL (no meta-package, no torch)
     r = _run(tmp_path, [sites[variant], sites["deps"]], isolated=True)
@@ -179,6 +180,7 @@ _CUDA12 = ("import torch, torchvision\n"
            "torch.version.cuda = '12.8'  # a CUDA 12 build of torch, as NIXL's meta-package reads it\n")
 
 
+@pytest.mark.slow
 def test_cuda12_host_with_the_meta_package_uses_cu12_like_sglang(sites, tmp_path):
     # This environment has nixl-cu13 and the meta-package; nixl-cu12 added in front. The meta-package
     # picks cu12 for a CUDA 12 torch, so hicache-gds must too, or SGLang's import fails afterwards.
@@ -189,6 +191,7 @@ def test_cuda12_host_with_the_meta_package_uses_cu12_like_sglang(sites, tmp_path
     _stored(r)
 
 
+@pytest.mark.slow
 def test_sglang_imported_nixl_first_hicache_gds_follows(sites, tmp_path):
     prelude = _CUDA12 + "from nixl._api import nixl_agent, nixl_agent_config  # as HiCacheNixl does\n"
     r = _run(tmp_path, [sites["cu12"]], prelude=prelude, SGLANG_NIXL="1")
@@ -204,6 +207,7 @@ def test_a_build_imported_directly_wins_over_the_meta_package(sites, tmp_path):
     _stored(r)
 
 
+@pytest.mark.slow
 def test_this_environment_cuda13_torch_with_sglang(tmp_path):
     r = _run(tmp_path, [], SGLANG_NIXL="1")
     assert r["info"]["variant"] == "cu13" and r["sglang_same_agent_class"] is True, r
@@ -211,6 +215,7 @@ def test_this_environment_cuda13_torch_with_sglang(tmp_path):
     _stored(r)
 
 
+@pytest.mark.slow
 def test_doctor_names_the_build_and_the_cuda_it_found(sites, tmp_path):
     for path, variant in (([sites["cu12"], sites["deps"]], "cu12"), ([sites["cu13"], sites["deps"]], "cu13")):
         # sized: a default capacity depends on how full the (shared) disk is

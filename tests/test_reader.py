@@ -359,6 +359,7 @@ _RACE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("engine,page", [("nixl-posix", P), ("nixl-posix", 50000), ("bounce", 16 << 10)])
+@pytest.mark.slow
 def test_concurrent_writer_process_never_makes_a_reader_process_return_wrong_bytes(gds_dir, engine, page):
     seconds, slots, nkeys = 3.0, 16, 48
     args = [gds_dir, engine, str(page), str(slots), str(nkeys), str(seconds)]

@@ -39,6 +39,7 @@ def run_module(module: str, *args: str, timeout: float = 600) -> dict:
 # -- 1. kill -9 ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.slow
 def test_kill9_torture(gds_dir, target):
     runs = run_module("hicache_gds.testing.torture", "--gds-path", gds_dir, "--target", target, "--mode",
                       "put,evict,clear", "--rounds", "3", "--max-delay", "0.5", "--aimed", "0.67", "--seed", "7",
@@ -51,6 +52,7 @@ def test_kill9_torture(gds_dir, target):
     assert {t["mode"] for t in runs} == {"put", "evict", "clear"}
 
 
+@pytest.mark.slow
 def test_kill9_torture_of_one_namespace_with_three_writers(gds_dir):
     runs = run_module("hicache_gds.testing.torture_mp", "--gds-path", gds_dir, "--writers", "3", "--mode", "put,evict",
                       "--kills", "5", "--max-delay", "0.4", "--seed", "3", "--quiet")
@@ -62,6 +64,7 @@ def test_kill9_torture_of_one_namespace_with_three_writers(gds_dir):
     assert [t["mode"] for t in runs] == ["put", "evict"]
 
 
+@pytest.mark.slow
 def test_index_recovery_time_small(gds_dir):
     r = run_module("hicache_gds.testing.torture", "--gds-path", gds_dir, "--recovery-pages", "20000")
     assert r["pages"] == 20000 and r["after_kill_pages"] == 20000 and r["killed"]
@@ -73,6 +76,7 @@ def test_index_recovery_time_small(gds_dir):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("state", ["closed", "open"])
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_corruption(gds_dir, target, name, state):
     (case,) = corruption_cases(gds_dir, target, names=[name], states=[state])
     assert case.wrong_bytes == 0 and case.exceptions == 0, case.problems
@@ -82,6 +86,7 @@ def test_corruption(gds_dir, target, name, state):
 # -- 3. resource faults --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.slow
 def test_resource_faults(gds_dir, target):
     from hicache_gds.testing.faults import fault_cases
     cases = fault_cases(gds_dir, target, sglang_seconds=2)
@@ -94,6 +99,7 @@ def test_resource_faults(gds_dir, target):
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("evict", [False, True])
+@pytest.mark.slow
 def test_concurrency_threads(gds_dir, target, evict):
     from hicache_gds.testing.stress import concurrency
     r = concurrency(gds_dir, target, seconds=5, evict=evict, rest_every=2, stall_s=30)
@@ -101,6 +107,7 @@ def test_concurrency_threads(gds_dir, target, evict):
     assert r["put_acked"] > 0 and r["hits"] > 0 and r["rest_checks"] >= 1
 
 
+@pytest.mark.slow
 def test_two_processes_share_gds_path(gds_dir):
     from hicache_gds.testing.stress import two_processes
     r = two_processes(gds_dir, "store", seconds=4)
@@ -109,6 +116,7 @@ def test_two_processes_share_gds_path(gds_dir):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.slow
 def test_second_opener_of_a_namespace_shares_it(gds_dir, target):
     from hicache_gds.testing.stress import same_namespace_shared
     judge(same_namespace_shared(gds_dir, target))
@@ -161,6 +169,7 @@ def hostile_sglang_cases(tmp_path_factory):
                                   "HiCacheGDS: keys that are not a sequence (None, int), garbage v2 transfers",
                                   "region whose end wraps past 2**64 (from host_indices)",
                                   "HiCacheGDS construction: bad extra config"])
+@pytest.mark.slow
 def test_hostile_sglang(hostile_sglang_cases, name):
     case = hostile_sglang_cases[name]
     if "construction" not in name and "wraps" not in name:
@@ -197,6 +206,7 @@ def test_no_keys_or_page_bytes_in_logs(gds_dir, target):
 
 # -- 7. integrity under faults -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_integrity_families_as_the_full_run_reports_them(gds_dir):
     """Every CPU family of section 7, small (the focused reproductions: tests/test_integrity.py)."""
     from hicache_gds.testing.integrity import integrity_cases

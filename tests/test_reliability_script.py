@@ -9,6 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# the whole reliability script: ~4.5 min on 2 cores (scripts/test.sh --quick leaves it out)
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

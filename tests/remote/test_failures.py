@@ -10,6 +10,8 @@ import threading
 import time
 import uuid
 
+import pytest
+
 from remote_procs import PAGE
 from remote_helpers import Bufs, tier
 
@@ -27,6 +29,7 @@ def sids_of(t, keys):  # noqa: ANN001
     return [e.split("|")[0] if e else None for e in t.dir.lookup(t.namespace, keys)]
 
 
+@pytest.mark.slow
 def test_server_killed_mid_stream_gives_misses_not_errors(own_redis, spawn):
     prefix = "k" + uuid.uuid4().hex[:6]
     servers = [spawn(own_redis.url, f"m{i}", prefix, size="24M", ttl=2.0) for i in range(2)]

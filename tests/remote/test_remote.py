@@ -132,6 +132,7 @@ def _result(p: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_same_key_race_leaves_one_copy(cluster):
     """Two processes put the same keys (different bytes) at the same moment: one copy per key survives."""
     ident, keys = uuid.uuid4().hex, keys_of(48)
@@ -165,6 +166,7 @@ def test_same_key_race_leaves_one_copy(cluster):
         t.close()
 
 
+@pytest.mark.slow
 def test_concurrent_clients_in_two_processes(cluster):
     ident = uuid.uuid4().hex
     ka, kb = keys_of(32, "a" + ident[:4]), keys_of(32, "b" + ident[:4])

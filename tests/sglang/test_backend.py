@@ -130,6 +130,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_pages_survive_a_process_restart(gds_dir):
     tests = os.path.dirname(HERE)
     out = subprocess.run([sys.executable, "-c", _WRITER, gds_dir, HERE, tests], capture_output=True, text=True,
@@ -169,6 +170,7 @@ _PEER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first_direct")])
+@pytest.mark.slow
 def test_two_servers_in_two_processes_share_pages_byte_exact(gds_dir, kind, layout):
     """Two HiCacheGDS backends (DP ranks 0 and 1: once two servers' worth of namespaces) in two
     processes, both attached at once: each loads what the other stored, byte-exact."""
