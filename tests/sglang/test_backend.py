@@ -600,6 +600,7 @@ def test_a_new_host_pool_rebinds_the_same_namespace(gds_dir):
         b.close()
 
 
+@pytest.mark.slow
 def test_mla_eight_ranks_one_writer_seven_readers_at_once(gds_dir):
     """TP=8 on an MLA model (DeepSeek-V3 at TP=8): rank 0 writes, ranks 1-7 read the same pages in
     their own threads while the writer keeps adding new ones, then the writer restarts. Every get

@@ -1070,6 +1070,7 @@ _RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_decisions_are_agreed_across_eight_tp_ranks_through_sglangs_all_reduce():
     """TP=8 (DeepSeek-V3 at TP=8): eight processes, a gloo group standing in for SGLang's TP group,
     SGLang's own cache class doing the reduction; every rank ends with the same verdicts although
