@@ -23,7 +23,7 @@ page (named in `P:own`): meant for one Redis instance, not Redis Cluster.
 
 from __future__ import annotations
 
-__all__ = ["REGISTER", "HEARTBEAT", "UNREGISTER", "RESERVE", "PUBLISH", "ABORT", "LOOKUP", "VALIDATE",
+__all__ = ["REGISTER", "FILL", "HEARTBEAT", "UNREGISTER", "RESERVE", "PUBLISH", "ABORT", "LOOKUP", "VALIDATE",
            "DELETE", "CLEAR", "ENTRY_SEP"]
 
 ENTRY_SEP = "|"
@@ -111,14 +111,24 @@ redis.call('DEL', srv, free, lru, own, pend)
 local fields = {'epoch', epoch, 'gen', 0, 'evictions', 0}
 for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', srv, unpack(fields))
-local chunk = {}
-for s = 0, nslots - 1 do
-  chunk[#chunk + 1] = s
-  if #chunk == 4000 then redis.call('RPUSH', free, unpack(chunk)); chunk = {} end
-end
-if #chunk > 0 then redis.call('RPUSH', free, unpack(chunk)) end
 for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ttl) end
 redis.call('SADD', P..':servers', sid)
+return 1
+"""
+
+# KEYS: srv free. ARGV: P sid epoch ttl_ms first count -> 1, or 0 when this epoch is gone.
+# The free list is filled after REGISTER in calls of a bounded size (`Directory.FILL_SLOTS`), so
+# that a large pool never holds Redis for long: one script blocks every other client meanwhile.
+FILL = r"""
+local epoch, ttl, first, n = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+if redis.call('HGET', KEYS[1], 'epoch') ~= epoch then return 0 end
+local chunk = {}
+for s = first, first + n - 1 do
+  chunk[#chunk + 1] = s
+  if #chunk == 4000 then redis.call('RPUSH', KEYS[2], unpack(chunk)); chunk = {} end
+end
+if #chunk > 0 then redis.call('RPUSH', KEYS[2], unpack(chunk)) end
+redis.call('PEXPIRE', KEYS[2], ttl)
 return 1
 """
 

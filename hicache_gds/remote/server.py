@@ -84,7 +84,9 @@ class PageServer:
                           host=socket.gethostname(), pid=os.getpid())
 
     def register(self) -> None:
-        """Publish the pool under a new epoch (every slot free)."""
+        """Publish the pool under a new epoch (every slot free). One cut short (Redis failed while
+        its free list was filled) is made again, with a new epoch, at the next heartbeat."""
+        self.registered = False
         self.epoch = uuid.uuid4().hex[:12]
         self.dir.register_server(self._info(), self.ttl)
         self.registered = True

@@ -217,3 +217,24 @@ def test_redis_auth_in_the_url_and_never_in_a_message(tmp_path, spawn, caplog):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_large_pool_is_registered_in_bounded_steps(own_redis, monkeypatch):
+    """The free list is filled after REGISTER in scripts of at most `FILL_SLOTS` slots (a 4M-slot
+    pool in one script held Redis for over a second); every slot ends up free exactly once, and a
+    fill of an epoch registered over meanwhile stops."""
+    from hicache_gds.remote.directory import Directory, ServerInfo
+    monkeypatch.setattr(Directory, "FILL_SLOTS", 7)
+    d = Directory(own_redis.url, "fill")
+    calls = []
+    real = d._call
+    monkeypatch.setattr(d, "_call", lambda what, *a: calls.append(what) or real(what, *a))
+    info = ServerInfo(sid="s1", epoch="e1", agent="a1", metadata=b"md", base=0, slot_bytes=4096, nslots=100,
+                      host="h", pid=1)
+    d.register_server(info, 30.0)
+    assert calls == ["register"] + ["fill"] * 15
+    free = [int(x) for x in d.r.lrange("fill:free:s1", 0, -1)]
+    assert sorted(free) == list(range(100)) and 0 < d.r.pttl("fill:free:s1") <= 30000
+    d.register_server(ServerInfo(**{**info.__dict__, "epoch": "e2"}), 30.0)
+    stale = d._s["FILL"](keys=["fill:srv:s1", "fill:free:s1"], args=["fill", "s1", "e1", 30000, 100, 7])
+    assert stale == 0 and d.r.llen("fill:free:s1") == 100
