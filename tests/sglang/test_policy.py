@@ -1055,16 +1055,16 @@ _RANK = textwrap.dedent("""
         from sglang.srt.mem_cache.hiradix_cache import HiRadixCache as CACHE
     except ImportError:
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as CACHE
-    from hicache_gds_sglang import policy
+    from hicache_gds_sglang import view
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cache = object.__new__(CACHE)  # what SGLang's own _all_reduce reads at TP=world, one PP stage
     cache.tp_world_size, cache.tp_group, cache.pp_rank, cache.pp_size, cache.pp_group = \\
         world, dist.group.WORLD, 0, 1, None
     cache.attn_cp_group = cache.attn_tp_group = None
-    out = {"load": policy._agree(cache, rank != 5, "MIN"),     # one rank cannot load: none does
-           "stop": policy._agree(cache, rank == 3, "MAX"),     # one rank stops: all stop
-           "take": policy._agree_int(cache, 1000 * (rank + 1) + 64, "MIN"),  # the tokens all of them hold
-           "single": policy._single_rank(cache)}
+    out = {"load": view.agree(cache, rank != 5, "MIN"),     # one rank cannot load: none does
+           "stop": view.agree(cache, rank == 3, "MAX"),     # one rank stops: all stop
+           "take": view.agree_int(cache, 1000 * (rank + 1) + 64, "MIN"),  # the tokens all of them hold
+           "single": view.single_rank(cache)}
     dist.destroy_process_group()
     print(json.dumps(out))
 """)
