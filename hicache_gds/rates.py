@@ -25,8 +25,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["ReadRate", "PrefillModel", "LoadPace", "STATE_FILE", "estimates_state", "seed_from_state", "seed_read_rate", "load_state",
-           "save_state"]
+__all__ = ["ReadRate", "PrefillModel", "LoadPace", "STATE_FILE", "estimates_state", "seed_from_state", "seed_read_rate",
+           "load_state", "save_state"]
 
 STATE_FILE = "costmodel.json"
 """File name of the persisted estimates (in an adapter's namespace directory)."""
@@ -34,6 +34,7 @@ STATE_FILE = "costmodel.json"
 _PRIOR_WEIGHT = 256 << 20  # a seeded read rate counts as this many bytes of observed gets
 _MIN_BATCH_S = 1e-4
 _STATE_VERSION = 1
+
 
 class ReadRate:
     """Bytes per second of the store's recent gets (a window of the last `window` gets, weighted
