@@ -344,3 +344,18 @@ def test_a_tp8_dry_run_of_the_deepseek_shape_with_fewer_layers(tmp_path):
     fp8 = suite.model_variant(os.path.join(E2E, "deepseek-v3-shape"), str(tmp_path), 0, "fp8")
     assert json.load(open(os.path.join(fp8, "config.json")))["quantization_config"]["weight_block_size"] == [128, 128]
     assert os.path.basename(fp8) == "deepseek-v3-shape-fp8"
+
+
+def test_the_host_workload_revisits_a_prompt_after_pushing_it_out_of_the_gpu_pool(tmp_path):
+    r = run(tmp_path, "--workloads", "host", "--reps", "host=1", "--configs", "recompute,gds-wait_complete",
+            "--max-total-tokens", "2560")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.load(open(tmp_path / "out" / "suite-llama3-8b-shape.json"))
+    assert sorted(doc["cells"]) == ["host/gds-wait_complete/0", "host/recompute/0"]
+    for cell in doc["cells"].values():
+        assert [x["tag"] for x in cell["results"]] == ["host"] and cell["stats"]["errors"] == 0
+    md = open(tmp_path / "out" / "suite-llama3-8b-shape.md").read()
+    assert "## A host-only hit" in md
+    s = suite_report.summarize(doc)
+    assert s["tokens"]["gds-wait_complete"] == {"compared": 1, "identical": 1}
+    assert not fake_servers(tmp_path)

@@ -23,6 +23,10 @@ cache is dropped, so every revisit is served by L3 or recomputed. Workloads (``-
 
 * ``single``: ``--single`` of the prompts, one at a time (each prefix once per measurement);
 * ``burst``: ``--burst`` prompts sent at once: makespan, mean and p50/p90/p99 TTFT, output tokens/s;
+* ``host``: a host-only hit: a new prompt of the first length is computed, then enough shared
+  prompts of that length to push it out of the GPU pool (it stays in the host pool), and once
+  the L3 has written nothing for ``--quiet-s`` the prompt is revisited (another suffix): the
+  TTFT of a request the L3 does not serve, for each configuration (what the plugin costs there);
 * ``open``: Poisson arrivals at each of ``--rates`` requests/s (the same arrival times for every
   configuration of a repetition, another draw each repetition): TTFT p50/p90/p99 against rate
   (``--plot`` draws p90); the report sets them against the run's ideal server
@@ -64,8 +68,9 @@ KEY = "hicache-gds-suite"
 POLICIES = ("wait_complete", "best_effort", "timeout", "compute_or_load")
 CONFIGS = ("recompute", *(f"gds-{p}" for p in POLICIES), "nixl")
 DEFAULT_CONFIGS = "recompute,gds-wait_complete,gds-best_effort,gds-compute_or_load,nixl"
-WORKLOADS = ("single", "burst", "open")
+WORKLOADS = ("single", "burst", "open", "host")
 POP_SUFFIX, VISIT_SUFFIX = 2000, 3000  # token seeds: the writing visit's suffix, the measured visits'
+HOST_SEED, EVICT_SEED = 50000, 60000  # the host workload's prompts
 
 
 # -- the plan -------------------------------------------------------------------------------------
@@ -107,7 +112,7 @@ def split_config(cfg: str) -> tuple[str, dict[str, Any]]:
 
 
 def parse_reps(spec: str) -> dict[str, int]:
-    out = {"single": 3, "burst": 2, "open": 1}
+    out = {"single": 3, "burst": 2, "open": 1, "host": 3}
     for part in filter(None, (x.strip() for x in spec.split(","))):
         k, _, v = part.partition("=")
         if k not in out or not v.isdigit():
@@ -133,7 +138,7 @@ def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
     wl = [w for w in a.workloads.split(",") if w]
     cells = []
     for r in range(max(reps[w] for w in wl) if wl else 0):
-        for w in ("single", "burst"):
+        for w in ("single", "burst", "host"):
             if w in wl and r < reps[w]:
                 for c in rotated(cfgs, r):
                     if w == "burst" and c == "nixl":
@@ -298,11 +303,31 @@ def run_workload(srv: Server, cell: dict[str, Any], a: argparse.Namespace, lens:
     if w == "burst":
         n = min(a.burst, len(lens))
         return send_all(srv, [(f"p{i}", prompt(i, lens[i], a, VISIT_SUFFIX), 0.0) for i in range(n)], a)
+    if w == "host":
+        return host_hit(srv, cell, a, lens[0])
     rate = cell["rate"]
     n = a.open_requests or len(lens)
     arrivals = open_arrivals(rate, n, int(cell.get("rep", 0)))
     return send_all(srv, [(f"p{i % len(lens)}", prompt(i % len(lens), lens[i % len(lens)], a, VISIT_SUFFIX),
                            float(t)) for i, t in enumerate(arrivals)], a)
+
+
+def host_hit(srv: Server, cell: dict[str, Any], a: argparse.Namespace, n: int) -> list[Result]:
+    """The ``host`` workload: the revisit of a prompt that only the host pool holds (its result
+    alone; the visits before it raise where they fail)."""
+    seed = HOST_SEED  # the same prompt everywhere (its tokens compared with recompute's): an L3 that
+    # holds it from an earlier measurement serves at most its first visit; the host pool, its revisit
+    hi = min(120000, a.vocab - 1)
+    head = np.random.default_rng(seed).integers(1000, hi, size=n).tolist()
+    sfx = [np.random.default_rng(seed + k).integers(1000, hi, size=a.suffix_tokens).tolist() for k in (1, 2)]
+    evictors = [prompt(EVICT_SEED + j, n, a, VISIT_SUFFIX) for j in range(a.max_total_tokens // n + 2)]
+    for tag, ids in [("host-first", head + sfx[0])] + [(f"evict{j}", e) for j, e in enumerate(evictors)]:
+        r = generate(srv, tag, ids, a.gen, a.req_timeout)
+        if r.error is not None:
+            raise RuntimeError(f"host workload: {tag}: {r.error}")
+    if not a.fake:
+        wait_writes_quiet(l3_dirs(a), a.quiet_s, timeout_s=60.0)
+    return [generate(srv, "host", head + sfx[1], a.gen, a.req_timeout)]
 
 
 def open_arrivals(rate: float, n: int, rep: int) -> list[float]:

@@ -50,12 +50,15 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     by: dict[tuple, list[dict]] = defaultdict(list)
     for c in cells:
         by[(c["workload"], c["config"]) + ((c["rate"],) if c["workload"] == "open" else ())].append(c)
-    out: dict[str, Any] = {"single": {}, "burst": {}, "open": {}, "tokens": {}, "open_unpaired": unpaired}
+    out: dict[str, Any] = {"single": {}, "burst": {}, "open": {}, "host": {}, "tokens": {}, "open_unpaired": unpaired}
     for key, cs in by.items():
         w, cfg = key[0], key[1]
         split = {k: _mean([c["stats"]["split"][k] for c in cs]) for k in ("device", "host", "storage", "computed")}
         frac = _mean([c["stats"]["storage_frac"] for c in cs])
-        if w == "single":
+        if w == "host":
+            t = [x for c in cs for x in _ttfts(c)]
+            out["host"][cfg] = {"reps": len(cs), "median": _med(t), "ttfts": t, "split": split}
+        elif w == "single":
             per_rep = [_mean(_ttfts(c)) for c in cs]
             per_prompt: dict[str, list[float]] = defaultdict(list)
             for c in cs:
@@ -208,6 +211,14 @@ def markdown(doc: dict[str, Any], s: dict[str, Any], extra: Any = ()) -> str:
             pp = ", ".join(f"{k} {_f(t)}" for k, t in sorted(v["per_prompt_median"].items()))
             lines.append(f"| {cfg} | {_f(v['mean'], ' s')} | {', '.join(_f(x) for x in v['rep_means'])} | "
                          f"{v['storage_frac']:.0%} | {_split(v['split'])} | {pp} |")
+        lines.append("")
+    if s.get("host"):
+        base = s["host"].get("recompute", {}).get("median")
+        lines += ["## A host-only hit (the L3 serves nothing)", "", "| config | TTFT median (all) | vs recompute "
+                  "(L3 detached) | device / host / storage / computed |", "|---|---|---|---|"]
+        for cfg, v in s["host"].items():
+            lines.append(f"| {cfg} | {_f(v['median'], ' s')} ({', '.join(_f(x) for x in v['ttfts'])}) | "
+                         f"{_f((v['median'] - base) * 1e3, ' ms', 1) if base else '-'} | {_split(v['split'])} |")
         lines.append("")
     if s["burst"]:
         lines += ["## Burst", "", "| config | makespan (median; all) | vs recompute | mean TTFT | TTFT p50 / p90 / p99 | "
