@@ -32,13 +32,15 @@ class Decided(NamedTuple):
 @dataclass
 class LoadWatch:
     """A load admitted: when, the seconds forecast for its reads, the kept tokens seen at the last
-    look and when that was, and the load pace when admitted (NaN: admitted before this policy)."""
+    look and when that was, the load pace when admitted (NaN: admitted before this policy), and
+    when its progress was last checked (a check that finds nothing new is no look)."""
 
     since: float
     io_s: float = 0.0
     seen: float = -1.0
     last_look: float = 0.0
     pace: float = math.nan
+    last_check: float = 0.0
 
 
 @dataclass
