@@ -71,6 +71,18 @@ where the disk and the GPU run at similar rates and the hit spans at least two c
 8B shape: 0.76x the recompute of a 19k-token prefix). Pages of the tail that land after ``s_k``
 are dropped and computed instead; the GPU never waits for the disk.
 
+**Parked split** (``split_park``: the engine can hold a chunked request between two chunks): the
+request is held after its head until its whole tail is read, while the GPU runs whatever else
+waits, so no tail page is dropped and no late token (the dearest: each attends to all before it)
+is computed::
+
+    parked: t_P = max(G + C(k, p), D + L(h - k)) + C(n - h, p + h)
+
+The best ``k`` balances the head's compute against the tail's read: on an H200 with a RAM-backed
+device (4 GB/s, 8B shape, chunks of 8192), a 26,624-token hit takes ``max(C(8192), L(18432))``
+~0.66 s against its 1.0 s load, where the unparked split's best (0.82 s of head, the rest
+computed) loses to the load.
+
 `breakeven_prefill_rate` says when a tier pays one request at a time: loading an ``n``-token
 prefix takes ``n*B/R``, recomputing about ``n/P``, so loading wins when the engine prefills
 slower than ``R/B`` tokens per second (and longer prefixes, through ``b``, move it further).
@@ -155,7 +167,8 @@ class CostModel:
     def decide(self, new: int, prefix: int, hit: int, *, kept: int = 0, fetched: int | None = None,
                in_flight: bool = False, gpu_backlog: float = 0.0, disk_backlog: float = 0.0,
                smooth: bool = False, page: int = 1,
-               split_chunk: int | None = None, split_grain: int | None = None) -> Decision:
+               split_chunk: int | None = None, split_grain: int | None = None,
+               split_park: bool = False) -> Decision:
         """Load or compute (admission), wait or stop (a load in flight); see the module docstring.
 
         new: tokens to prefill after `prefix`; hit: the leading ones in L3 (<= new); kept: tokens
@@ -165,7 +178,8 @@ class CostModel:
         (`PrefillModel.predict`), for judging a few tokens at the margin; page: tokens per page
         (a split's tail is whole pages); split_chunk: at admission, weigh
         computing a head of whole chunks of this many tokens while the disk loads the rest
-        (`split`; None: never), whose tail is counted read in gets of split_grain tokens.
+        (`split`; None: never), whose tail is counted read in gets of split_grain tokens;
+        split_park: the request may be held after its head until its tail is read (`split`).
         Unknown rates: load (the engine's own behaviour)."""
         hit = max(0, min(int(hit), int(new)))
         kept = max(0, min(int(kept), hit))
@@ -181,11 +195,13 @@ class CostModel:
         if not in_flight:
             best = min(t_load, t_compute)
             sp = self.split(new, prefix, hit, chunk=split_chunk, gpu_backlog=gpu_backlog,
-                            disk_backlog=disk_backlog, page=page, grain=split_grain) if split_chunk else None
+                            disk_backlog=disk_backlog, page=page, grain=split_grain,
+                            park=split_park) if split_chunk else None
             if sp is not None and sp[1] * (1.0 + self.stop_margin) < best:
                 head, t_split, got = sp
+                how = "then waiting for them" if split_park and got == hit - head else "finishes first"
                 return Decision("split", t_split, t_compute, f"computing {head} tokens while the disk reads "
-                                f"{got} of the {hit - head} after them finishes first (load {t_load:.3f} s)",
+                                f"{got} of the {hit - head} after them {how} (load {t_load:.3f} s)",
                                 tokens=head, tail=got)
             if t_load < t_compute:
                 return Decision("load", t_load, t_compute, "loading finishes first")
@@ -196,12 +212,14 @@ class CostModel:
                         "the GPU is busy until then" if gpu_backlog >= t_load_io else "loading still finishes first")
 
     def split(self, new: int, prefix: int, hit: int, *, chunk: int, gpu_backlog: float = 0.0,
-              disk_backlog: float = 0.0, page: int = 1, grain: int | None = None) -> tuple[int, float, int] | None:
+              disk_backlog: float = 0.0, page: int = 1, grain: int | None = None,
+              park: bool = False) -> tuple[int, float, int] | None:
         """The best head for a split (module docstring): ``(k, t_S, f_k)`` -- the tokens the GPU
         computes first (whole chunks), the forecast finish, and the tail tokens forecast to be
         read when they are joined -- or None where no head of whole chunks leaves a tail to read
         or the rates are unknown. grain: tokens an engine's get reads before any of them count
-        (SGLang counts a prefetch's pages a batch of gets at a time; None: page by page)."""
+        (SGLang counts a prefetch's pages a batch of gets at a time; None: page by page). park:
+        a head may also wait for its whole tail (``t_P``), whichever finishes first."""
         r = self.read.rate
         chunk = int(chunk)
         page = max(1, int(page))
@@ -227,6 +245,16 @@ class CostModel:
             t = gpu_backlog + t_k + rest
             if best is None or t < best[1]:
                 best = (k, t, f)
+        if park:
+            after = self.predict_compute(new - hit, prefix + hit)
+            for k in range(chunk, hit, chunk):
+                t_k = self.predict_compute(k, prefix)
+                tail = (hit - k) // page * page
+                if t_k is None or after is None or tail <= 0:
+                    continue
+                t = max(gpu_backlog + t_k, disk_backlog + tail * per_token_s) + after
+                if best is None or t < best[1]:
+                    best = (k, t, tail)
         return best
 
     def estimates(self) -> dict[str, Any]:

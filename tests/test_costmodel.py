@@ -347,3 +347,23 @@ def test_seed_read_rate_configured_then_persisted_then_probed(tmp_path):
     assert "probed at open" in said and r.rate > 0 and os.listdir(tmp_path) == []  # the probe leaves no file
     r = ReadRate()
     assert "read_probe is 0" in seed_read_rate(r, dirs=[str(tmp_path)]) and r.rate is None
+
+
+def test_a_parked_split_balances_the_head_against_the_tail_where_an_unparked_one_loses_to_the_load():
+    # the fast device of the GPU machine: 3.66 GB/s, 8B shape (128 KiB per token), chunks of 8192,
+    # prefill fitted on its recompute (a per token, b attention): C(26688) ~ 1.9 s, L(26624) ~ 0.95 s
+    pm = PrefillModel()
+    pm.seed_coefficients(1.66e-5, 4.11e-9, 0.0, "test")
+    m = CostModel(128 * KIB, read=ReadRate(3.66e9, "test"), prefill=pm)
+    new, hit = 26688, 26624
+    plain = m.decide(new, 0, hit, page=64, split_chunk=8192)
+    assert plain.action == "load"  # the head's last chunk starts too late for much of the tail
+    parked = m.decide(new, 0, hit, page=64, split_chunk=8192, split_park=True)
+    assert parked.action == "split" and parked.tokens == 8192 and parked.tail == hit - 8192
+    t_head, t_tail = m.predict_compute(8192), m.predict_load((hit - 8192) * 128 * KIB)
+    assert parked.t_load == pytest.approx(max(t_head, t_tail) + m.predict_compute(new - hit, hit))
+    assert parked.t_load < 0.75 * plain.t_load and "waiting for them" in parked.reason
+    # a head never waits for a tail that a whole load would beat, nor for what the disk cannot read
+    slow = CostModel(128 * KIB, read=ReadRate(0.02e9, "test"), prefill=pm)
+    assert slow.decide(new, 0, hit, page=64, split_chunk=8192, split_park=True).action == "compute"
+    assert m.decide(new, 0, 8192, page=64, split_chunk=8192, split_park=True).action != "split"

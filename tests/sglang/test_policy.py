@@ -973,10 +973,14 @@ _REGISTER = textwrap.dedent("""
     protects = cls.__name__ == "HiRadixCache" and batch is not None
     assert hasattr(cls.check_prefetch_progress, "__wrapped__") is protects
     assert batch is None or hasattr(batch, "__wrapped__") is protects
-    # SGLang's prefill batch order is left alone (the removed policy_ready_first hooked it)
+    # SGLang's prefill batch order is left alone (the removed policy_ready_first hooked it); a
+    # chunked request's next chunk is hooked only where a split request may be held (0.5.17)
     from sglang.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
-    for m in (SchedulePolicy.calc_priority, PrefillAdder.add_chunked_req, PrefillAdder.add_one_req):
+    for m in (SchedulePolicy.calc_priority, PrefillAdder.add_one_req):
         assert not hasattr(m, "__wrapped__"), m
+    from hicache_gds_sglang import split_policy
+    assert hasattr(PrefillAdder.add_chunked_req, "__wrapped__") is split_policy.PARK_HOOKED[0]
+    assert split_policy.PARK_HOOKED[0] is (cls.__name__ == "HiRadixCache"), cls
     print("POLICY-OK", cls.__name__)
 """)
 

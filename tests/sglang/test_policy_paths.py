@@ -21,13 +21,14 @@ SERVER_ONLY = ("sglang.srt.managers.scheduler.", "sglang.srt.managers.tp_worker.
 
 EXPECTED = {
     "0.5.17": {"decision": "active", "agreement": "active", "host share": "active", "host protection": "active",
-               "late admission": "active", "split": "active"},
+               "late admission": "active", "split": "active", "split hold": "active"},
     # 0.5.23 settles a finished load through acknowledgements into its tree core (UnifiedRadixCache
     # has no `_match_prefix_helper` and no `cache_unfinished_req` join point): those paths fall back
     "0.5.23": {"decision": "active", "agreement": "active", "host share": "active",
                "host protection": "fallback: " + plugin.GROUPS["protect"].fallback,
                "late admission": "fallback: " + plugin.GROUPS["protect"].fallback,
-               "split": "fallback: " + plugin.GROUPS["split"].fallback},
+               "split": "fallback: " + plugin.GROUPS["split"].fallback,
+               "split hold": "fallback: " + plugin.GROUPS["park"].fallback},
 }
 
 
@@ -84,7 +85,7 @@ def test_registration_places_the_table_and_logs_what_falls_back(present, caplog)
         def register(target, fn, kind):
             registered.append((target, fn.__name__, kind.name))
 
-    hooked_split = split_policy.SPLIT_HOOKED[0]
+    hooked_split, hooked_park = split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0]
     try:
         with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):
             plugin._register_policy(Registry, HookType, plugin.hooked_groups(present))
@@ -92,7 +93,8 @@ def test_registration_places_the_table_and_logs_what_falls_back(present, caplog)
                 and not h.group.startswith(("backend", "factory@", "draft"))]
         assert registered == want
         assert split_policy.SPLIT_HOOKED[0] is ("split" in plugin.hooked_groups(present))
+        assert split_policy.PARK_HOOKED[0] is ("park" in plugin.hooked_groups(present))
         if _release() == "0.5.23":  # split turns itself off there, with an INFO line
             assert "policy_split does nothing" in caplog.text
     finally:
-        split_policy.SPLIT_HOOKED[0] = hooked_split
+        split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0] = hooked_split, hooked_park

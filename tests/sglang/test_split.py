@@ -603,3 +603,126 @@ def test_a_failed_cancel_of_the_tails_reads_still_joins_what_was_read(world, mon
     monkeypatch.undo()
     w.read_tail()  # the second operation, ended before its query: skipped and revoked
     w.release(req)
+
+
+def _held(w, monkeypatch):
+    """A split admitted where the request may be held for its tail (as plugin.register sets it
+    where ``PrefillAdder.add_chunked_req`` exists), the tail's first 2 of 8 pages read, a disk far
+    faster than the GPU, and the chunks computed up to the tail: the request is held there."""
+    monkeypatch.setattr(split_policy, "PARK_HOOKED", [True])
+    monkeypatch.setattr(split_policy, "PARK_CHECK_S", 0.0)  # every pass looks
+    req = w.admitted()
+    rounds: list[int] = []
+    req.init_next_round_input = lambda *a, **k: rounds.append(len(req.prefix_indices))
+    tail = w.pol.tails["r1"].load
+    assert w.pol.decided["r1"].action == "split" and (tail.start, tail.end) == (2 * CHUNK, PAGES * PS)
+    ctl = w.cache.cache_controller
+    first, second = ctl.prefetch_queue.get_nowait(), ctl.prefetch_queue.get_nowait()
+    assert w.query(first) and w.query(second)
+    ctl._page_get_zero_copy(first, first.hash_value[:2], first.host_indices[:2 * PS])
+    w.b.read_rate.seed(100e9, "test: a disk far faster than the GPU")
+    w.compute_chunk(req, CHUNK)
+    w.compute_chunk(req, 2 * CHUNK)
+    assert len(req.prefix_indices) == 2 * CHUNK and "r1" in w.pol.parked and "r1" in w.pol.tails
+    return req, tail, rounds, (first, second)
+
+
+class _Adder:
+    """What the hook reads of SGLang's PrefillAdder; `add` stands for its own add_chunked_req."""
+
+    def __init__(self, cache) -> None:
+        self.tree_cache, self.added, self.prefill_max_requests = cache, [], None
+
+    def add(self, adder, req):
+        self.added.append(req)
+        return None
+
+
+@needs_0517
+def test_a_split_request_is_held_until_its_whole_tail_is_read_then_joins_it_byte_exact(world, monkeypatch):
+    w = world
+    req, tail, rounds, (first, second) = _held(w, monkeypatch)
+    ctl = w.cache.cache_controller
+    adder = _Adder(w.cache)
+    assert hooks.around_add_chunked_req(adder.add, adder, req) is req and not adder.added  # held this pass
+    assert adder.prefill_max_requests == 0  # and no other request added to it
+    adder = _Adder(w.cache)
+    assert hooks.around_add_chunked_req(adder.add, adder, req) is req and not adder.added  # and the next
+    ctl._page_get_zero_copy(first, first.hash_value[2:], first.host_indices[2 * PS:])  # the rest lands
+    ctl._page_transfer(second)
+    adder = _Adder(w.cache)
+    assert hooks.around_add_chunked_req(adder.add, adder, req) is None and adder.added == [req]
+    assert adder.prefill_max_requests is None
+    assert len(req.prefix_indices) == tail.end and rounds == [tail.end]  # its next round formed again
+    assert not w.pol.tails and "r1" not in w.pol.parked and w.pol.counts["split_tokens"] == tail.tokens
+    w.check_prefix(req)
+    w.release(req)
+
+
+@needs_0517
+def test_a_held_request_whose_tail_runs_past_its_limit_joins_what_is_read_and_computes_the_rest(
+        world, monkeypatch, caplog):
+    w = world
+    req, tail, rounds, ops = _held(w, monkeypatch)
+    adder = _Adder(w.cache)
+    w.pol.parked["r1"] = 0.0  # its hold limit passed (the disk stalled)
+    with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
+        assert hooks.around_add_chunked_req(adder.add, adder, req) is None and adder.added == [req]
+    assert "past its forecast" in caplog.text
+    assert len(req.prefix_indices) == tail.start + 2 * PS and rounds == [tail.start + 2 * PS]
+    assert not w.pol.tails and not w.pol.parked
+    w.check_prefix(req)
+    _io_threads_end(w, ops)
+    w.release(req)
+
+
+def _io_threads_end(w, ops) -> None:
+    """The controller's IO thread after an operation was ended mid-read: it releases the host
+    memory past what the operation counted (`prefetch_io_aux_func`)."""
+    for op in ops:
+        w.cache.cache_controller.append_host_mem_release(op.host_indices[op.completed_tokens:])
+
+
+@needs_0517
+def test_a_held_request_that_leaves_frees_its_tail_and_its_hold(world, monkeypatch):
+    w = world
+    req, _, _, (first, second) = _held(w, monkeypatch)
+    ctl = w.cache.cache_controller
+    ctl._page_get_zero_copy(first, first.hash_value[2:], first.host_indices[2 * PS:])
+    ctl._page_transfer(second)
+    w.sched.chunked_req = None
+    req.done = True  # aborted while held
+    hooks.after_new_prefill_batch(None, w.sched)
+    assert not w.pol.tails and not w.pol.parked and not w.cache.ongoing_prefetch
+    assert hooks.around_add_chunked_req(_Adder(w.cache).add, _Adder(w.cache), req) is None  # nothing held
+    w.load_done()
+    w.cache.dec_lock_ref(req.last_node)
+    w.drain_host()
+    assert w.pool.available_size() == w.host_total - w.host_in_tree() and w.cache.root_node.host_ref_counter == 0
+
+
+@needs_0517
+def test_a_failure_while_holding_drops_the_tail_and_the_request_computes_on(world, monkeypatch, caplog):
+    w = world
+    req, _, _, ops = _held(w, monkeypatch)
+    monkeypatch.setattr(split_mod, "progress", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    adder = _Adder(w.cache)
+    assert hooks.around_add_chunked_req(adder.add, adder, req) is None and adder.added == [req]
+    assert "could not be held" in caplog.text and not w.pol.tails and not w.pol.parked
+    assert len(req.prefix_indices) == 2 * CHUNK
+    monkeypatch.undo()
+    _io_threads_end(w, ops)
+    w.release(req)
+
+
+@needs_0517
+def test_an_adder_without_a_request_cap_never_holds_the_request(world, monkeypatch):
+    w = world
+    req, tail, rounds, ops = _held(w, monkeypatch)
+    adder = types.SimpleNamespace(tree_cache=w.cache, added=[])
+    assert hooks.around_add_chunked_req(lambda a, r: a.added.append(r), adder, req) is None and adder.added == [req]
+    assert len(req.prefix_indices) == tail.start + 2 * PS and rounds == [tail.start + 2 * PS]  # what was read joined
+    assert not w.pol.tails and not w.pol.parked
+    w.check_prefix(req)
+    _io_threads_end(w, ops)
+    w.release(req)

@@ -144,6 +144,10 @@ HOOKS: tuple[Hook, ...] = (
     # The join point of a split (0.5.17): SGLang caches a chunked request's chunks there before it
     # forms the next chunk (the tail's pages join the prefix right after).
     Hook(f"{_HIRADIX}.cache_unfinished_req", "AFTER", "after_cache_unfinished", "0.5.17", "split"),
+    # Where a split request is held until its tail is read: SGLang adds the chunked request's next
+    # chunk there, and returns a chunk it parks without adding it (0.5.17 parks for hybrid SWA).
+    Hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", "AROUND", "around_add_chunked_req",
+         "0.5.17", "park"),
 )
 GROUPS: dict[str, Group] = {
     "backend": Group(requires=("backend",), requires_any=("factory@0.5.23", "factory@0.5.17"), level=logging.WARNING,
@@ -168,6 +172,9 @@ GROUPS: dict[str, Group] = {
                      fallback="a finished load's host pages are SGLang's to evict; no late admission"),
     "split": Group(requires=(*_POLICY, "protect"), requires_any=_POLICY_GROUPS,
                    fallback="policy_split does nothing (no join point for a split hit)"),
+    "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"),  # its parked-chunk path read in 0.5.17 only
+                  fallback="a split request is never held for its tail: what is read when its chunks reach it "
+                           "joins, the rest is computed"),
 }
 # Back-compatible names of single points (tests and `trace` resolve them)
 _JOIN = f"{_HIRADIX}.cache_unfinished_req"
@@ -283,7 +290,7 @@ def _hook_fn(name: str) -> Callable:
 def policy_paths(present: set[str] | None = None) -> dict[str, str]:
     """Each path of the compute_or_load policy in the installed SGLang: ``active`` or
     ``fallback: <what runs instead>`` (the admission decision, agreement across ranks, host-pool
-    share, host protection, late admission, split)."""
+    share, host protection, late admission, split, holding a split request for its tail)."""
     present = present_groups() if present is None else present
     hooked = hooked_groups(present)
     policy_on = any(g in hooked for g in _POLICY_GROUPS)
@@ -302,6 +309,7 @@ def policy_paths(present: set[str] | None = None) -> dict[str, str]:
         "host protection": path("protect" in hooked, "protect"),
         "late admission": path("protect" in hooked, "protect"),
         "split": path("split" in hooked, "split"),
+        "split hold": path("park" in hooked, "park"),
     }
 
 
@@ -361,13 +369,15 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
         log.info("hicache-gds: this SGLang has none of the prefetch decision points the %s policy hooks; SGLang's "
                  "own prefetch policies run", POLICY)
         return
-    groups = (*_POLICY_GROUPS, "settle@mamba", "settle@unified", "rate", "admitted", "timing", "protect", "split")
+    groups = (*_POLICY_GROUPS, "settle@mamba", "settle@unified", "rate", "admitted", "timing", "protect", "split",
+              "park")
     for h in HOOKS:
         if h.group in _POLICY_GROUPS and h.group in hooked:
             policy_hooks.SUPPORTED.add(_resolve(h.target.rsplit(".", 1)[0]))
     _place(registry, hook_type, hooked, groups)
     split_policy.SPLIT_HOOKED[0] = "split" in hooked
-    for name in ("admitted", "timing", "protect", "split"):
+    split_policy.PARK_HOOKED[0] = "park" in hooked
+    for name in ("admitted", "timing", "protect", "split", "park"):
         if name not in hooked:
             g = GROUPS[name]
             targets = ", ".join(".".join(h.target.rsplit(".", 2)[-2:]) for h in HOOKS if h.group == name)

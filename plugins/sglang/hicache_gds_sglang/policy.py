@@ -123,6 +123,8 @@ class LoadOrCompute:
         self.late: set[str] = set()  # rids `late_admit` gave the disk
         self.split_plans: dict[str, SplitPlan] = {}  # until the tail starts
         self.tails: dict[str, Tail] = {}
+        self.parked: dict[str, float] = {}  # split requests held for their tails: until when (`split_policy.park`)
+        self.park_checked: dict[str, float] = {}  # and when each was last looked at
         self.backlog: Backlog | None = None
         self.late_look = 0.0
         self.counts: Counter[str] = Counter()
@@ -227,7 +229,7 @@ class LoadOrCompute:
         chunk = self.prefill.chunk if req is not None and rid not in self.tails and \
             (split == "always" or d <= 0) and split_policy.can_split(self, cache, backend) else None
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps,
-                           split_chunk=chunk,
+                           split_chunk=chunk, split_park=bool(chunk) and split_policy.can_park(backend),
                            split_grain=(split_policy.tail_pages(cache, backend, model) or split_mod.batch_pages()) * ps
                            if chunk else None)
         if dec.action == "split":
@@ -411,6 +413,9 @@ class LoadOrCompute:
 
     def join_tail(self, cache: Any, req: Any) -> int:
         return split_policy.join_tail(self, cache, req)
+
+    def park(self, cache: Any, req: Any, *, hold: bool = True) -> bool:
+        return split_policy.park(self, cache, req, hold=hold)
 
     def sweep_tails(self, scheduler: Any) -> None:
         split_policy.sweep_tails(self, scheduler)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hicache_gds import ConfigError, parse_size
+from hicache_gds import ConfigError, parse_bool, parse_size
 
 __all__ = ["POLICY", "SGLANG_POLICIES", "FALLBACK", "POLICY_KEYS", "REMOVED_KEYS", "SPLIT_MODES", "PolicyConfig",
            "check_removed"]
@@ -15,7 +15,7 @@ POLICY = "compute_or_load"
 SGLANG_POLICIES = ("best_effort", "wait_complete", "timeout")
 FALLBACK = "timeout"  # SGLang's default: what our name turns into where the policy cannot run
 POLICY_KEYS = ("policy", "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
-               "policy_stop_margin", "policy_split", "policy_split_get")
+               "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park")
 # Keys of settings measured not to pay in a running server and removed (`benchmarks/RESULTS.md`,
 # runs 9-10): passing one is an error naming it, as an unknown key is.
 REMOVED_KEYS = {
@@ -74,7 +74,10 @@ class PolicyConfig:
     of pages, each counted when its get returns, so the part of a tail read by the time the
     chunks reach it joins (`split.tail_pages`). Each get returns once its pages are verified, so
     small gets read slower where checksums are slow (a 2-core machine: 128 MiB gets at 0.42-0.51x
-    the rate of 1 GiB gets; an H200's 16 cores kept up with the forecast)."""
+    the rate of 1 GiB gets; an H200's 16 cores kept up with the forecast). split_park: a split
+    request may be held after its head until its whole tail is read (the GPU runs whatever else
+    waits meanwhile), where that finishes it first (`split_policy.park`; where the scheduler has
+    the point to hold it at)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -83,6 +86,7 @@ class PolicyConfig:
     stop_margin: float = 0.05
     split: str = "idle"
     split_get: int = 128 << 20
+    split_park: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -115,4 +119,6 @@ class PolicyConfig:
             kw["split"] = _mode(extra["policy_split"], "policy_split", true="always")
         if "policy_split_get" in extra:
             kw["split_get"] = parse_size(extra["policy_split_get"], key="policy_split_get")
+        if "policy_split_park" in extra:
+            kw["split_park"] = parse_bool(extra["policy_split_park"], "policy_split_park")
         return cls(**kw)

@@ -205,6 +205,28 @@ def after_cache_unfinished(result: Any, cache: Any, req: Any, *args: Any, **kwar
     return None
 
 
+def around_add_chunked_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """0.5.17's ``PrefillAdder.add_chunked_req``: a split request whose tail is still being read
+    is held this pass where waiting for it finishes first (returned as SGLang returns a parked
+    chunk: still the chunked request, nothing added, and no other request added this pass:
+    `view.hold_batch`); otherwise its tail joins and it runs on (`LoadOrCompute.park`).""" 
+    cache = getattr(adder, "tree_cache", None)
+    pol = view.attached(cache) if cache is not None else None
+    if pol is not None and pol.parked:
+        try:
+            if pol.park(cache, req, hold=view.can_hold_batch(adder)):
+                view.hold_batch(adder)
+                return req
+        except Exception as exc:  # noqa: BLE001 -- the request computes on; its tail is dropped
+            once("split-park", "hicache-gds policy: a split request could not be held for its tail (%s: %s); it "
+                  "is computed instead", type(exc).__name__, exc)
+            try:
+                split_policy.drop_tail(pol, cache, view.rid(req))
+            except Exception:  # noqa: BLE001
+                pass
+    return original(adder, req, *args, **kwargs)
+
+
 def around_can_terminate(original: Any, cache: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
     pol = policy_of(cache)
     if pol is None:

@@ -1,8 +1,13 @@
 """The policy's side of a split (`split` moves the pages): when a hit may be split, starting its
-tail, joining it where the request's chunks reach it, and dropping the tails of requests gone.
+tail, joining it where the request's chunks reach it, holding the request there until its tail
+is read where that finishes it first (`park`), and dropping the tails of requests gone.
 
 On by `PolicyConfig.split` where this SGLang has the join point (`SPLIT_HOOKED`, set by the
-plugin's hook table), the cache has what `split` uses, and it serves one rank.
+plugin's hook table), the cache has what `split` uses, and it serves one rank. A request is held
+where SGLang adds a chunked request's next chunk (`PARK_HOOKED`; SGLang's own path for a parked
+chunk: the request stays the scheduler's chunked request and the GPU runs what else waits), at
+most `PARK_LATE_FACTOR` times its tail's forecast (plus `PARK_SLACK_S`): a tail that reads late
+joins with what it has, and the request computes the rest.
 """
 
 from __future__ import annotations
@@ -17,17 +22,26 @@ from . import split as split_mod
 from . import view
 from .records import Decided, Tail
 
-__all__ = ["SPLIT_HOOKED", "can_split", "tail_pages", "start_tail", "join_tail", "drop_tail", "sweep_tails"]
+__all__ = ["SPLIT_HOOKED", "PARK_HOOKED", "can_split", "can_park", "tail_pages", "start_tail", "join_tail", "park",
+           "drop_tail", "sweep_tails"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
 SPLIT_HOOKED = [False]  # the join point of a split (``cache_unfinished_req``) is hooked in this process
+PARK_HOOKED = [False]  # the point a chunked request is held at (``PrefillAdder.add_chunked_req``) is hooked
+PARK_LATE_FACTOR, PARK_SLACK_S = 1.5, 0.1  # a request is held at most this much past its tail's forecast
+PARK_CHECK_S = 0.002  # a held request's tail is looked at no more often
 
 
 def can_split(pol: Any, cache: Any, backend: Any) -> bool:
     """Splits are on, this SGLang has what they use, and the cache serves one rank."""
     return bool(backend.policy_config.split != "off" and SPLIT_HOOKED[0] and pol.prefill.chunk
                 and split_mod.supported(cache) and view.single_rank(cache))
+
+
+def can_park(backend: Any) -> bool:
+    """A split request may be held after its head until its tail is read (`park`)."""
+    return bool(PARK_HOOKED[0] and getattr(backend.policy_config, "split_park", False))
 
 
 def tail_pages(cache: Any, backend: Any, model: CostModel) -> int | None:
@@ -73,8 +87,76 @@ def join_tail(pol: Any, cache: Any, req: Any) -> int:
     if cached < tail.start:
         return 0
     read, complete, alive = split_mod.progress(cache, tail)
-    if alive and not complete and _wait_for_tail(pol, req, tail, cached, read):
-        return 0
+    if alive and not complete:
+        backend = view.backend_of(cache)
+        if backend is not None and can_park(backend) and _hold_pays(pol, req, tail, cached, read):
+            # held where SGLang adds the chunk (`park`), which joins the tail once it is read
+            pol.parked[rid] = time.monotonic() + _hold_limit(pol, tail, read)
+            return 0
+        if _wait_for_tail(pol, req, tail, cached, read):
+            return 0
+    return _join(pol, cache, req, tail, cached, read)
+
+
+def park(pol: Any, cache: Any, req: Any, *, hold: bool = True) -> bool:
+    """Where SGLang adds a chunked request's next chunk: True holds `req` this pass (its split
+    tail is still being read, waiting for it finishes the request first, and the hold is within
+    its limit); otherwise (or where the pass cannot be held: `hold`) the tail joins here, with
+    what is read, and the request runs on."""
+    rid = view.rid(req)
+    until = pol.parked.get(rid)
+    entry = pol.tails.get(rid)
+    if until is None or entry is None:
+        pol.parked.pop(rid, None)
+        return False
+    now = time.monotonic()
+    if hold and now < pol.park_checked.get(rid, 0.0) + PARK_CHECK_S and now < until:
+        return True  # looked less than PARK_CHECK_S ago: the idle scheduler asks every pass
+    pol.park_checked[rid] = now
+    tail = entry.load
+    cached = view.cached_prefix(req)
+    read, complete, alive = split_mod.progress(cache, tail)
+    if hold and alive and not complete and cached >= tail.start:
+        if time.monotonic() < until and _hold_pays(pol, req, tail, cached, read):
+            return True
+        if time.monotonic() >= until:
+            log.info("hicache-gds policy: %s split tail still reading %.3f s past its forecast: %d of %d tokens "
+                     "join, the rest is computed", rid, time.monotonic() - until, read, tail.tokens)
+    del pol.parked[rid]
+    pol.park_checked.pop(rid, None)
+    if cached < tail.start:
+        return False
+    grown = _join(pol, cache, req, tail, cached, read)
+    if grown > 0:
+        view.refresh_next_round(req)  # SGLang formed its next round before the prefix grew
+    return False
+
+
+def _hold_pays(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> bool:
+    """Waiting for the rest of the tail, then computing what follows it, finishes before
+    computing on from what is read now."""
+    model = pol.cost_model
+    if model is None:
+        return False
+    n = sum(view.req_work(req))
+    frontier = max(cached, tail.start + read)
+    io_left = model.predict_load((tail.end - tail.start - read) * model.bytes_per_token)
+    later = model.predict_compute(n - tail.end, tail.end)
+    now = model.predict_compute(n - frontier, frontier)
+    if None in (io_left, later, now):
+        return False
+    return io_left + later < now
+
+
+def _hold_limit(pol: Any, tail: "split_mod.TailLoad", read: int) -> float:
+    """Seconds a request may be held for its tail: the forecast of the rest, with room."""
+    model = pol.cost_model
+    left = None if model is None else model.predict_load((tail.tokens - read) * model.bytes_per_token)
+    return (left or 0.0) * PARK_LATE_FACTOR + PARK_SLACK_S
+
+
+def _join(pol: Any, cache: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> int:
+    rid = view.rid(req)
     grown = split_mod.join(cache, req, tail)  # where it raises, the hook drops the tail (`drop_tail`)
     del pol.tails[rid]
     if grown > 0:
@@ -110,6 +192,8 @@ def _wait_for_tail(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int, 
 def drop_tail(pol: Any, cache: Any, rid: str) -> None:
     """Drop the tail of `rid` (after a failed join): its reads stop and its host memory is freed."""
     entry = pol.tails.pop(rid, None)
+    pol.parked.pop(rid, None)
+    pol.park_checked.pop(rid, None)
     if entry is not None:
         split_mod.cancel(cache, entry.load)
 
@@ -126,6 +210,8 @@ def sweep_tails(pol: Any, scheduler: Any) -> None:
         if (req is chunked or id(req) in waiting) and not view.is_finished(req):
             continue
         del pol.tails[rid]
+        pol.parked.pop(rid, None)
+        pol.park_checked.pop(rid, None)
         if cache is not None:
             split_mod.cancel(cache, tail)
         pol.counts["split_dropped"] += 1

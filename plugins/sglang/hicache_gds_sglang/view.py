@@ -355,6 +355,24 @@ def cached_prefix(req: Any) -> int:
     return 0 if pi is None else len(pi)
 
 
+def can_hold_batch(adder: Any) -> bool:
+    """This prefill pass can be kept from adding any request (`hold_batch`)."""
+    return hasattr(adder, "prefill_max_requests")
+
+
+def hold_batch(adder: Any) -> None:
+    """Keep a prefill pass from adding any request (a chunked request is held this pass): SGLang
+    counts a chunk in flight for its chunked request whenever the pass forms a batch, held or
+    not, and a count the batch never settles would take the request's last chunk for a middle
+    one."""
+    adder.prefill_max_requests = 0
+
+
+def refresh_next_round(req: Any) -> None:
+    """Form a chunked request's next round again (its prefix grew after SGLang formed it)."""
+    req.init_next_round_input()
+
+
 def count_storage_tokens(req: Any, n: int) -> None:
     """Count `n` joined tokens as read from storage (SGLang splits a request's cached tokens by
     source at its first chunk)."""
