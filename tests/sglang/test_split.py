@@ -726,3 +726,56 @@ def test_an_adder_without_a_request_cap_never_holds_the_request(world, monkeypat
     w.check_prefix(req)
     _io_threads_end(w, ops)
     w.release(req)
+
+
+def _write_through(w, *, host_ok):
+    """The cache writes through (SGLang's default): backing a node up copies its device pages into
+    host slots (`host_ok()` False: the host pool refuses), evicting from the GPU frees its slots."""
+    from sglang.srt.mem_cache.evict_policy import LRUStrategy
+    ctl, cache = w.cache.cache_controller, w.cache
+    ctl.write_policy = "write_through"
+    cache.write_through_threshold, cache.ongoing_write_through = 1, {}
+    cache.eviction_strategy = LRUStrategy()
+    cache.kv_cache = None
+
+    def write(device_indices, node_id=None, **kw):  # the copy itself is SGLang's: slots suffice here
+        return w.pool.alloc(len(device_indices)) if host_ok() else None
+
+    ctl.write = write
+    ctl.evict_device = lambda idx: w.dev.free_segment(idx)
+    ctl.mem_pool_device_allocator = types.SimpleNamespace(free=lambda idx: w.dev.free_segment(idx))
+
+
+@needs_0517
+def test_under_write_through_a_joined_tails_head_stays_locked_until_it_is_backed_up(world):
+    """SGLang backs a chunked request's chunks up only when it finishes, and evicts a node not
+    backed up only as a leaf with no children at all: a tail joined under its head must keep
+    that head from eviction until the head is backed up (else the scheduler stops on its
+    assertion), and a host pool that refuses the backup only delays it."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    w = world
+    room = [False]
+    _write_through(w, host_ok=lambda: room[0])
+    req = w.admitted()
+    w.read_tail()
+    w.compute_chunk(req, CHUNK)
+    w.compute_chunk(req, 2 * CHUNK)
+    assert len(req.prefix_indices) == PAGES * PS
+    assert len(w.pol.guards) == 1
+    head = w.pol.guards[0].node
+    assert not head.backuped and head.lock_ref >= 2  # the request's lock and the guard's
+    w.load_done()
+    req.done = True  # the request finished; SGLang could not back its head up (no host room)
+    w.cache.dec_lock_ref(req.last_node)
+    hooks.after_new_prefill_batch(None, w.sched)
+    assert len(w.pol.guards) == 1 and head.lock_ref == 1  # still guarded
+    tail_nodes = split_mod._path(w.cache, req.last_node)
+    tail_nodes = tail_nodes[:tail_nodes.index(head)]
+    assert tail_nodes and all(n.backuped for n in tail_nodes)
+    for n in tail_nodes:
+        w.cache._evict_backuped(n)  # the tail leaves the GPU (it is on host)
+    w.cache.evict(EvictParams(num_tokens=10 ** 6))  # no assertion: the head is locked
+    assert head.value is not None
+    room[0] = True  # host memory comes back: the next pass backs the head up and lets it go
+    hooks.after_new_prefill_batch(None, w.sched)
+    assert not w.pol.guards and head.backuped and head.lock_ref == 1  # SGLang's write-through lock only

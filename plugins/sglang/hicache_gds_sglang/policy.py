@@ -125,6 +125,7 @@ class LoadOrCompute:
         self.tails: dict[str, Tail] = {}
         self.parked: dict[str, float] = {}  # split requests held for their tails: until when (`split_policy.park`)
         self.park_checked: dict[str, float] = {}  # and when each was last looked at
+        self.guards: list = []  # heads of joined tails locked until backed up (`split.HeadGuard`)
         self.backlog: Backlog | None = None
         self.late_look = 0.0
         self.counts: Counter[str] = Counter()

@@ -271,7 +271,7 @@ def after_new_prefill_batch(result: Any, scheduler: Any, *args: Any, **kwargs: A
             pol.release_protected(view.waiting(scheduler))
         except Exception as exc:  # noqa: BLE001
             once("release", "hicache-gds policy: host protection not released (%s: %s)", type(exc).__name__, exc)
-    if pol.tails:
+    if pol.tails or pol.guards:
         try:
             pol.sweep_tails(scheduler)
         except Exception as exc:  # noqa: BLE001

@@ -36,7 +36,8 @@ from typing import Any
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
-__all__ = ["TailLoad", "supported", "tail_pages", "start", "join", "cancel", "progress"]
+__all__ = ["TailLoad", "HeadGuard", "supported", "tail_pages", "start", "join", "cancel", "progress", "guard_head",
+           "settle_guard"]
 
 _SUFFIX = "\x00tail"  # an ongoing_prefetch key no request id has
 
@@ -206,6 +207,62 @@ def progress(cache: Any, t: TailLoad) -> tuple[int, bool, bool]:
             short = getattr(op, "host_indices", None) is not None and n >= len(hv) * ps  # read all it got
             return done, False, not (op.is_terminated() or short)
     return done, True, False
+
+
+@dataclass
+class HeadGuard:
+    """A split's head under its joined tail, locked until SGLang has backed it up to host.
+
+    Under ``write_through`` SGLang keeps the nodes backed up to host a contiguous prefix from the
+    root, and it evicts a device node not backed up only as a leaf with no children at all
+    (``_evict_regular`` asserts it). A chunked request's chunks are not backed up until it
+    finishes (its hit count is not counted meanwhile), so a tail joined under its head is backed
+    up below a node that is not; once the tail left the GPU, evicting that head would stop the
+    scheduler (an H200 burst did, with the host pool full when the request finished). The head
+    holds a lock until it is backed up: by SGLang when the request finishes, else by
+    `settle_guard` (``write_backup``, root first) once its request is done, which evicts host
+    pages to make room."""
+
+    node: Any
+    req: Any
+    root: Any
+
+
+def guard_head(cache: Any, node: Any, req: Any) -> HeadGuard | None:
+    """Lock `node` (the head a tail was joined under) where the cache writes through and some
+    node from the root to it is not backed up; None where nothing needs guarding."""
+    cc = getattr(cache, "cache_controller", None)
+    if getattr(cc, "write_policy", "write_back") == "write_back" or _backed_up(cache, node):
+        return None
+    cache.inc_lock_ref(node)
+    return HeadGuard(node, req, cache.root_node)
+
+
+def settle_guard(cache: Any, g: HeadGuard, finished: bool) -> bool:
+    """True once `g` can go (its lock released): the head is backed up, or the tree it was in is
+    gone (a flush). Backs the path up itself once the request is `finished` (its forward ran)."""
+    if cache.root_node is not g.root:
+        return True  # the tree was reset: its locks went with it
+    if not _backed_up(cache, g.node) and finished:
+        for n in reversed(_path(cache, g.node)):
+            if not n.backuped and int(cache.write_backup(n) or 0) <= 0:
+                break  # host memory refused (or a parent not backed up): again after the next batch
+    if not _backed_up(cache, g.node):
+        return False
+    cache.dec_lock_ref(g.node)
+    return True
+
+
+def _path(cache: Any, node: Any) -> list:
+    out = []
+    while node is not None and node is not cache.root_node:
+        out.append(node)
+        node = node.parent
+    return out
+
+
+def _backed_up(cache: Any, node: Any) -> bool:
+    return all(n.backuped for n in _path(cache, node))
 
 
 def join(cache: Any, req: Any, t: TailLoad) -> int:

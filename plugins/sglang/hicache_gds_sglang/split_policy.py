@@ -157,9 +157,13 @@ def _hold_limit(pol: Any, tail: "split_mod.TailLoad", read: int) -> float:
 
 def _join(pol: Any, cache: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> int:
     rid = view.rid(req)
+    head = req.last_node
     grown = split_mod.join(cache, req, tail)  # where it raises, the hook drops the tail (`drop_tail`)
     del pol.tails[rid]
     if grown > 0:
+        g = split_mod.guard_head(cache, head, req)
+        if g is not None:
+            pol.guards.append(g)
         pol.counts["split_joined"] += 1
         pol.counts["split_tokens"] += grown
         view.count_storage_tokens(req, grown)
@@ -200,7 +204,10 @@ def drop_tail(pol: Any, cache: Any, rid: str) -> None:
 
 def sweep_tails(pol: Any, scheduler: Any) -> None:
     """Drop the tails of requests no longer waiting or being chunked (finished, aborted, or
-    prefilled past them without a join)."""
+    prefilled past them without a join), and release the heads of joined tails SGLang has
+    backed up (`split.HeadGuard`)."""
+    if pol.guards:
+        _settle_guards(pol, view.tree_cache(scheduler))
     if not pol.tails:
         return
     cache = view.tree_cache(scheduler)
@@ -217,3 +224,13 @@ def sweep_tails(pol: Any, scheduler: Any) -> None:
         pol.counts["split_dropped"] += 1
         log.info("hicache-gds policy: %s split tail of %d tokens dropped: the request left before its chunks "
                  "reached it", rid, tail.tokens)
+
+
+def _settle_guards(pol: Any, cache: Any) -> None:
+    if cache is None:
+        return
+    keep = []
+    for g in pol.guards:
+        if not split_mod.settle_guard(cache, g, view.is_finished(g.req)):
+            keep.append(g)
+    pol.guards = keep
