@@ -616,15 +616,21 @@ def _held(w, monkeypatch):
     req.init_next_round_input = lambda *a, **k: rounds.append(len(req.prefix_indices))
     tail = w.pol.tails["r1"].load
     assert w.pol.decided["r1"].action == "split" and (tail.start, tail.end) == (2 * CHUNK, PAGES * PS)
+    assert len(tail.keys) == 1  # forecast read whole by the join: one operation, SGLang's own gets
     ctl = w.cache.cache_controller
-    first, second = ctl.prefetch_queue.get_nowait(), ctl.prefetch_queue.get_nowait()
-    assert w.query(first) and w.query(second)
-    ctl._page_get_zero_copy(first, first.hash_value[:2], first.host_indices[:2 * PS])
+    op = ctl.prefetch_queue.get_nowait()
+    assert w.query(op)
+    ctl._page_get_zero_copy(op, op.hash_value[:2], op.host_indices[:2 * PS])
     w.b.read_rate.seed(100e9, "test: a disk far faster than the GPU")
     w.compute_chunk(req, CHUNK)
     w.compute_chunk(req, 2 * CHUNK)
     assert len(req.prefix_indices) == 2 * CHUNK and "r1" in w.pol.parked and "r1" in w.pol.tails
-    return req, tail, rounds, (first, second)
+    return req, tail, rounds, (op,)
+
+
+def _read_rest(w, ops) -> None:
+    (op,) = ops
+    w.cache.cache_controller._page_get_zero_copy(op, op.hash_value[2:], op.host_indices[2 * PS:])
 
 
 class _Adder:
@@ -641,15 +647,13 @@ class _Adder:
 @needs_0517
 def test_a_split_request_is_held_until_its_whole_tail_is_read_then_joins_it_byte_exact(world, monkeypatch):
     w = world
-    req, tail, rounds, (first, second) = _held(w, monkeypatch)
-    ctl = w.cache.cache_controller
+    req, tail, rounds, ops = _held(w, monkeypatch)
     adder = _Adder(w.cache)
     assert hooks.around_add_chunked_req(adder.add, adder, req) is req and not adder.added  # held this pass
     assert adder.prefill_max_requests == 0  # and no other request added to it
     adder = _Adder(w.cache)
     assert hooks.around_add_chunked_req(adder.add, adder, req) is req and not adder.added  # and the next
-    ctl._page_get_zero_copy(first, first.hash_value[2:], first.host_indices[2 * PS:])  # the rest lands
-    ctl._page_transfer(second)
+    _read_rest(w, ops)  # the rest lands
     adder = _Adder(w.cache)
     assert hooks.around_add_chunked_req(adder.add, adder, req) is None and adder.added == [req]
     assert adder.prefill_max_requests is None
@@ -686,10 +690,8 @@ def _io_threads_end(w, ops) -> None:
 @needs_0517
 def test_a_held_request_that_leaves_frees_its_tail_and_its_hold(world, monkeypatch):
     w = world
-    req, _, _, (first, second) = _held(w, monkeypatch)
-    ctl = w.cache.cache_controller
-    ctl._page_get_zero_copy(first, first.hash_value[2:], first.host_indices[2 * PS:])
-    ctl._page_transfer(second)
+    req, _, _, ops = _held(w, monkeypatch)
+    _read_rest(w, ops)
     w.sched.chunked_req = None
     req.done = True  # aborted while held
     hooks.after_new_prefill_batch(None, w.sched)

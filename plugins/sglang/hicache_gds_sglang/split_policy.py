@@ -62,7 +62,12 @@ def start_tail(pol: Any, cache: Any, rid: str, last_host_node: Any, tokens: Any,
         return False
     matched = view.on_gpu(req) + view.host_hit(req)
     backend, model = view.backend_of(cache), pol.cost_model
-    per_op = None if backend is None or model is None else tail_pages(cache, backend, model)
+    # A tail forecast read whole by the join (a held request waits for it) is read as one
+    # operation, in SGLang's own gets: read in gets of `split_get`, one after another, the tails
+    # of held requests on the GPU machine read at 0.4-0.8x a whole load's rate, ran past their
+    # hold limit, and taught the read rate those slower gets
+    whole = plan.expect >= plan.hit - plan.head
+    per_op = None if backend is None or model is None or whole else tail_pages(cache, backend, model)
     tail = split_mod.start(cache, rid, last_host_node, tokens, last_hash, prefix_keys, matched=matched,
                            head=plan.head, expect=plan.expect, pages_per_op=per_op)
     if tail is None:
