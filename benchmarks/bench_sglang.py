@@ -298,7 +298,7 @@ def main() -> None:
             last_gds = r == args.rounds - 1 and d.name.startswith("HiCacheGDS")
             prof = cProfile.Profile() if args.profile and last_gds else None
             timeline = request_timeline([]) if args.timeline and last_gds else contextlib.nullcontext()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with busy(), timeline as reads:
                 if prof is not None:
                     prof.enable()
@@ -306,7 +306,8 @@ def main() -> None:
                 ok = ok and all(d.get(keys[i:i + g], dst[i:i + g]) for i in range(0, n, g))
                 if prof is not None:
                     prof.disable()
-            t_get = time.perf_counter() - t0
+            t_get, cpu_get = time.perf_counter() - t0, time.process_time() - c0
+            results[d.name].setdefault("get_cpu_ms", []).append(cpu_get * 1e3)  # this process's threads
             for rd in reads or ():
                 print(f"timeline of {d.name}: {rd['pages']} pages in {len(rd['posted_ms'])} requests, posted at "
                       f"{rd['posted_ms']} ms; waits returned at {rd['waits_ms']} ms; done at {rd['end_ms']} ms "
@@ -325,7 +326,7 @@ def main() -> None:
             results[d.name]["get"].append(n * pbytes / t_get / 1e9)
             print(f"round {r} {d.name}: set {results[d.name]['set'][-1]:.2f} GB/s (with sync "
                   f"{results[d.name]['set+sync'][-1]:.2f}), get {results[d.name]['get'][-1]:.2f} GB/s (cold: {how}), "
-                  f"bytes checked" + ("; get ms: " + ", ".join(f"{k} {v:.0f}" for k, v in split.items()) + 
+                  f"bytes checked, get CPU {cpu_get * 1e3:.0f} ms" + ("; get ms: " + ", ".join(f"{k} {v:.0f}" for k, v in split.items()) + 
                                       f" of {t_get * 1e3:.0f}" if split else ""), flush=True)
             if split:
                 results[d.name].setdefault("get_phases_ms", []).append(dict(split, total=t_get * 1e3))

@@ -734,7 +734,9 @@ def test_reads_post_within_a_window_where_posting_blocks_and_every_byte_still_ch
         assert store.stats()["read_posting"] == "all at once"
         assert all(store.get(ks, Pages.contiguous(dst.addr, P, range(N))))
         assert dst.numpy().tobytes() == data.tobytes()
-        assert max(spy.at_post) == 7  # eight requests, all posted before the first wait
+        # eight requests, all posted before the first blocking wait; those already complete are
+        # settled (released, their pages verified) between posts
+        assert len(spy.at_post) == 8 and max(spy.at_post) < 7
         st = store.stats()
         assert st["read_post_share"] > 0.5 and st["read_posting"].startswith("within")
         for _ in range(2):
@@ -773,16 +775,18 @@ def test_a_store_opened_again_on_a_blocking_device_posts_its_first_get_within_th
         src, dst, data = buffers(store)
         assert store.stats()["read_posting"].startswith("within")
         spy = _InFlight(eng)
-        posted_ahead = []
+        posted_ahead, shares = [], []
         for i in range(5):
             spy.at_post.clear()
             dst.numpy()[:] = 0xEE
             assert all(store.get(ks, Pages.contiguous(dst.addr, P, range(N))))
             assert dst.numpy().tobytes() == data.tobytes()
             posted_ahead.append(max(spy.at_post))
-            if i < 2:  # windowed reads leave the measurement as it was
-                assert store.stats()["read_post_share"] == share
-        assert posted_ahead == [1, 1, 1, 7, 1]  # the fourth read probes: all at once
+            shares.append(store.stats()["read_post_share"])
+        # windowed reads leave the measurement as it was; the fourth read probes: all at once,
+        # measured (requests already complete are settled between its posts)
+        assert posted_ahead[:3] == [1, 1, 1] and posted_ahead[4] == 1
+        assert shares[:3] == [share] * 3 and shares[3] != share and shares[4] == shares[3]
         assert store.stats()["read_posting"].startswith("within")
     finally:
         store.close()

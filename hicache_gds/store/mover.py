@@ -50,7 +50,15 @@ OK, FAIL, TIMEOUT, BADSUM = 1, 0, 2, 3  # a page's status after a request
 MAX_SINGLE_RETRIES = 64  # failed pages of a read re-read one request each, at most
 
 
-class PageMover:
+def _ready(t: Transfer | None) -> bool:
+    """Whether waiting for request `t` (None: refused) returns at once (its failure counts)."""
+    try:
+        return t is None or t.done()
+    except Exception:  # noqa: BLE001 -- raised again by its wait, where it is handled
+        return True
+
+
+class PageMover(posting.ReadPacing):
     """What `PageStore` and `PageReader` share: key and page checks, memory registration, the
     request path (module docstring), page checksums, and close. Subclasses call `__init__`, set
     `slabs` and their index, and `_attach` an engine."""
@@ -79,30 +87,6 @@ class PageMover:
         shorten_switch_interval(self.config.switch_interval)
         self._staging = Staging(engine)
 
-    def _device_key(self) -> tuple[Any, ...]:
-        """The engine and the devices under this mover's slab files (``st_dev``): the key of
-        `posting.DEVICE_POST_SHARE` (posting blocks in a device's queue, as one engine submits to it)."""
-        if self._devices is None:
-            devs = set()
-            for path in getattr(getattr(self, "slabs", None), "paths", ()):
-                try:
-                    devs.add(os.stat(path).st_dev)
-                except OSError:
-                    pass
-            self._devices = (getattr(self.engine, "name", ""), *sorted(devs))
-        return self._devices
-
-    def _share(self) -> float:
-        """The posting share reads are judged by: this mover's, else what another mover measured
-        on the same devices, else 0 (post all at once, and measure)."""
-        if self._post_share is not None:
-            return self._post_share
-        return posting.DEVICE_POST_SHARE.get(self._device_key(), 0.0)
-
-    def _note_share(self, share: float) -> None:
-        self._post_share = share if self._post_share is None else 0.5 * self._post_share + 0.5 * share
-        posting.DEVICE_POST_SHARE[self._device_key()] = self._post_share
-
     def _stats_base(self) -> dict[str, Any]:
         """What `PageStore.stats` and `PageReader.stats` both report first: the counters and
         histograms, the engine that ran and why, how reads post, and the namespace's shape."""
@@ -112,14 +96,6 @@ class PageMover:
         out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
                    page_bytes=self.page_bytes, slot_bytes=self.slot_bytes)
         return out
-
-    def _posting(self) -> dict[str, Any]:
-        """How reads post their requests now (`stats()`): the share of their time spent posting,
-        and whether reads of host pages post within a window (posting blocks on this device)."""
-        share = self._share()
-        windowed = share > posting.BLOCKING_POST_SHARE
-        return {"read_post_share": round(share, 3),
-                "read_posting": f"within {posting.READ_WINDOW_BYTES >> 20} MiB ahead" if windowed else "all at once"}
 
     @property
     def capabilities(self) -> Any:
@@ -317,15 +293,6 @@ class PageMover:
         sums_job = None
         if op is Op.WRITE and beside:  # summed while the requests are posted and written
             sums_job = hashing.verifier().submit(self._page_sums, pages, buf, range(n))
-        for bt in plan[:window]:
-            post(bt)
-        if op is Op.WRITE and sums_job is None:  # overlaps the IO in flight
-            try:
-                sums[:] = self._page_sums(pages, buf, range(n))
-            except Exception as exc:  # noqa: BLE001 -- no checksum, no page: the writes still finish below
-                log.error("hicache-gds: checksums of %d written pages failed (%s: %s); not published", n,
-                          type(exc).__name__, exc)
-                hashed = False
         # A page is done once every request holding its rows is (a page may span several: more rows
         # than one request takes); its status is the worst of theirs: a timeout (the IO may still
         # land) over a failure over success. Reads are scattered and verified (`_finish_read`: the
@@ -337,7 +304,10 @@ class PageMover:
         verifying: list[Any] = []
         for bt in plan:
             left[bt.start:bt.stop] += 1
-        for i, bt in enumerate(plan):
+
+        def settle(i: int) -> np.ndarray:
+            nonlocal waited, verified
+            bt = plan[i]
             a, b = bt.start, bt.stop
             got = np.zeros(b - a, dtype=np.int8)
             if i >= len(prep.transfers):
@@ -377,13 +347,33 @@ class PageMover:
                 runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(ok, np.flatnonzero(np.diff(ok) != 1) + 1)] \
                     if len(ok) else []
                 if beside:  # disjoint page ranges: each job writes only its own pages' status
-                    verifying += [hashing.verifier().submit(self._finish_read, pages, buf, expect, status, ra, rb)
-                                  for ra, rb in runs]
+                    verifying.extend(hashing.verifier().submit(self._finish_read, pages, buf, expect, status, ra, rb)
+                                     for ra, rb in runs)
                 else:
                     tv = time.perf_counter_ns()
                     for ra, rb in runs:
                         self._finish_read(pages, buf, expect, status, ra, rb)
                     verified += time.perf_counter_ns() - tv
+            return got
+
+        # Reads posted all at once: requests already complete are settled between posts (which block
+        # once the device queue is full), so their pages are verified beside the IO, still in cache.
+        early = finishing and beside and window == len(plan)
+        settled = 0
+        for bt in plan[:window]:
+            post(bt)
+            while early and settled < len(prep.transfers) and _ready(prep.transfers[settled][1]):
+                settle(settled)
+                settled += 1
+        if op is Op.WRITE and sums_job is None:  # overlaps the IO in flight
+            try:
+                sums[:] = self._page_sums(pages, buf, range(n))
+            except Exception as exc:  # noqa: BLE001 -- no checksum, no page: the writes still finish below
+                log.error("hicache-gds: checksums of %d written pages failed (%s: %s); not published", n,
+                          type(exc).__name__, exc)
+                hashed = False
+        for i in range(settled, len(plan)):
+            got = settle(i)
             # The next request of the window, once this one is over and its pages are being
             # verified: where the device queue is short, posting waits for earlier IO to finish.
             if window + i < len(plan) and time.monotonic() < deadline and not (got == 2).any():

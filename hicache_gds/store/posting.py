@@ -19,6 +19,7 @@ all of the IO.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ import numpy as np
 from ..config import Config
 from ..engines.base import MemKind, Op, Transfer, TransferEngine, split_batches, split_rows
 
-__all__ = ["post_rows", "BLOCKING_POST_SHARE", "READ_WINDOW_BYTES", "READ_WINDOW_MIN", "WINDOW_PROBE_EVERY",
+__all__ = ["post_rows", "ReadPacing", "BLOCKING_POST_SHARE", "READ_WINDOW_BYTES", "READ_WINDOW_MIN", "WINDOW_PROBE_EVERY",
            "DEVICE_POST_SHARE"]
 
 BLOCKING_POST_SHARE = 0.5
@@ -61,3 +62,44 @@ def post_rows(engine: TransferEngine, config: Config, op: Op, kind: MemKind, mem
                 t.release()
         raise
     return out
+
+
+class ReadPacing:
+    """How a mover's reads of host pages post (mixed into `PageMover`): the posting share it
+    measured, shared through `DEVICE_POST_SHARE` by movers of one engine on the same devices."""
+
+    engine: Any
+    _post_share: float | None = None  # of recent reads' time, spent posting
+    _devices: tuple[Any, ...] | None = None
+
+    def _device_key(self) -> tuple[Any, ...]:
+        """The engine and the devices under this mover's slab files (``st_dev``): the key of
+        `DEVICE_POST_SHARE` (posting blocks in a device's queue, as one engine submits to it)."""
+        if self._devices is None:
+            devs = set()
+            for path in getattr(getattr(self, "slabs", None), "paths", ()):
+                try:
+                    devs.add(os.stat(path).st_dev)
+                except OSError:
+                    pass
+            self._devices = (getattr(self.engine, "name", ""), *sorted(devs))
+        return self._devices
+
+    def _share(self) -> float:
+        """The posting share reads are judged by: this mover's, else what another mover measured
+        on the same devices, else 0 (post all at once, and measure)."""
+        if self._post_share is not None:
+            return self._post_share
+        return DEVICE_POST_SHARE.get(self._device_key(), 0.0)
+
+    def _note_share(self, share: float) -> None:
+        self._post_share = share if self._post_share is None else 0.5 * self._post_share + 0.5 * share
+        DEVICE_POST_SHARE[self._device_key()] = self._post_share
+
+    def _posting(self) -> dict[str, Any]:
+        """How reads post their requests now (`stats()`): the share of their time spent posting,
+        and whether reads of host pages post within a window (posting blocks on this device)."""
+        share = self._share()
+        windowed = share > BLOCKING_POST_SHARE
+        return {"read_post_share": round(share, 3),
+                "read_posting": f"within {READ_WINDOW_BYTES >> 20} MiB ahead" if windowed else "all at once"}
