@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 
 from ..errors import DirectoryUnavailable
 from . import scripts
+from .connect import connect, redact
 
 __all__ = ["Directory", "DirectoryUnavailable", "ServerInfo", "Reservation", "SID_RE", "redact"]
 
@@ -51,31 +52,14 @@ class Reservation:
 
 
 
-def redact(url: str) -> str:
-    """`url` with the password of its user part replaced by ``***`` (``redis://user:***@host``,
-    ``rediss://:***@host``): the URL may carry Redis AUTH credentials, and logs are not secret."""
-    from urllib.parse import urlsplit, urlunsplit
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "(unparsable url)"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:  # an IPv6 address keeps its brackets
-        host = f"[{host}]"
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
 class Directory:
     """Client of the Redis directory for one key prefix.
 
     Parameters
     ----------
     url:
-        Redis URL, e.g. ``redis://127.0.0.1:6379/0``.
+        Redis URL, e.g. ``redis://127.0.0.1:6379/0``, or a Sentinel-monitored primary,
+        ``redis+sentinel://h1:26379,h2:26379/service_name`` (`connect.py`).
     prefix:
         Key prefix; deployments sharing one Redis use distinct prefixes.
     timeout:
@@ -94,8 +78,7 @@ class Directory:
         self.url = redact(url)  # what messages and stats show: never the password
         self.prefix = prefix
         self.timeout = timeout
-        self.r = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                      retry_on_timeout=False, health_check_interval=0)
+        self.r, self.sentinel = connect(url, timeout)
         self._s = {name: self.r.register_script(getattr(scripts, name)) for name in scripts.__all__
                    if name != "ENTRY_SEP"}
         self._lock = threading.Lock()

@@ -159,7 +159,7 @@ class PageServer:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hicache-gds serve", description="Serve a DRAM page pool to the remote tier.")
     p.add_argument("--redis", default=os.environ.get("HICACHE_GDS_REMOTE_URL", "") or "redis://127.0.0.1:6379/0",
-                   help="Redis URL of the directory, redis:// or rediss:// (TLS), user:password@ for AUTH (default: "
+                   help="Redis URL of the directory, redis:// or rediss:// (TLS) or redis+sentinel://h:p[,h:p]/service (HA), user:password@ for AUTH (default: "
                         "$HICACHE_GDS_REMOTE_URL, else redis://127.0.0.1:6379/0; put a password there, not on the "
                         "command line, which ps shows)")
     p.add_argument("--size", default="1G", help="bytes of DRAM to serve, e.g. 64G (default %(default)s)")
