@@ -227,3 +227,40 @@ def test_only_servers_with_the_cluster_secret_are_trusted(tmp_path, spawn, monke
             redis.Redis.from_url(red.url).set("other:key", 1)  # the ACL user's keys are the deployment's
     finally:
         red.stop()
+
+
+def test_scripts_build_no_key_names():
+    """Every key a script touches comes from KEYS (Redis Cluster's rule): no script builds a key name
+    out of strings, and no script keeps the old untagged prefix argument."""
+    import re
+
+    from hicache_gds.remote import scripts
+    for name in scripts.__all__:
+        if name in ("ENTRY_SEP",):
+            continue
+        src = getattr(scripts, name)
+        assert not re.search(r"\.\.\s*':(srv|free|lru|own|pend|dir|servers|alive|fence|ver)", src), name
+        assert "local P = ARGV[1]" not in src, name
+        for call in re.findall(r"redis\.call\('(?:H\w+|Z\w+|L\w+|R\w+|S\w+|DEL|UNLINK|INCR|PEXPIRE)',\s*([^,)]+)", src):
+            assert not call.strip().startswith(("'", '"')), f"{name}: a literal key {call}"
+
+
+def test_server_records_reload_only_when_the_version_changes(own_redis, spawn):
+    """Each refresh reads one version key; the records are read again only after a (un)registration."""
+    prefix = "cv" + uuid.uuid4().hex[:6]
+    spawn(own_redis.url, "s0", prefix, "4M", PAGE, ttl=5.0)
+    t = tier(own_redis.url, prefix, PAGE, uuid.uuid4().hex)
+    try:
+        t.opts = t.opts.__class__(**{**t.opts.__dict__, "refresh": 0.05})
+        loads = []
+        real = t.dir.servers
+        t.dir.servers = lambda: loads.append(1) or real()
+        for _ in range(20):
+            t._refresh()
+            time.sleep(0.06)
+        assert len(loads) == 0, "records reloaded without a change"
+        spawn(own_redis.url, "s1", prefix, "4M", PAGE, ttl=5.0)
+        assert _wait(lambda: t._refresh() or len(t._live()) == 2, 5)
+        assert len(loads) == 1
+    finally:
+        t.close()
