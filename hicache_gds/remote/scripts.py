@@ -65,7 +65,7 @@ local function fence(fk)  -- the directory epoch; raised when the primary is not
   local id = a..':'..b
   local f = redis.call('HMGET', fk, 'epoch', 'id', 'bumped')
   if f[2] == id then return tonumber(f[1]), tonumber(f[3] or 0) end
-  local ep = math.max((tonumber(f[1]) or 0) + 1, tonumber(redis.call('TIME')[1]))
+  local ep = math.max((tonumber(f[1]) or 0) + 1, now_us())  -- never repeats, even after a restart empty
   local bumped = 0
   if f[2] then bumped = now_us() end  -- a primary before this one: quarantine its writers' slots
   redis.call('HSET', fk, 'epoch', string.format('%d', ep), 'id', id, 'bumped', string.format('%d', bumped))

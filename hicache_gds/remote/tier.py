@@ -272,7 +272,7 @@ class RemoteTier:
         writes: dict[str, list[tuple[int, Reservation]]] = {}
         for sid, idx in groups.items():
             if not res.get(sid):
-                self._refreshed = -1e9  # the server re-registered: reload before the next batch
+                self._refreshed = self._loaded = -1e9  # re-registered or lapsed: reload before the next batch
                 continue
             for i, r in zip(idx, res[sid]):
                 if r == PRESENT:

@@ -45,7 +45,7 @@ class SentinelSet:
         if password:
             auth = ["--masterauth", password, "--requirepass", password] if not user else [
                 "--masteruser", user, "--masterauth", password,
-                "--user", f"{user} on >{password} ~* &* +@all"]
+                "--user", user, "on", f">{password}", "~*", "&*", "+@all"]
         self.auth_args = auth
         for i, port in enumerate(self.ports):
             extra = ["--replicaof", "127.0.0.1", str(self.ports[0])] if i else []

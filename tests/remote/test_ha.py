@@ -264,3 +264,29 @@ def test_server_records_reload_only_when_the_version_changes(own_redis, spawn):
         assert len(loads) == 1
     finally:
         t.close()
+
+
+def test_sentinel_url_with_an_acl_user(tmp_path, spawn):
+    """Primary and replica require AUTH as an ACL user; the sentinel URL's user:password reaches them
+    (the Sentinel itself runs without AUTH), and messages show the password as ***."""
+    if REDIS is None:
+        pytest.skip("redis-server is not installed")
+    from sentinel_procs import SentinelSet
+    s = SentinelSet(tmp_path, user="hc", password="pw-7y")
+    try:
+        assert "hc:pw-7y@" in s.url
+        prefix = "sa" + uuid.uuid4().hex[:6]
+        spawn(s.url, "s0", prefix, "4M", PAGE, ttl=5.0)
+        t = tier(s.url, prefix, PAGE, uuid.uuid4().hex)
+        try:
+            keys = [f"a{i}" for i in range(4)]
+            b = Bufs(t, 4, PAGE)
+            assert t.put(keys, b.fill(keys)) == [True] * 4
+            ok = t.get(keys, b.poisoned(4))
+            assert ok == [True] * 4
+            b.check(keys, ok)
+            assert "pw-7y" not in str(t.stats()) and "hc:***@" in t.stats()["redis"]
+        finally:
+            t.close()
+    finally:
+        s.stop()
