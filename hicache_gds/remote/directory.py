@@ -139,8 +139,8 @@ class Directory:
         """Run `pipe`, then (replicas attached) WAIT for their ack: its results, or
         DirectoryUnavailable when the replicas did not acknowledge the writes in time."""
         n = self.wait_replicas
-        if n:
-            pipe.execute_command("WAIT", n, self.wait_ms)
+        if n:  # within the socket timeout: an ack that is late is a failed write, not a broken connection
+            pipe.execute_command("WAIT", n, max(1, min(self.wait_ms, int(self.timeout * 800))))
         out = self._call(what, pipe.execute)
         if n:
             acks = int(out.pop())
