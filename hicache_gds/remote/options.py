@@ -13,7 +13,8 @@ __all__ = ["RemoteOptions", "REMOTE_KEYS"]
 
 @dataclass(frozen=True)
 class RemoteOptions:
-    """Remote-tier settings. Config keys: `remote_url`, `remote_prefix`, `remote_timeout`."""
+    """Remote-tier settings. Config keys: `remote_url`, `remote_prefix`, `remote_timeout`, `remote_lease`,
+    `remote_wait_replicas`, `remote_wait_ms`, `cluster_secret_file` (each also `HICACHE_GDS_<KEY>`)."""
 
     url: str = "redis://127.0.0.1:6379/0"
     prefix: str = "hicache"
@@ -31,6 +32,14 @@ class RemoteOptions:
     """Batches are cut into requests of at most this many bytes, spread over `threads`."""
     verify: bool = True
     """Check host pages' xxh3 checksums after reading (from `verify`)."""
+    wait_replicas: int = 1
+    """Replicas that must acknowledge (Redis WAIT) a registration, publish or delete before it
+    counts as done; capped by the replicas attached, so a Redis without one waits for none. 0: off."""
+    wait_ms: int = 1000
+    """Milliseconds to wait for that acknowledgement; a write not acknowledged in time failed."""
+    cluster_secret_file: str = ""
+    """File (mode 0600) holding the cluster secret that signs page servers' records (`trust.py`);
+    "": HICACHE_GDS_CLUSTER_SECRET_FILE, else the secret in HICACHE_GDS_CLUSTER_SECRET, else none."""
     net_devices: str = ""
     """UCX_NET_DEVICES for this process when unset in the environment ("": UCX's choice, every
     device; the variable is process-wide, so other UCX users in a serving process see it too)."""
@@ -53,6 +62,14 @@ class RemoteOptions:
             out[attr] = default if val in ("", None) else type(default)(val)
         return cls(**out)
 
+    def directory_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `Directory` beyond url, prefix and timeout."""
+        from .trust import load_secret
+        return {"wait_replicas": self.wait_replicas, "wait_ms": self.wait_ms,
+                "secret": load_secret(self.cluster_secret_file)}
 
-REMOTE_KEYS = {"remote_url": "url", "remote_prefix": "prefix", "remote_timeout": "redis_timeout"}
+
+REMOTE_KEYS = {"remote_url": "url", "remote_prefix": "prefix", "remote_timeout": "redis_timeout",
+               "remote_lease": "lease", "remote_wait_replicas": "wait_replicas", "remote_wait_ms": "wait_ms",
+               "cluster_secret_file": "cluster_secret_file"}
 assert set(REMOTE_KEYS.values()) <= {f.name for f in fields(RemoteOptions)}

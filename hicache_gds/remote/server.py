@@ -46,7 +46,8 @@ class PageServer:
 
     def __init__(self, redis_url: str, size: int, page_bytes: int, *, name: str = "", prefix: str = "hicache",
                  ttl: float = 10.0, heartbeat: float = 0.0, low_water: float = 0.02, redis_timeout: float = 2.0,
-                 prefault: bool = True) -> None:
+                 prefault: bool = True, secret: bytes | None = None, wait_replicas: int = 1,
+                 wait_ms: int = 1000) -> None:
         from .._nixl import new_agent
         from ..memory import HostBuffer, align_up
         from .directory import SID_RE, Directory
@@ -61,7 +62,8 @@ class PageServer:
         self.ttl = ttl
         self.interval = heartbeat or max(ttl / 4, 0.05)
         self.low_water = int(self.nslots * low_water)
-        self.dir = Directory(redis_url, prefix, redis_timeout)
+        self.dir = Directory(redis_url, prefix, redis_timeout, wait_replicas=wait_replicas, wait_ms=wait_ms,
+                             secret=secret)
         self.buf = HostBuffer(self.nslots * self.slot_bytes, pinned=False)
         if prefault:  # fault the pool in now, not under the first client's writes
             self.buf.numpy()[::4096] = 0
@@ -174,6 +176,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--net-devices", default="",
                    help="UCX_NET_DEVICES for this server: lo, a device list such as mlx5_0:1, or all "
                         "(default: the environment's; one of the two is required)")
+    p.add_argument("--cluster-secret-file", default="",
+                   help="file (mode 0600) with the cluster secret that signs this server's record; default "
+                        "$HICACHE_GDS_CLUSTER_SECRET_FILE, else $HICACHE_GDS_CLUSTER_SECRET, else unsigned")
+    p.add_argument("--wait-replicas", type=int, default=int(os.environ.get("HICACHE_GDS_REMOTE_WAIT_REPLICAS") or 1),
+                   help="replicas that must acknowledge a registration (capped by those attached; 0: off)")
     p.add_argument("--no-prefault", action="store_true", help="do not touch the pool at start")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port at /metrics (default: off)")
@@ -194,11 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from ..config import parse_size
     from ..errors import HiCacheGDSError
+    from .trust import load_secret
     try:
         server = PageServer(args.redis, parse_size(args.size, key="--size"),
                             parse_size(args.page_bytes, key="--page-bytes"), name=args.name, prefix=args.prefix,
                             ttl=args.ttl, heartbeat=args.heartbeat, low_water=args.low_water,
-                            prefault=not args.no_prefault)
+                            prefault=not args.no_prefault, secret=load_secret(args.cluster_secret_file),
+                            wait_replicas=args.wait_replicas)
     except (HiCacheGDSError, ValueError, OSError) as exc:
         print(f"hicache-gds serve: {exc}", file=sys.stderr)
         return 2

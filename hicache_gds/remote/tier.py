@@ -16,8 +16,7 @@ pages written from host memory, hgc1 for pages written from GPU memory, each che
 
 Failure contract: an unreachable Redis, a dead or unreachable server, a timeout -- each is a miss
 (False) and a rate-limited log line, never an exception out of exists/prefix/get/put/delete/clear,
-and never a wait without a timeout. Servers that come back (new epoch) are picked up by the
-periodic refresh of the server list.
+and never a wait without a timeout. Server records are reloaded when the directory says they changed.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -37,8 +35,8 @@ import xxhash
 
 from .. import checksum, pagesum
 from ..config import Config
-from ..gil import shorten_switch_interval
 from ..engines.base import MemKind, Op, split_batches
+from ..gil import shorten_switch_interval
 from ..errors import RegionError, TransferError, TransferTimeout
 from ..layout import Pages, namespace_id
 from ..stats import StoreStats
@@ -100,11 +98,11 @@ class RemoteTier:
         self.engine = NixlUcxEngine()
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
         self._pool = ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="hicache-gds-ucx")
-        self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout)
+        self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout, **self.opts.directory_kwargs())
         self._peers: dict[str, _Peer] = {}
         self._agents: dict[str, int] = {}  # agent name -> peer id
         self._lock = threading.RLock()
-        self._refreshed = -1e9
+        self._refreshed = self._loaded = -1e9
         self._warned: dict[str, float] = {}
         self._stats = StoreStats(extra=_EXTRA)
         self._closed = False
@@ -132,7 +130,9 @@ class RemoteTier:
         if now - self._refreshed < (0.1 if force else self.opts.refresh):
             return  # forced refreshes too are spaced, so a dead server costs one read per 0.1 s at most
         self._refreshed = now
-        infos = self.dir.servers()
+        if not force and now - self._loaded < 30 and not self.dir.changed():
+            return  # no server (un)registered and no failover: the records we hold are current
+        infos, self._loaded = self.dir.servers(), now
         with self._lock:
             seen = set()
             for info in infos:
@@ -348,11 +348,12 @@ class RemoteTier:
             self._redis_failed(exc)
             valid = [False] * len(read)
         recorded = {i: c for i, _, c in read}
-        check = [i for (i, _, c), v in zip(read, valid) if v and c] if self.opts.verify else []
+        # an entry of an older directory epoch is served only once its checksum verifies (scripts.py)
+        check = [i for (i, e, c), v in zip(read, valid) if v and c and (self.opts.verify or self.dir.is_stale(e))]
         actual = dict(zip(check, self._sums(pages, check, like=[recorded[i] for i in check])))
         bad, stale = [], 0
-        for (i, _, csum), v in zip(read, valid):
-            if not v:
+        for (i, e, csum), v in zip(read, valid):
+            if not v or (not csum and self.dir.is_stale(e)):
                 stale += 1
             elif i in actual and actual[i] != csum:
                 bad.append(keys[i])
@@ -477,7 +478,7 @@ class RemoteTier:
             servers = [{"sid": p.info.sid, "epoch": p.info.epoch, "host": p.info.host, "pid": p.info.pid,
                         "slot_bytes": p.info.slot_bytes, "nslots": p.info.nslots, "loaded": bool(p.peer_id)}
                        for p in self._peers.values()]
-        out.update(namespace=self.namespace, page_bytes=self.page_bytes, redis=self.dir.url,
+        out.update(namespace=self.namespace, page_bytes=self.page_bytes, redis=self.dir.url, untrusted_servers=self.dir.untrusted,
                    prefix=self.opts.prefix, servers=servers)
         return out
 

@@ -93,13 +93,13 @@ def test_hung_server_expires_then_rejoins_with_a_new_epoch(own_redis, spawn):
         b = Bufs(t, 8, PAGE)
         keys = [f"h{i}" for i in range(8)]
         assert t.put(keys, b.fill(keys)) == [True] * 8
-        epoch = t.dir.r.hget(f"{prefix}:srv:hung", "epoch")
+        epoch = t.dir.r.hget(t.dir.key("srv", "hung"), "epoch")
         srv.kill(signal.SIGSTOP)
         assert wait_for(lambda: t.exists(keys) == [False] * 8, 6), "a silent server's pages must become misses"
         assert t.get(keys, b.poisoned(8)) == [False] * 8
         assert t.put(keys[:2], b.fill(keys[:2])) == [False, False]  # no live server: refused, no error
         srv.kill(signal.SIGCONT)
-        assert wait_for(lambda: t.dir.r.hget(f"{prefix}:srv:hung", "epoch") not in (None, epoch), 10)
+        assert wait_for(lambda: t.dir.r.hget(t.dir.key("srv", "hung"), "epoch") not in (None, epoch), 10)
         assert t.exists(keys) == [False] * 8  # the old incarnation's pages stay gone
         assert wait_for(lambda: t.put(keys, b.fill(keys)) == [True] * 8, 10)
         ok = t.get(keys, b.poisoned(8))
@@ -233,8 +233,8 @@ def test_a_large_pool_is_registered_in_bounded_steps(own_redis, monkeypatch):
                       host="h", pid=1)
     d.register_server(info, 30.0)
     assert calls == ["register"] + ["fill"] * 15
-    free = [int(x) for x in d.r.lrange("fill:free:s1", 0, -1)]
-    assert sorted(free) == list(range(100)) and 0 < d.r.pttl("fill:free:s1") <= 30000
+    free = [int(x) for x in d.r.lrange("{fill}:free:s1", 0, -1)]
+    assert sorted(free) == list(range(100)) and 0 < d.r.pttl("{fill}:free:s1") <= 30000
     d.register_server(ServerInfo(**{**info.__dict__, "epoch": "e2"}), 30.0)
-    stale = d._s["FILL"](keys=["fill:srv:s1", "fill:free:s1"], args=["fill", "s1", "e1", 30000, 100, 7])
-    assert stale == 0 and d.r.llen("fill:free:s1") == 100
+    stale = d._s["FILL"](keys=["{fill}:srv:s1", "{fill}:free:s1"], args=["e1", 30000, 100, 7])
+    assert stale == 0 and d.r.llen("{fill}:free:s1") == 100

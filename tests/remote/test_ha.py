@@ -59,7 +59,7 @@ def test_failover_keeps_acked_pages(sset, spawn):
     prefix = "ha" + uuid.uuid4().hex[:6]
     for i in range(2):
         spawn(sset.url, f"s{i}", prefix, "16M", PAGE, ttl=6.0)
-    t = tier(sset.url, prefix, PAGE, uuid.uuid4().hex)
+    t = tier(sset.url, prefix, PAGE, uuid.uuid4().hex, remote_lease=3)
     try:
         assert t.dir.wait_replicas == 1, "a replica is attached: writes must wait for its ack"
         keys = [f"k{i}" for i in range(24)]

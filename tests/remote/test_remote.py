@@ -152,10 +152,11 @@ def test_same_key_race_leaves_one_copy(cluster):
         entries = d.lookup(t.namespace, keys)
         own = {}
         for s in cluster["servers"]:
-            own.update({(s.name, int(k)): v.decode() for k, v in d.r.hgetall(f"{d.prefix}:own:{s.name}").items()})
+            own.update({(s.name, int(k)): v.decode() for k, v in d.r.hgetall(d.key("own", s.name)).items()})
         for k, e in zip(keys, entries):
             sid, _, slot, gen, *_ = e.split("|")
-            assert own[(sid, int(slot))] == f"{gen}\t{t.namespace}\t{k}"
+            dep = e.split("|")[6]
+            assert own[(sid, int(slot))] == f"{dep}:{gen}\t{t.namespace}\t{k}"
         mine = [v for v in own.values() if v.split("\t")[1] == t.namespace]
         assert len(mine) == 48, "a losing writer's slot was not given back"
         pend = sum(d.server_state(s.name)["pending"] for s in cluster["servers"])
