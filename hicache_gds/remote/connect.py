@@ -87,8 +87,13 @@ def connect(url: str, timeout: float) -> tuple[Any, Any]:
     """(redis client of the primary, Sentinel or None) for `url`; every call times out in `timeout` s."""
     import redis
     parsed = parse_url(url)
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+    # No retries inside redis-py: its default (10 tries, backoff up to 1 s) made one call to a
+    # directory being restarted take 4-9 s, not `timeout`; `Directory` has its own back-off, and
+    # the Sentinel pool asks for the primary again at the next call.
     opts = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False,
-                health_check_interval=0)
+                health_check_interval=0, retry=Retry(NoBackoff(), 0))
     if parsed is None:
         return redis.Redis.from_url(url, **opts), None
     from redis.sentinel import Sentinel

@@ -44,7 +44,7 @@ class Client:
         self.Pages = Pages
         self.tier = RemoteTier(self.page, {"cluster": args.prefix}, config={
             "remote_url": args.url, "remote_prefix": args.prefix, "io_timeout": args.io_timeout,
-            "remote_timeout": args.redis_timeout})
+            "remote_timeout": args.redis_timeout, **({"cluster_secret_file": args.secret_file} if args.secret_file else {})})
         n = max(args.batch, args.pinned, 1)
         self.src = HostBuffer(n * self.page, pinned=False)
         self.pin = HostBuffer(max(args.pinned, 1) * self.page, pinned=False)
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-timeout", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, default=600.0, help="stop after this long whatever happens")
     ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    ap.add_argument("--secret-file", default="", help="cluster secret file that page servers' records are signed with")
     ap.add_argument("--bench", type=int, default=0, help="time this many put+get rounds instead")
     args = ap.parse_args(argv)
     c = Client(args)

@@ -62,6 +62,7 @@ class LabConfig:
     warm: float = 3.0
     hold: float = 3.0
     after: float = 12.0
+    after_directory: float = 30.0  # directory faults: a failover's write quarantine lasts a lease
     ucx_tls: str = "tcp"
 
 
@@ -76,9 +77,11 @@ class FaultResult:
     misses: int = 0
     wrong: int = 0
     errors: int = 0
+    gets_back_s: float | None = None
     first_full_s: float | None = None
     last_fail_s: float | None = None
     rejoin_s: float | None = None
+    restored_s: float | None = None  # the restore done (server started, directory answering), after the fault
     pinned_acked: int = 0
     pinned_promised: int = 0
     promised_lost: int = 0
@@ -121,6 +124,10 @@ class Lab:
         self.redis: dict[str, Proc] = {}
         self.sentinels: dict[str, Proc] = {}
         self.stop_file = work / "stop"
+        self.secret = work / "cluster-secret"  # signs the lab's page-server records
+        fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, uuid.uuid4().hex.encode())
+        os.close(fd)
         ip = self.net.ip
         if cfg.ha:
             self.url = "redis+sentinel://" + ",".join(f"{ip[d]}:26379" for d in self.dnodes) + f"/{SERVICE}"
@@ -139,7 +146,7 @@ class Lab:
         for d in self.dnodes[:2]:
             extra = ["--replicaof", ip["d1"], "6379"] if d != "d1" else []
             self.redis[d] = self.net.popen(d, [REDIS, "--port", "6379", "--bind", ip[d], "--save", "",
-                                               "--appendonly", "no", "--protected-mode", "no", "--dir",
+                                               "--appendonly", "no", "--protected-mode", "no", "--repl-diskless-sync-delay", "0", "--dir",
                                                str(self.work), "--dbfilename", f"dump-{d}.rdb", *extra],
                                            log=f"redis-{d}.log")
         for d in self.redis:
@@ -191,7 +198,7 @@ class Lab:
         p = self.net.popen(node, [sys.executable, "-c", "import sys; from hicache_gds.remote.server import main; "
                                   "sys.exit(main())", "--redis", self.url, "--size", self.cfg.pool, "--page-bytes",
                                   str(self.cfg.page), "--name", node, "--prefix", self.prefix, "--ttl",
-                                  str(self.cfg.ttl), "--net-devices", "eth0", "--log-level", "WARNING"],
+                                  str(self.cfg.ttl), "--net-devices", "eth0", "--cluster-secret-file", str(self.secret), "--log-level", "WARNING"],
                            env=_env("eth0", self.cfg.ucx_tls), log=log)
         self.servers[node] = p
         _wait(lambda: p.alive() and b"ready" in (self.work / log).read_bytes() or not p.alive(), 90,
@@ -207,7 +214,7 @@ class Lab:
                                   str(self.stop_file), "--page", str(self.cfg.page), "--batch", str(self.cfg.batch),
                                   "--pinned", str(self.cfg.pinned), "--period", str(self.cfg.period),
                                   "--io-timeout", str(self.cfg.io_timeout), "--redis-timeout",
-                                  str(self.cfg.redis_timeout), "--seconds", "300", *extra],
+                                  str(self.cfg.redis_timeout), "--seconds", "300", "--secret-file", str(self.secret), *extra],
                            env=_env("eth0", self.cfg.ucx_tls), log=f"client-{node}.log")
         self.clients[node] = p
         return p
@@ -222,11 +229,14 @@ class Lab:
         self.net.close()
 
 
-def _recovery(rows: list[dict[str, Any]], t_fault: float, t_restore: float) -> tuple[float | None, float | None]:
+def _recovery(rows: list[dict[str, Any]], t_fault: float,
+              t_restore: float) -> tuple[float | None, float | None, float | None]:
+    """(first get served, first full round, last failed round before the restore), in s after the fault."""
     after = [r for r in rows if "r" in r and r["t0"] >= t_fault]
+    got = next((r["t1"] - t_fault for r in after if r.get("get", 0) + r.get("pget", 0)), None)
     first = next((r["t1"] - t_fault for r in after if r.get("full")), None)
     fails = [r for r in rows if "r" in r and r["t1"] >= t_fault and r["t0"] < t_restore and not r.get("full")]
-    return first, (fails[-1]["t1"] - t_fault if fails else 0.0)
+    return got, first, (fails[-1]["t1"] - t_fault if fails else 0.0)
 
 
 def run_fault(fault: str, cfg: LabConfig | None = None, work: str | Path | None = None) -> FaultResult:
@@ -273,8 +283,11 @@ def run_fault(fault: str, cfg: LabConfig | None = None, work: str | Path | None 
         elif fault == "restart_directory":
             lab.start_directory()
         else:
-            t_restore = t_fault + cfg.after  # nothing comes back: the whole run is "during"
-        time.sleep(max(0.0, t_fault + cfg.after - time.monotonic()))
+            t_restore = t_fault + cfg.after_directory  # nothing comes back: the whole run is "during"
+        if fault != "kill_primary":
+            res.restored_s = round(time.monotonic() - t_fault, 2)
+        after = cfg.after_directory if fault in ("kill_primary", "restart_directory") else cfg.after
+        time.sleep(max(0.0, t_fault + after - time.monotonic()))
         lab.stop_file.touch()
         _wait(lambda: all(not p.alive() or any(r.get("final") for r in lab.rows(n))
                           for n, p in lab.clients.items()), 60, "clients' final reads")
@@ -303,7 +316,9 @@ def run_fault(fault: str, cfg: LabConfig | None = None, work: str | Path | None 
                 back = next((r for r in rounds if r["t0"] >= t_restore and r.get("full")), None)
                 res.rejoin_s = None if back is None else round(back["t1"] - t_restore, 2)
                 continue
-            first, last = _recovery(rows, t_fault, t_restore)
+            got, first, last = _recovery(rows, t_fault, t_restore)
+            if got is not None:
+                res.gets_back_s = round(max(res.gets_back_s or 0.0, got), 2)
             if first is None:
                 res.notes.append(f"client {n}: no full round after the fault")
             else:
@@ -342,14 +357,14 @@ def run_throughput(batch: int = 64, rounds: int = 5, page: int = 2 << 20, work: 
                         p = lab.net.popen("d1", [sys.executable, "-c", "import sys; from hicache_gds.remote.server "
                                                  "import main; sys.exit(main())", "--redis", lab.url, "--size", pool,
                                                  "--page-bytes", str(page), "--name", f"lo{i}", "--prefix", lab.prefix,
-                                                 "--net-devices", "lo", "--log-level", "WARNING"],
+                                                 "--net-devices", "lo", "--cluster-secret-file", str(lab.secret), "--log-level", "WARNING"],
                                           env=_env("lo", cfg.ucx_tls), log=log)
                         _wait(lambda: b"ready" in (lab.work / log).read_bytes() or not p.alive(), 90, "server")
                     client_node = "d1"
                 p = lab.net.popen(client_node, [sys.executable, "-m", "hicache_gds.testing.cluster_client", "--url",
                                                 lab.url, "--prefix", lab.prefix, "--name", "bench", "--out",
                                                 str(lab.work / "bench.jsonl"), "--page", str(page), "--batch",
-                                                str(batch), "--pinned", "0", "--io-timeout", "30", "--bench",
+                                                str(batch), "--pinned", "0", "--io-timeout", "30", "--secret-file", str(lab.secret), "--bench",
                                                 str(rounds)],
                                   env=_env("lo" if client_node == "d1" else "eth0", cfg.ucx_tls), log="bench.log")
                 p.popen.wait(300)
