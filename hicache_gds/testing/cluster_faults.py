@@ -57,7 +57,7 @@ class LabConfig:
     period: float = 0.25
     ttl: float = 5.0  # page servers' registration TTL
     io_timeout: float = 2.0
-    redis_timeout: float = 1.0
+    redis_timeout: float = 2.0  # the tier's default; above remote_wait_ms (1000), or an acked write times out
     ha: bool = True
     warm: float = 3.0
     hold: float = 3.0
