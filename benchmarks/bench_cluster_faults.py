@@ -62,21 +62,24 @@ def main(argv: list[str] | None = None) -> int:
         out["faults"].append(res.row())
         print(f"{f}: {json.dumps(res.row())} ({time.monotonic() - t:.0f} s)", flush=True)
     if args.throughput:
-        out["throughput"] = run_throughput(args.batch, args.rounds, work=Path(args.keep) / "tput" if args.keep else None)
+        work = Path(args.keep) / "tput" if args.keep else None
+        out["throughput"] = run_throughput(args.batch, args.rounds, work=work)
     print(f"\n{started}, {os.cpu_count()} cores, directory: "
           f"{'one Redis' if args.single_redis else 'Redis primary + replica + 3 Sentinels'}, page server TTL "
           f"{cfg.ttl:g} s, io_timeout {cfg.io_timeout:g} s, {cfg.batch} fresh + {cfg.pinned} pinned pages of "
           f"{cfg.page >> 20} MiB per client round, 3 clients\n")
-    print("| fault | rounds | pages put / put failed | pages read / misses | wrong pages | restore done (s) | first get served (s) | first full round (s) "
-          "| last failed round (s) | cut node rejoins (s) | pinned acked / promised / lost | notes |")
+    print("| fault | rounds | pages put / put failed | pages read / misses | wrong pages | restore done (s) "
+          "| first get served (s) | first full round (s) | last failed round (s) | cut node rejoins (s) "
+          "| pinned acked / promised / lost | notes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["faults"]:
         notes = list(r["notes"]) + ([f"{r['errors']} exceptions"] if r["errors"] else [])
         print(f"| {r['fault']} | {r['rounds']} | {r['puts']} / {r['put_failed']} | {r['gets']} / {r['misses']} | "
-              f"{r['wrong']} | {fmt(r['restored_s'])} | {fmt(r['gets_back_s'])} | {fmt(r['first_full_s'])} | {fmt(r['last_fail_s'])} | {fmt(r['rejoin_s'])} | "
+              f"{r['wrong']} | {fmt(r['restored_s'])} | {fmt(r['gets_back_s'])} | {fmt(r['first_full_s'])} | "
+              f"{fmt(r['last_fail_s'])} | {fmt(r['rejoin_s'])} | "
               f"{r['pinned_acked']} / {r['pinned_promised']} / {r['promised_lost']} | {'; '.join(notes)} |")
     if out["throughput"]:
-        print(f"\n| path | batch | put GB/s median (min-max) | get GB/s median (min-max) | batches not byte-exact |")
+        print("\n| path | batch | put GB/s median (min-max) | get GB/s median (min-max) | batches not byte-exact |")
         print("|---|---|---|---|---|")
         for tr, b in out["throughput"].items():
             if "put_gbps" not in b:

@@ -42,9 +42,11 @@ class Client:
         self.a = args
         self.page = args.page
         self.Pages = Pages
-        self.tier = RemoteTier(self.page, {"cluster": args.prefix}, config={
-            "remote_url": args.url, "remote_prefix": args.prefix, "io_timeout": args.io_timeout,
-            "remote_timeout": args.redis_timeout, **({"cluster_secret_file": args.secret_file} if args.secret_file else {})})
+        config = {"remote_url": args.url, "remote_prefix": args.prefix, "io_timeout": args.io_timeout,
+                  "remote_timeout": args.redis_timeout}
+        if args.secret_file:
+            config["cluster_secret_file"] = args.secret_file
+        self.tier = RemoteTier(self.page, {"cluster": args.prefix}, config=config)
         n = max(args.batch, args.pinned, 1)
         self.src = HostBuffer(n * self.page, pinned=False)
         self.pin = HostBuffer(max(args.pinned, 1) * self.page, pinned=False)

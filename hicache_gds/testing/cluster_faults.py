@@ -146,7 +146,8 @@ class Lab:
         for d in self.dnodes[:2]:
             extra = ["--replicaof", ip["d1"], "6379"] if d != "d1" else []
             self.redis[d] = self.net.popen(d, [REDIS, "--port", "6379", "--bind", ip[d], "--save", "",
-                                               "--appendonly", "no", "--protected-mode", "no", "--repl-diskless-sync-delay", "0", "--dir",
+                                               "--appendonly", "no", "--protected-mode", "no",
+                                               "--repl-diskless-sync-delay", "0", "--dir",
                                                str(self.work), "--dbfilename", f"dump-{d}.rdb", *extra],
                                            log=f"redis-{d}.log")
         for d in self.redis:
@@ -157,7 +158,7 @@ class Lab:
         for d in self.dnodes:
             conf = self.work / f"sentinel-{d}.conf"
             conf.write_text("\n".join([
-                f"port 26379", f"bind {ip[d]}", "protected-mode no", f"dir {self.work}",
+                "port 26379", f"bind {ip[d]}", "protected-mode no", f"dir {self.work}",
                 f"sentinel monitor {SERVICE} {ip['d1']} 6379 2",
                 f"sentinel down-after-milliseconds {SERVICE} 1000",
                 f"sentinel failover-timeout {SERVICE} 5000",
@@ -198,7 +199,8 @@ class Lab:
         p = self.net.popen(node, [sys.executable, "-c", "import sys; from hicache_gds.remote.server import main; "
                                   "sys.exit(main())", "--redis", self.url, "--size", self.cfg.pool, "--page-bytes",
                                   str(self.cfg.page), "--name", node, "--prefix", self.prefix, "--ttl",
-                                  str(self.cfg.ttl), "--net-devices", "eth0", "--cluster-secret-file", str(self.secret), "--log-level", "WARNING"],
+                                  str(self.cfg.ttl), "--net-devices", "eth0", "--cluster-secret-file", str(self.secret),
+                                  "--log-level", "WARNING"],
                            env=_env("eth0", self.cfg.ucx_tls), log=log)
         self.servers[node] = p
         _wait(lambda: p.alive() and b"ready" in (self.work / log).read_bytes() or not p.alive(), 90,
@@ -214,7 +216,8 @@ class Lab:
                                   str(self.stop_file), "--page", str(self.cfg.page), "--batch", str(self.cfg.batch),
                                   "--pinned", str(self.cfg.pinned), "--period", str(self.cfg.period),
                                   "--io-timeout", str(self.cfg.io_timeout), "--redis-timeout",
-                                  str(self.cfg.redis_timeout), "--seconds", "300", "--secret-file", str(self.secret), *extra],
+                                  str(self.cfg.redis_timeout), "--seconds", "300", "--secret-file", str(self.secret),
+                                  *extra],
                            env=_env("eth0", self.cfg.ucx_tls), log=f"client-{node}.log")
         self.clients[node] = p
         return p
@@ -357,14 +360,16 @@ def run_throughput(batch: int = 64, rounds: int = 5, page: int = 2 << 20, work: 
                         p = lab.net.popen("d1", [sys.executable, "-c", "import sys; from hicache_gds.remote.server "
                                                  "import main; sys.exit(main())", "--redis", lab.url, "--size", pool,
                                                  "--page-bytes", str(page), "--name", f"lo{i}", "--prefix", lab.prefix,
-                                                 "--net-devices", "lo", "--cluster-secret-file", str(lab.secret), "--log-level", "WARNING"],
+                                                 "--net-devices", "lo", "--cluster-secret-file", str(lab.secret),
+                                                 "--log-level", "WARNING"],
                                           env=_env("lo", cfg.ucx_tls), log=log)
                         _wait(lambda: b"ready" in (lab.work / log).read_bytes() or not p.alive(), 90, "server")
                     client_node = "d1"
                 p = lab.net.popen(client_node, [sys.executable, "-m", "hicache_gds.testing.cluster_client", "--url",
                                                 lab.url, "--prefix", lab.prefix, "--name", "bench", "--out",
                                                 str(lab.work / "bench.jsonl"), "--page", str(page), "--batch",
-                                                str(batch), "--pinned", "0", "--io-timeout", "30", "--secret-file", str(lab.secret), "--bench",
+                                                str(batch), "--pinned", "0", "--io-timeout", "30", "--secret-file",
+                                                str(lab.secret), "--bench",
                                                 str(rounds)],
                                   env=_env("lo" if client_node == "d1" else "eth0", cfg.ucx_tls), log="bench.log")
                 p.popen.wait(300)
