@@ -175,6 +175,14 @@ def test_doctor_says_what_the_remote_tier_runs_over(tmp_path, monkeypatch, capsy
     assert r["rdma_devices"] == ["mlx5_0"] and "UCX_MODULES excludes ib" in r["transports"]
     monkeypatch.delenv("UCX_MODULES")
     assert _remote(str(tmp_path / "ib"))["transports"].startswith("RDMA (InfiniBand/RoCE devices mlx5_0)")
+    monkeypatch.delenv("HICACHE_GDS_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("HICACHE_GDS_CLUSTER_SECRET_FILE", raising=False)
+    assert "any writer to Redis can inject a page server" in _remote(str(tmp_path))["trust"]
+    monkeypatch.setenv("HICACHE_GDS_CLUSTER_SECRET", "x")
+    assert "sign their records" in _remote(str(tmp_path))["trust"]
+    monkeypatch.delenv("HICACHE_GDS_CLUSTER_SECRET")
     from hicache_gds import cli
     assert cli.main(["doctor"]) in (0, 1)
-    assert "remote tier  : NIXL UCX over" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "remote tier  : NIXL UCX over" in out
+    assert "trust      : no cluster secret: any writer to Redis can inject a page server" in out

@@ -76,11 +76,11 @@ class Directory:
         valid proof are skipped. None: every record is trusted.
     """
 
-    FILL_SLOTS = 32768
-    """Free slots one FILL script adds (about 10 ms of Redis time)."""
-    SCAN_COUNT = 1000
+    FILL_SLOTS = 8192
+    """Free slots one FILL script adds (a few ms of Redis time)."""
+    SCAN_COUNT = 128
     """Directory fields one CLEAR step visits."""
-    MAX_EVICT = 2000
+    MAX_EVICT = 250
     """Pages one heartbeat evicts at most (the rest at the next one)."""
     SWEEP = 200
     """Directory fields one heartbeat sweeps for entries of dead registrations."""

@@ -130,7 +130,7 @@ class RemoteTier:
         if now - self._refreshed < (0.1 if force else self.opts.refresh):
             return  # forced refreshes too are spaced, so a dead server costs one read per 0.1 s at most
         self._refreshed = now
-        if not force and now - self._loaded < 30 and not self.dir.changed():
+        if not self.dir.changed() and not force and now - self._loaded < 30:
             return  # no server (un)registered and no failover: the records we hold are current
         infos, self._loaded = self.dir.servers(), now
         with self._lock:

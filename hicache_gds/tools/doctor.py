@@ -231,7 +231,14 @@ def _remote(rdma_root: str = "/sys/class/infiniband") -> dict[str, Any]:
     else:
         over = "tcp between hosts, cma/shared memory within one" + (
             " (UCX_MODULES excludes ib)" if ib_off and rdma else " (no RDMA device here)")
-    return {"rdma_devices": rdma, "ucx_env": env, "transports": over}
+    from ..remote.trust import SECRET_FILE_ENV, load_secret
+    try:
+        trust = (f"page servers must sign their records with the cluster secret "
+                 f"({os.environ.get(SECRET_FILE_ENV) or 'from the environment'})" if load_secret() else
+                 "no cluster secret: any writer to Redis can inject a page server (set " + SECRET_FILE_ENV + ")")
+    except (OSError, ValueError) as exc:
+        trust = f"cluster secret unusable: {exc}"
+    return {"rdma_devices": rdma, "ucx_env": env, "transports": over, "trust": trust}
 
 
 def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
@@ -424,6 +431,7 @@ def render_text(rep: dict[str, Any]) -> str:
     if r:
         env = ", ".join(f"{k}={v}" for k, v in r["ucx_env"].items()) or "UCX defaults"
         out.append(f"remote tier  : NIXL UCX over {r['transports']}; {env}")
+        out.append(f"  trust      : {r['trust']}")
     out.append("engines      : every registered engine (its traits; how it fared here)")
     for name, e in rep["engines"].items():
         verdict = "" if e["ok"] is None else "works: " if e["ok"] else "no: "

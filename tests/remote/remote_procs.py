@@ -36,19 +36,21 @@ def child_env() -> dict[str, str]:
 class RedisProc:
     """A redis-server on 127.0.0.1 that tests may stop and start again on the same port."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, extra: tuple[str, ...] = (), user: str = "", password: str = "") -> None:
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.extra, self.auth = extra, {"username": user or None, "password": password or None}
+        cred = f"{user}:{password}@" if password else ""
+        self.url = f"redis://{cred}127.0.0.1:{self.port}/0"
         self.tmp = tmp
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         self.proc = subprocess.Popen([REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.tmp)],
+                                      "--appendonly", "no", "--dir", str(self.tmp), *self.extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
-        r = redis.Redis(port=self.port, socket_timeout=1)
+        r = redis.Redis(port=self.port, socket_timeout=1, **self.auth)
         deadline = time.monotonic() + 15
         while True:
             try:
