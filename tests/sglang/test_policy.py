@@ -967,11 +967,12 @@ _REGISTER = textwrap.dedent("""
         assert hasattr(getattr(cls, m), "__wrapped__"), m
     from sglang.srt.managers.cache_controller import HiCacheController
     assert hasattr(HiCacheController.prefetch_rate_limited, "__wrapped__")
-    # 0.5.17: a finished load's host pages protected until scheduled, where the scheduler imports
+    # a finished load's host pages protected until scheduled, where the scheduler imports
     # (here it needs the server's packages: the hooks themselves are tested with the cache's classes)
     batch = plugin._resolve(plugin._PROTECT[1])
-    protects = cls.__name__ == "HiRadixCache" and batch is not None
-    assert hasattr(cls.check_prefetch_progress, "__wrapped__") is protects
+    protects = batch is not None
+    settle = cls.check_prefetch_progress if cls.__name__ == "HiRadixCache" else cls._handle_prefetch_result
+    assert hasattr(settle, "__wrapped__") is protects
     assert batch is None or hasattr(batch, "__wrapped__") is protects
     # SGLang's prefill batch order is left alone (the removed policy_ready_first hooked it)
     from sglang.srt.managers.schedule_policy import PrefillAdder, SchedulePolicy
