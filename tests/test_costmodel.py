@@ -347,3 +347,26 @@ def test_seed_read_rate_configured_then_persisted_then_probed(tmp_path):
     assert "probed at open" in said and r.rate > 0 and os.listdir(tmp_path) == []  # the probe leaves no file
     r = ReadRate()
     assert "read_probe is 0" in seed_read_rate(r, dirs=[str(tmp_path)]) and r.rate is None
+
+
+def test_both_adapters_seed_keys_are_the_cores_with_their_old_names_as_aliases(caplog):
+    """One set of seed keys (`hicache_gds.SEED_KEYS`) for the SGLang and vLLM adapters; their old
+    names convert and log a deprecation line; one key given twice differently, or not positive,
+    is an error naming it."""
+    import logging
+
+    from hicache_gds import ConfigError, seed_settings
+    assert seed_settings({"read_bytes_per_s": "2e9", "prefill_tokens_per_s": 9000}) == \
+        {"read_bytes_per_s": 2e9, "prefill_tokens_per_s": 9000.0}
+    with caplog.at_level(logging.WARNING, logger="hicache_gds.rates"):
+        assert seed_settings({"policy_read_gbps": 2.5}) == {"read_bytes_per_s": pytest.approx(2.5e9)}
+        assert seed_settings({"load_bytes_per_s": 3e9, "policy_prefill_tokens_per_s": "7000"}) == \
+            {"read_bytes_per_s": 3e9, "prefill_tokens_per_s": 7000.0}
+    assert "policy_read_gbps is deprecated; use read_bytes_per_s" in caplog.text
+    assert "load_bytes_per_s is deprecated; use read_bytes_per_s" in caplog.text
+    assert seed_settings({"read_bytes_per_s": 2e9, "policy_read_gbps": 2}) == {"read_bytes_per_s": 2e9}
+    with pytest.raises(ConfigError, match="read_bytes_per_s twice"):
+        seed_settings({"read_bytes_per_s": 2e9, "load_bytes_per_s": 1e9})
+    with pytest.raises(ConfigError, match="load_bytes_per_s: expected a positive number"):
+        seed_settings({"load_bytes_per_s": 0})
+    assert seed_settings(None) == {} and seed_settings({"read_bytes_per_s": ""}) == {}

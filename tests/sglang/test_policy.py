@@ -146,6 +146,14 @@ def test_policy_keys_are_the_plugins_and_checked(gds_dir):
         assert b.policy_config.policy == "wait_complete" and b.policy_config.prefill_tokens_per_s == 9000
     finally:
         b.close()
+    # the seeds under the core's keys, shared with the vLLM adapter (the old names above are aliases)
+    cfg = PolicyConfig.from_extra({"read_bytes_per_s": 2.5e9, "prefill_tokens_per_s": "8000"})
+    assert (cfg.read_gbps, cfg.prefill_tokens_per_s) == (pytest.approx(2.5), 8000.0)
+    b = HiCacheGDS(storage_config(gds_dir, extra={"read_bytes_per_s": 2e9, "prefill_tokens_per_s": 9000}), {})
+    try:
+        assert b.policy_config.read_gbps == pytest.approx(2.0) and b.policy_config.prefill_tokens_per_s == 9000
+    finally:
+        b.close()
 
 
 # -- the backend's side: sliced gets, cancel, progress, read rate --------------------------------------
@@ -257,7 +265,7 @@ def test_a_cancel_stops_only_its_own_prefetch_among_views_of_one_free_slot_tenso
 
 def test_read_rate_seeds_persists_and_carries_over_a_reattach(gds_dir):
     b, _ = open_backend(gds_dir, policy_read_gbps=2.5)
-    assert b.read_rate.rate == pytest.approx(2.5e9) and b.read_rate.source == "configured (policy_read_gbps)"
+    assert b.read_rate.rate == pytest.approx(2.5e9) and b.read_rate.source == "configured (read_bytes_per_s)"
     b.read_rate.observe(1 << 30, 0.5)
     again, _ = open_backend(gds_dir)  # attached again in this process: the same history
     assert again.read_rate is b.read_rate
