@@ -308,11 +308,14 @@ SEED_ALIASES: dict[str, tuple[str, float]] = {
 }
 
 
+_DEPRECATED_SEEN: set[str] = set()
+
+
 def seed_settings(extra: Mapping[str, Any] | None) -> dict[str, float]:
     """The seeds `extra` gives, by `SEED_KEYS` (absent keys left out). An old name of
-    `SEED_ALIASES` counts as its key, converted, with one deprecation line logged; a key given
-    under two names with different values, or a value that is not a positive number, is a
-    `ConfigError` naming it."""
+    `SEED_ALIASES` counts as its key, converted, with one deprecation line logged (once per name
+    and process); a key given under two names with different values, or a value that is not a
+    positive number, is a `ConfigError` naming it."""
     from .errors import ConfigError
 
     extra = extra or {}
@@ -333,7 +336,8 @@ def seed_settings(extra: Mapping[str, Any] | None) -> dict[str, float]:
         if key in out and not math.isclose(out[key], x, rel_tol=1e-9):
             raise ConfigError(f"{name} and {given[key]} give {key} twice, differently ({x:g} vs {out[key]:g}); "
                               f"keep {key}")
-        if name not in SEED_KEYS:
+        if name not in SEED_KEYS and name not in _DEPRECATED_SEEN:  # once per name and process
+            _DEPRECATED_SEEN.add(name)
             _log.warning("hicache-gds: extra-config key %s is deprecated; use %s (%s)", name, key,
                          "bytes/s" if key == "read_bytes_per_s" else "tokens/s")
         out.setdefault(key, x)

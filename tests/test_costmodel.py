@@ -356,6 +356,8 @@ def test_both_adapters_seed_keys_are_the_cores_with_their_old_names_as_aliases(c
     import logging
 
     from hicache_gds import ConfigError, seed_settings
+    from hicache_gds import rates
+    rates._DEPRECATED_SEEN.clear()
     assert seed_settings({"read_bytes_per_s": "2e9", "prefill_tokens_per_s": 9000}) == \
         {"read_bytes_per_s": 2e9, "prefill_tokens_per_s": 9000.0}
     with caplog.at_level(logging.WARNING, logger="hicache_gds.rates"):

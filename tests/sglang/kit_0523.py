@@ -82,6 +82,7 @@ from sglang.test.kits.unified_radix_cache.fixtures import node_host_lock_ref, no
 from sglang.test.kits.unified_radix_cache.storage import UnifiedRadixCacheStorageFixtures  # noqa: E402
 
 from hicache_gds_sglang import HiCacheGDS, plugin, policy_hooks, view  # noqa: E402
+from hicache_gds_sglang.records import Decided  # noqa: E402
 
 
 def _hook_as_sglang_does(target: str) -> None:
@@ -182,6 +183,38 @@ class GDSInPlaceOfFile(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         cons.evict_host(len(seq) * 4)
         self.assertEqual(match_prefix(cons, seq).host_hit_length, 0)
         print("KIT-OK protect")
+
+    def test_a_queued_request_sent_to_the_gpu_is_given_to_the_disk_once_it_loads_in_time(self):
+        seq = self._make_seq(300, 5)
+        self._produce(seq, marker=5)
+        cons, _, _ = self._consumer()
+        pol = view.attached(cons)
+        self.assertTrue(view.single_rank(cons))
+        pol.prefill.seed_coefficients(1 / 100, 0.0, 0.0, "test")  # 100 tokens/s: the GPU is far behind
+        ahead = types.SimpleNamespace(rid="big", origin_input_ids=list(range(2000)), output_ids=[], prefix_len=0,
+                                      host_hit_length=0)
+        req = types.SimpleNamespace(rid="q", full_untruncated_fill_ids=array("q", seq), storage_prefetch_last_match_len=0,
+                                    extra_key=None, origin_input_ids=seq, output_ids=[], prefix_len=0, host_hit_length=0)
+        handle = CacheRequestHandle("q", 0)
+        calls = []
+
+        def prefetch_kvcache(r):  # Scheduler._prefetch_kvcache: the cache's prefetch from its last host node
+            calls.append(r.rid)
+            return policy_hooks.around_prefetch_kvcache(
+                lambda s, q: cons.prefetch_from_storage(handle, cons.root_node_handle(), q.full_untruncated_fill_ids,
+                                                        None, None), sched, r)
+
+        sched = Scheduler(waiting_queue=[ahead, req], tree_cache=cons, chunked_req=None, chunked_prefill_size=64,
+                          _prefetch_kvcache=prefetch_kvcache)
+        pol.bind(sched)
+        pol.decided["q"] = Decided("compute", len(seq), 0, len(seq))  # admission sent it to the GPU
+        policy_hooks.after_new_prefill_batch(None, sched)  # SGLang formed a batch: a look at the queue
+        self.assertEqual(calls, ["q"])
+        self.assertEqual(pol.counts["late"], 1)
+        self.assertEqual(pol.decided["q"].action, "load")
+        self._run_prefetch_to_completion(cons, handle)
+        self.assertEqual(match_prefix(cons, seq).host_hit_length, len(seq))
+        print("KIT-OK late")
 
 
 if __name__ == "__main__":

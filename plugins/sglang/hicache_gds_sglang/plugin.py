@@ -42,8 +42,8 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    late admission); both releases;
 8. 0.5.17's ``HiRadixCache.cache_unfinished_req`` (AFTER): a split hit's tail joins the request's
    prefix where its chunks reach it (`split`; ``policy_split``). 0.5.23 has the join point
-   (``UnifiedRadixCache.checkpoint``) but not what a split does there (`GROUPS`' ``split``
-   fallback names it): split falls back on 0.5.23.
+   (``UnifiedRadixCache.checkpoint``), but `split` is not ported to its tree core (`GROUPS`'
+   ``split`` fallback says what is missing): split falls back on 0.5.23.
 
 9. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
    (`trace`), from the scheduler's queue through each L3 get to the prefill batch.
@@ -176,12 +176,11 @@ GROUPS: dict[str, Group] = {
     "protect@0.5.23": Group(requires=(*_POLICY, "policy@0.5.23"),
                             fallback="a finished load's host pages are SGLang's to evict; no late admission"),
     "split": Group(requires=(*_POLICY, "protect"), requires_any=_POLICY_GROUPS,
-                   fallback="policy_split does nothing (no join point for a split hit: 0.5.23's "
-                            "UnifiedRadixCache.checkpoint is where the chunks are cached, but 0.5.23 has no call "
-                            "that grows a chunked request's prefix by host pages in the middle of its prefill "
-                            "(0.5.17's init_load_back(req) and req.prefix_indices; 0.5.23 loads back only at "
-                            "admission, into req.kv through its TreeLock) and no prefetch that is not keyed by a "
-                            "request's CacheRequestHandle)"),
+                   fallback="policy_split does nothing (no join point for a split hit here; 0.5.23 has the point, "
+                            "UnifiedRadixCache.checkpoint(req, up_to=...), but `split`'s tail load and join are "
+                            "0.5.17 tree surgery (_insert_helper_host, req.prefix_indices), not ported to 0.5.23's "
+                            "tree core: node ids, the request's req.kv row, prefetches keyed per CacheRequestHandle, "
+                            "init_load_back called at admission only)"),
 }
 # Back-compatible names of single points (tests and `trace` resolve them)
 _JOIN = f"{_HIRADIX}.cache_unfinished_req"

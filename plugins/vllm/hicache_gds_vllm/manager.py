@@ -153,8 +153,7 @@ class HiCacheGDSManager(OffloadingManager):
             if model is not None else None
         self._state_path = os.path.join(spec.sidecar.path, STATE_FILE)
         if model is not None:
-            extra, state = spec.config.extra_config, load_state(self._state_path) or {}
-            seeds = seed_settings(extra)
+            seeds, state = seed_settings(spec.config.extra_config), load_state(self._state_path) or {}
             seeded = model.seed_from_state(state, read=False, prefill="prefill_tokens_per_s" not in seeds)
             if "read_bytes_per_s" not in seeds:  # persisted, else probed now: the core's one way
                 seeded.append(seed_read_rate(model.read, state=state, dirs=list(spec.hicache.gds_path),
