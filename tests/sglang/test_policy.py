@@ -626,7 +626,7 @@ def test_a_finished_load_keeps_its_host_pages_until_the_gpu_takes_the_request(gd
     SGLang's own host eviction until the request leaves the waiting queue, or `_PROTECT_MAX_S`;
     without it (SGLang's policy) the same eviction takes them at once."""
     if V23:
-        pytest.skip("0.5.23 settles a finished load through its acknowledgements into its tree core")
+        pytest.skip("0.5.17's tree; 0.5.23's host protection runs on its real tree in test_kit_0523.py")
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
     try:
         cache, ctl, pol = make_cache(b)
@@ -680,7 +680,7 @@ def test_a_finished_load_keeps_its_host_pages_until_the_gpu_takes_the_request(gd
 
 def test_without_the_policy_a_finished_load_is_left_to_sglangs_eviction(gds_dir):
     if V23:
-        pytest.skip("0.5.23 settles a finished load through its acknowledgements into its tree core")
+        pytest.skip("0.5.17's tree; 0.5.23's host protection runs on its real tree in test_kit_0523.py")
     b, _ = open_backend(gds_dir)
     try:
         cache, ctl, pol = make_cache(b, stop_policy="wait_complete")
