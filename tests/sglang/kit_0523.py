@@ -16,8 +16,10 @@ Each test prints ``KIT-OK <name>`` when it passes; the exit status is unittest's
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -37,6 +39,7 @@ import sglang.test.kits.unified_radix_cache.fixtures as kit_fixtures  # noqa: E4
 import sglang.test.kits.unified_radix_cache.mixins as kit_mixins  # noqa: E402
 
 GDS_DIR = tempfile.mkdtemp(prefix="hgds-kit-")
+atexit.register(shutil.rmtree, GDS_DIR, True)  # the store's slab files: never left behind
 EXTRA = {"gds_path": GDS_DIR, "capacity": "64M", "prefetch_threshold": 1, "policy_read_gbps": 100.0}
 
 
