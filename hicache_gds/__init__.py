@@ -14,7 +14,7 @@ from .slabs.capacity import default_budget
 from .config import Config, parse_bool, parse_size
 from .costmodel import STATE_FILE as COST_STATE_FILE
 from .costmodel import CostModel, Decision, LoadPace, PrefillModel, ReadRate, load_state, save_state
-from .rates import seed_read_rate
+from .rates import SEED_ALIASES, SEED_KEYS, seed_read_rate, seed_settings
 from .engines.base import MemKind, Op
 from .errors import (ConfigError, EngineUnavailable, GDSUnavailable, HiCacheGDSError, ReadOnlyError, RegionError,
                      StoreClosedError, StoreFullError, StoreLockedError, TransferError, TransferTimeout)
@@ -36,6 +36,7 @@ __all__ = [
     "page_bytes_for", "read_keys",
     "HostBuffer", "align_up", "view", "parse_size", "parse_bool", "default_budget", "prepare_root", "private_dir",
     "METRICS", "Counters", "metric_values", "CostModel", "Decision", "LoadPace", "PrefillModel", "ReadRate", "COST_STATE_FILE", "load_state", "save_state", "seed_read_rate",
+    "SEED_KEYS", "SEED_ALIASES", "seed_settings",
     "Probe", "probe_read_rate",
     "HiCacheGDSError", "ConfigError", "EngineUnavailable", "GDSUnavailable", "ReadOnlyError", "RegionError",
     "StoreClosedError", "StoreFullError", "StoreLockedError", "TransferError", "TransferTimeout", "__version__",

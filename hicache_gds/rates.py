@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import os
 import threading
@@ -26,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 __all__ = ["ReadRate", "PrefillModel", "LoadPace", "STATE_FILE", "estimates_state", "seed_from_state", "seed_read_rate",
+           "SEED_KEYS", "SEED_ALIASES", "seed_settings",
            "load_state", "save_state"]
 
 STATE_FILE = "costmodel.json"
@@ -34,6 +36,8 @@ STATE_FILE = "costmodel.json"
 _PRIOR_WEIGHT = 256 << 20  # a seeded read rate counts as this many bytes of observed gets
 _MIN_BATCH_S = 1e-4
 _STATE_VERSION = 1
+
+_log = logging.getLogger("hicache_gds.rates")
 
 
 class ReadRate:
@@ -291,6 +295,54 @@ def seed_from_state(st: Mapping[str, Any], read: ReadRate | None, prefill: Prefi
     except (TypeError, ValueError):
         return done
     return done
+
+
+# The cost model's seeds in an adapter's extra config, one set of keys for every adapter: the
+# store's read rate (bytes/s) and the engine's prefill rate (tokens/s of an 8k-token request).
+SEED_KEYS = ("read_bytes_per_s", "prefill_tokens_per_s")
+# Earlier per-adapter names, still accepted (a deprecation line is logged): name -> (key, factor).
+SEED_ALIASES: dict[str, tuple[str, float]] = {
+    "policy_read_gbps": ("read_bytes_per_s", 1e9),  # SGLang adapter, GB/s
+    "load_bytes_per_s": ("read_bytes_per_s", 1.0),  # vLLM adapter
+    "policy_prefill_tokens_per_s": ("prefill_tokens_per_s", 1.0),  # SGLang adapter
+}
+
+
+_DEPRECATED_SEEN: set[str] = set()
+
+
+def seed_settings(extra: Mapping[str, Any] | None) -> dict[str, float]:
+    """The seeds `extra` gives, by `SEED_KEYS` (absent keys left out). An old name of
+    `SEED_ALIASES` counts as its key, converted, with one deprecation line logged (once per name
+    and process); a key given under two names with different values, or a value that is not a
+    positive number, is a `ConfigError` naming it."""
+    from .errors import ConfigError
+
+    extra = extra or {}
+    out: dict[str, float] = {}
+    given: dict[str, str] = {}
+    for name in (*SEED_KEYS, *SEED_ALIASES):
+        v = extra.get(name)
+        if v is None or v == "":
+            continue
+        key, factor = (name, 1.0) if name in SEED_KEYS else SEED_ALIASES[name]
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            x = float("nan")
+        if not x > 0:
+            raise ConfigError(f"{name}: expected a positive number, got {v!r}")
+        x *= factor
+        if key in out and not math.isclose(out[key], x, rel_tol=1e-9):
+            raise ConfigError(f"{name} and {given[key]} give {key} twice, differently ({x:g} vs {out[key]:g}); "
+                              f"keep {key}")
+        if name not in SEED_KEYS and name not in _DEPRECATED_SEEN:  # once per name and process
+            _DEPRECATED_SEEN.add(name)
+            _log.warning("hicache-gds: extra-config key %s is deprecated; use %s (%s)", name, key,
+                         "bytes/s" if key == "read_bytes_per_s" else "tokens/s")
+        out.setdefault(key, x)
+        given.setdefault(key, name)
+    return out
 
 
 def seed_read_rate(read: ReadRate, *, configured: float | None = None, key: str = "",

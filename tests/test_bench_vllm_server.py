@@ -48,7 +48,7 @@ def test_command_lines_of_every_configuration(tmp_path):
             assert extra["gds_path"] == env["GDS_PATH"] == str(tmp_path / cfg)
             assert extra["engine"] == bench.ENGINE[cfg] and extra["block_size"] == 64
             assert extra["cost_model"] == ("on" if cfg == "gds-cost" else "off")
-            assert "load_bytes_per_s" not in extra  # no raw read measured yet: nothing to seed with
+            assert "read_bytes_per_s" not in extra  # no raw read measured yet: nothing to seed with
             assert env["CUFILE_ENV_PATH_JSON"].endswith("configs/cufile.json")
             if cfg == "gds-plain":
                 assert ktc["kv_connector"] == "OffloadingConnector" and extra["spec_module_path"] == "hicache_gds_vllm"
@@ -62,7 +62,7 @@ def test_command_lines_of_every_configuration(tmp_path):
     cmd, env = bench.server_command("gds-cost", big, 8000, str(tmp_path / "g"))
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
-    assert extra["load_bytes_per_s"] == 1_660_000_000  # gds-cost starts from the raw read of the same run
+    assert extra["read_bytes_per_s"] == 1_660_000_000  # gds-cost starts from the raw read of the same run
 
 
 @pytest.mark.slow

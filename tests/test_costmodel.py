@@ -367,3 +367,28 @@ def test_a_parked_split_balances_the_head_against_the_tail_where_an_unparked_one
     slow = CostModel(128 * KIB, read=ReadRate(0.02e9, "test"), prefill=pm)
     assert slow.decide(new, 0, hit, page=64, split_chunk=8192, split_park=True).action == "compute"
     assert m.decide(new, 0, 8192, page=64, split_chunk=8192, split_park=True).action != "split"
+
+
+def test_both_adapters_seed_keys_are_the_cores_with_their_old_names_as_aliases(caplog):
+    """One set of seed keys (`hicache_gds.SEED_KEYS`) for the SGLang and vLLM adapters; their old
+    names convert and log a deprecation line; one key given twice differently, or not positive,
+    is an error naming it."""
+    import logging
+
+    from hicache_gds import ConfigError, seed_settings
+    from hicache_gds import rates
+    rates._DEPRECATED_SEEN.clear()
+    assert seed_settings({"read_bytes_per_s": "2e9", "prefill_tokens_per_s": 9000}) == \
+        {"read_bytes_per_s": 2e9, "prefill_tokens_per_s": 9000.0}
+    with caplog.at_level(logging.WARNING, logger="hicache_gds.rates"):
+        assert seed_settings({"policy_read_gbps": 2.5}) == {"read_bytes_per_s": pytest.approx(2.5e9)}
+        assert seed_settings({"load_bytes_per_s": 3e9, "policy_prefill_tokens_per_s": "7000"}) == \
+            {"read_bytes_per_s": 3e9, "prefill_tokens_per_s": 7000.0}
+    assert "policy_read_gbps is deprecated; use read_bytes_per_s" in caplog.text
+    assert "load_bytes_per_s is deprecated; use read_bytes_per_s" in caplog.text
+    assert seed_settings({"read_bytes_per_s": 2e9, "policy_read_gbps": 2}) == {"read_bytes_per_s": 2e9}
+    with pytest.raises(ConfigError, match="read_bytes_per_s twice"):
+        seed_settings({"read_bytes_per_s": 2e9, "load_bytes_per_s": 1e9})
+    with pytest.raises(ConfigError, match="load_bytes_per_s: expected a positive number"):
+        seed_settings({"load_bytes_per_s": 0})
+    assert seed_settings(None) == {} and seed_settings({"read_bytes_per_s": ""}) == {}

@@ -125,7 +125,7 @@ def server_command(cfg: str, a: argparse.Namespace, port: int, store_dir: str) -
         extra: dict[str, Any] = {"gds_path": store_dir, "capacity": a.capacity, "block_size": chunk_tokens,
                                  "engine": ENGINE[cfg], "cost_model": a.cost_model or COST_MODEL[cfg]}
         if extra["cost_model"] != "off" and a.seed_read_GBps:  # until the engine's own loads are measured
-            extra["load_bytes_per_s"] = round(a.seed_read_GBps * 1e9)
+            extra["read_bytes_per_s"] = round(a.seed_read_GBps * 1e9)
         if cfg == "gds-plain":  # the spec by name under vLLM's own connector (no recompute on failure)
             extra.update(spec_name="HiCacheGDSOffloadingSpec", spec_module_path="hicache_gds_vllm")
             ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}

@@ -146,6 +146,14 @@ def test_policy_keys_are_the_plugins_and_checked(gds_dir):
         assert b.policy_config.policy == "wait_complete" and b.policy_config.prefill_tokens_per_s == 9000
     finally:
         b.close()
+    # the seeds under the core's keys, shared with the vLLM adapter (the old names above are aliases)
+    cfg = PolicyConfig.from_extra({"read_bytes_per_s": 2.5e9, "prefill_tokens_per_s": "8000"})
+    assert (cfg.read_gbps, cfg.prefill_tokens_per_s) == (pytest.approx(2.5), 8000.0)
+    b = HiCacheGDS(storage_config(gds_dir, extra={"read_bytes_per_s": 2e9, "prefill_tokens_per_s": 9000}), {})
+    try:
+        assert b.policy_config.read_gbps == pytest.approx(2.0) and b.policy_config.prefill_tokens_per_s == 9000
+    finally:
+        b.close()
 
 
 # -- the backend's side: sliced gets, cancel, progress, read rate --------------------------------------
@@ -257,7 +265,7 @@ def test_a_cancel_stops_only_its_own_prefetch_among_views_of_one_free_slot_tenso
 
 def test_read_rate_seeds_persists_and_carries_over_a_reattach(gds_dir):
     b, _ = open_backend(gds_dir, policy_read_gbps=2.5)
-    assert b.read_rate.rate == pytest.approx(2.5e9) and b.read_rate.source == "configured (policy_read_gbps)"
+    assert b.read_rate.rate == pytest.approx(2.5e9) and b.read_rate.source == "configured (read_bytes_per_s)"
     b.read_rate.observe(1 << 30, 0.5)
     again, _ = open_backend(gds_dir)  # attached again in this process: the same history
     assert again.read_rate is b.read_rate
@@ -618,7 +626,7 @@ def test_a_finished_load_keeps_its_host_pages_until_the_gpu_takes_the_request(gd
     SGLang's own host eviction until the request leaves the waiting queue, or `_PROTECT_MAX_S`;
     without it (SGLang's policy) the same eviction takes them at once."""
     if V23:
-        pytest.skip("0.5.23 settles a finished load through its acknowledgements into its tree core")
+        pytest.skip("0.5.17's tree; 0.5.23's host protection runs on its real tree in test_kit_0523.py")
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
     try:
         cache, ctl, pol = make_cache(b)
@@ -672,7 +680,7 @@ def test_a_finished_load_keeps_its_host_pages_until_the_gpu_takes_the_request(gd
 
 def test_without_the_policy_a_finished_load_is_left_to_sglangs_eviction(gds_dir):
     if V23:
-        pytest.skip("0.5.23 settles a finished load through its acknowledgements into its tree core")
+        pytest.skip("0.5.17's tree; 0.5.23's host protection runs on its real tree in test_kit_0523.py")
     b, _ = open_backend(gds_dir)
     try:
         cache, ctl, pol = make_cache(b, stop_policy="wait_complete")
@@ -967,11 +975,12 @@ _REGISTER = textwrap.dedent("""
         assert hasattr(getattr(cls, m), "__wrapped__"), m
     from sglang.srt.managers.cache_controller import HiCacheController
     assert hasattr(HiCacheController.prefetch_rate_limited, "__wrapped__")
-    # 0.5.17: a finished load's host pages protected until scheduled, where the scheduler imports
+    # a finished load's host pages protected until scheduled, where the scheduler imports
     # (here it needs the server's packages: the hooks themselves are tested with the cache's classes)
     batch = plugin._resolve(plugin._PROTECT[1])
-    protects = cls.__name__ == "HiRadixCache" and batch is not None
-    assert hasattr(cls.check_prefetch_progress, "__wrapped__") is protects
+    protects = batch is not None
+    settle = cls.check_prefetch_progress if cls.__name__ == "HiRadixCache" else cls._handle_prefetch_result
+    assert hasattr(settle, "__wrapped__") is protects
     assert batch is None or hasattr(batch, "__wrapped__") is protects
     # SGLang's prefill batch order is left alone (the removed policy_ready_first hooked it); a
     # chunked request's next chunk is hooked only where a split request may be held (0.5.17)

@@ -22,12 +22,11 @@ SERVER_ONLY = ("sglang.srt.managers.scheduler.", "sglang.srt.managers.tp_worker.
 EXPECTED = {
     "0.5.17": {"decision": "active", "agreement": "active", "host share": "active", "host protection": "active",
                "late admission": "active", "split": "active", "split hold": "active"},
-    # 0.5.23 settles a finished load through acknowledgements into its tree core (UnifiedRadixCache
-    # has no `_match_prefix_helper` and no `cache_unfinished_req` join point): those paths fall back
-    "0.5.23": {"decision": "active", "agreement": "active", "host share": "active",
-               "host protection": "fallback: " + plugin.GROUPS["protect"].fallback,
-               "late admission": "fallback: " + plugin.GROUPS["protect"].fallback,
-               "split": "fallback: " + plugin.GROUPS["split"].fallback,
+    # 0.5.23 inserts a finished load in `_handle_prefetch_result` (host protection through
+    # `inc_host_lock_ref`) and has `get_new_batch_prefill` (late admission); it has the split's join
+    # point (`checkpoint`) but no call that grows a chunked request's prefix by host pages there
+    "0.5.23": {"decision": "active", "agreement": "active", "host share": "active", "host protection": "active",
+               "late admission": "active", "split": "fallback: " + plugin.GROUPS["split"].fallback,
                "split hold": "fallback: " + plugin.GROUPS["park"].fallback},
 }
 

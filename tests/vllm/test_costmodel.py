@@ -31,7 +31,9 @@ def test_cost_model_from_extra_config():
     m = cost_model_from({"prefill_tokens_per_s": "5000", "load_bytes_per_s": 3e9}, PER_TOKEN, chunk=8192)
     assert isinstance(m, CostModel) and m.bytes_per_token == PER_TOKEN and m.prefill.chunk == 8192
     assert m.read.rate == pytest.approx(3e9) and m.prefill.tokens_per_s(1000) == pytest.approx(5000)
-    assert m.read.source == "configured load_bytes_per_s"
+    assert m.read.source == "configured read_bytes_per_s"
+    m = cost_model_from({"read_bytes_per_s": 2e9}, PER_TOKEN)  # the core's key, as the SGLang adapter's
+    assert m.read.rate == pytest.approx(2e9) and m.read.source == "configured read_bytes_per_s"
     # Nothing known: the model says load (what the adapter does without one).
     unknown = cost_model_from({}, PER_TOKEN)
     assert unknown.read.rate is None and unknown.decide(1000, 0, 1000).action == "load"

@@ -22,7 +22,7 @@ and read the writer's namespace through the core's read-only `PageReader` (no lo
 written, every page checked against its checksum).
 
 For the ``compute_or_load`` prefetch policy (`policy`): `read_rate` measures the KV store's gets
-(bytes and seconds of each `batch_get_v1`, seeded before the first from ``policy_read_gbps``, the
+(bytes and seconds of each `batch_get_v1`, seeded before the first from ``read_bytes_per_s``, the
 estimate persisted in the KV namespace directory, or a short O_DIRECT read of its directories),
 `read_progress` says how far the get in flight has come, and `cancel_read` skips the gets of a
 prefetch the policy stopped (between SGLang's batches of pages; the get in flight reads whole).
@@ -209,9 +209,9 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
     def _seed_read_rate(self, kv: PoolBinding) -> None:
         """The KV namespace's read rate: the one this process already measures for it (a backend
         detached and attached again keeps its history), else a new one seeded before the first get
-        with ``policy_read_gbps``, else with the estimate an earlier run persisted in the namespace
-        directory (`hicache_gds.costmodel.STATE_FILE`), else with a short O_DIRECT read of the
-        namespace's directories (`hicache_gds.probe`, ``read_probe`` bytes each: 0.25-0.5 s at 1 GB/s)."""
+        with ``read_bytes_per_s`` (or its old name ``policy_read_gbps``), else with the estimate an
+        earlier run persisted in the namespace directory (`hicache_gds.costmodel.STATE_FILE`), else
+        with a short O_DIRECT read of the namespace's directories (`hicache_gds.probe`, ``read_probe`` bytes each: 0.25-0.5 s at 1 GB/s)."""
         try:
             dirs = kv.store.stats().get("dirs") or []
             self._cost_path = None if kv.read_only or not dirs else os.path.join(dirs[0], STATE_FILE)
@@ -223,11 +223,11 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
             if known is not None:
                 self.read_rate = known
                 if self.policy_config.read_gbps:
-                    self.read_rate.seed(self.policy_config.read_gbps * 1e9, "configured (policy_read_gbps)")
+                    self.read_rate.seed(self.policy_config.read_gbps * 1e9, "configured (read_bytes_per_s)")
                 return
             gbps = self.policy_config.read_gbps
             log.info("hicache-gds: %s", seed_read_rate(
-                self.read_rate, configured=gbps * 1e9 if gbps else None, key="policy_read_gbps",
+                self.read_rate, configured=gbps * 1e9 if gbps else None, key="read_bytes_per_s",
                 state=None if gbps else self.cost_state(), dirs=dirs, probe_bytes=self.config.read_probe))
         except Exception as exc:  # noqa: BLE001 -- an estimate is never worth failing the attach
             log.warning("hicache-gds: no read-rate estimate from an earlier run (%s)", exc)

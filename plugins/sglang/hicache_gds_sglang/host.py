@@ -2,11 +2,12 @@
 share of the host pool prefetches may hold.
 
 A finished load becomes ordinary host-pool pages once SGLang inserts it into the radix tree, and
-0.5.17 inserts it whenever the scheduler reaches the request, schedulable or not. While other
+0.5.17 inserts it whenever the scheduler reaches the request, schedulable or not (0.5.23: as soon
+as its acknowledgement is drained, each scheduler pass). While other
 requests' prefills fill the batches, the pages wait there as evictable host-only leaves, and
 those prefills' write-through evicts them when the host pool is full: on the GPU machine a 32B
 burst read a prefix from disk, then found "0 on host" when the GPU took it and recomputed it.
-So the deepest node a finished load inserted is protected (SGLang's own host_ref_counter, which
+So the deepest node a finished load inserted is protected (SGLang's own host lock count, which
 `evict_host` and the write-back drop respect; a protected leaf keeps its ancestors as well, as
 only leaves are evicted) until the request leaves the waiting queue (its load back to the GPU
 then holds the pages), and for at most `PROTECT_MAX_S`, so a request that never runs cannot pin
@@ -43,15 +44,18 @@ def host_room(cache: Any) -> int | None:
 
 
 def protect(pol: Any, cache: Any, rid: str, entry: Any) -> None:
-    """0.5.17 just inserted the finished load of `rid` (its ``ongoing_prefetch`` `entry`: the
+    """SGLang just inserted the finished load of `rid` (its ``ongoing_prefetch`` `entry`: the
     node it hangs under, its key, its operation) into the tree: protect the deepest node it
-    reached until the request leaves the waiting queue (`PROTECT_MAX_S`)."""
-    last_host_node, key, op = entry
+    reached until the request leaves the waiting queue (`PROTECT_MAX_S`). 0.5.17 inserts it in
+    ``check_prefetch_progress``, 0.5.23 in ``_handle_prefetch_result`` (from its acknowledgement
+    drain, every scheduler pass, or ``check_prefetch_progress``)."""
+    last_host_node, key, op = view.loading_parts(entry)
     ps = view.page_size(cache)
     usable = view.kept(op) // ps * ps
     if not view.allocated(op) or usable <= 0 or rid in pol.protected:
         return
-    node = view.protect_loaded(cache, last_host_node, key, usable)
+    req = view.find_waiting(pol.scheduler(), rid)  # 0.5.23 finds the node by the request's tokens
+    node = view.protect_loaded(cache, last_host_node, key, usable, req)
     if node is None:
         return
     pol.protected[rid] = Protected(node, time.monotonic(), usable)

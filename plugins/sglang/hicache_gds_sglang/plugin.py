@@ -34,12 +34,16 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
 6. where they import: ``Scheduler._prefetch_kvcache`` (the waiting queue, the request admitted)
    and ``TpModelWorker.forward_batch_generation`` (prefill batches timed). Without them the
    policy runs on its seeds and the disk queue alone, and says so once;
-7. 0.5.17's ``HiRadixCache.check_prefetch_progress`` (AROUND: a finished load's host pages are
-   protected from eviction once inserted) and ``Scheduler.get_new_batch_prefill`` (AFTER: the
-   protection ends when the request leaves the waiting queue, and a waiting request sent to the
-   GPU may be given to the disk: the policy's late admission);
+7. where the cache inserts a finished load into its tree -- 0.5.17's
+   ``HiRadixCache.check_prefetch_progress``, 0.5.23's ``UnifiedRadixCache._handle_prefetch_result``
+   (AROUND: its host pages are protected from eviction once inserted) -- and
+   ``Scheduler.get_new_batch_prefill`` (AFTER: the protection ends when the request leaves the
+   waiting queue, and a waiting request sent to the GPU may be given to the disk: the policy's
+   late admission); both releases;
 8. 0.5.17's ``HiRadixCache.cache_unfinished_req`` (AFTER): a split hit's tail joins the request's
-   prefix where its chunks reach it (`split`; ``policy_split``).
+   prefix where its chunks reach it (`split`; ``policy_split``). 0.5.23 has the join point
+   (``UnifiedRadixCache.checkpoint``), but `split` is not ported to its tree core (`GROUPS`'
+   ``split`` fallback says what is missing): split falls back on 0.5.23.
 
 9. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
    (`trace`), from the scheduler's queue through each L3 get to the prefill batch.
@@ -134,13 +138,16 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_SCHED}._prefetch_kvcache", "AROUND", "around_prefetch_kvcache", "0.5.17, 0.5.23", "admitted"),
     Hook("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", "AROUND", "around_forward",
          "0.5.17, 0.5.23", "timing"),
-    # 0.5.17 inserts a finished load into the tree whenever the scheduler reaches its request: the
-    # policy protects those host pages there until the scheduler takes the request, and after each
-    # prefill batch is formed it may give a waiting request to the disk (late admission). 0.5.23
-    # settles loads through acknowledgements into its tree core: not hooked there.
+    # 0.5.17 inserts a finished load into the tree whenever the scheduler reaches its request,
+    # 0.5.23 as soon as its acknowledgement is drained (each scheduler pass): the policy protects
+    # those host pages there until the scheduler takes the request, and after each prefill batch
+    # is formed it may give a waiting request to the disk (late admission).
     Hook(f"{_HIRADIX}.check_prefetch_progress", "AROUND", "around_check_progress", "0.5.17", "protect",
          ("_match_prefix_helper",)),
     Hook(f"{_SCHED}.get_new_batch_prefill", "AFTER", "after_new_prefill_batch", "0.5.17", "protect"),
+    Hook(f"{_UNIFIED}._handle_prefetch_result", "AROUND", "around_prefetch_result", "0.5.23", "protect@0.5.23",
+         ("inc_host_lock_ref", "dec_host_lock_ref", "match_prefix", "is_root")),
+    Hook(f"{_SCHED}.get_new_batch_prefill", "AFTER", "after_new_prefill_batch", "0.5.23", "protect@0.5.23"),
     # The join point of a split (0.5.17): SGLang caches a chunked request's chunks there before it
     # forms the next chunk (the tail's pages join the prefix right after).
     Hook(f"{_HIRADIX}.cache_unfinished_req", "AFTER", "after_cache_unfinished", "0.5.17", "split"),
@@ -168,10 +175,16 @@ GROUPS: dict[str, Group] = {
                       fallback="the policy runs on its seeds and the disk queue (no scheduler bound)"),
     "timing": Group(requires=_POLICY, requires_any=_POLICY_GROUPS, level=logging.WARNING,
                     fallback="the policy runs on its seeds and the disk queue (prefill batches not timed)"),
-    "protect": Group(requires=_POLICY, requires_any=_POLICY_GROUPS,
+    "protect": Group(requires=(*_POLICY, "policy@0.5.17"),
                      fallback="a finished load's host pages are SGLang's to evict; no late admission"),
+    "protect@0.5.23": Group(requires=(*_POLICY, "policy@0.5.23"),
+                            fallback="a finished load's host pages are SGLang's to evict; no late admission"),
     "split": Group(requires=(*_POLICY, "protect"), requires_any=_POLICY_GROUPS,
-                   fallback="policy_split does nothing (no join point for a split hit)"),
+                   fallback="policy_split does nothing (no join point for a split hit here; 0.5.23 has the point, "
+                            "UnifiedRadixCache.checkpoint(req, up_to=...), but `split`'s tail load and join are "
+                            "0.5.17 tree surgery (_insert_helper_host, req.prefix_indices), not ported to 0.5.23's "
+                            "tree core: node ids, the request's req.kv row, prefetches keyed per CacheRequestHandle, "
+                            "init_load_back called at admission only)"),
     "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"),  # its parked-chunk path read in 0.5.17 only
                   fallback="a split request is never held for its tail: what is read when its chunks reach it "
                            "joins, the rest is computed"),
@@ -301,16 +314,22 @@ def policy_paths(present: set[str] | None = None) -> dict[str, str]:
 
     caches = [_resolve(h.target.rsplit(".", 1)[0]) for h in HOOKS if h.group in hooked and h.group in _POLICY_GROUPS]
     reduces = bool(caches) and all(callable(getattr(c, "_all_reduce", None)) for c in caches)
+    protect = _protect_group(hooked)
     return {
         "decision": path(True, "rate"),
         "agreement": "active" if policy_on and reduces else (off if not policy_on else
                                                              "fallback: each rank decides alone"),
         "host share": path("rate" in hooked, "rate"),
-        "host protection": path("protect" in hooked, "protect"),
-        "late admission": path("protect" in hooked, "protect"),
+        "host protection": path(protect in hooked, protect),
+        "late admission": path(protect in hooked, protect),
         "split": path("split" in hooked, "split"),
         "split hold": path("park" in hooked, "park"),
     }
+
+
+def _protect_group(hooked: set[str]) -> str:
+    """The host-protection group of the release whose cache the policy hooked."""
+    return "protect@0.5.23" if "policy@0.5.23" in hooked else "protect"
 
 
 def register() -> None:
@@ -369,15 +388,15 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
         log.info("hicache-gds: this SGLang has none of the prefetch decision points the %s policy hooks; SGLang's "
                  "own prefetch policies run", POLICY)
         return
-    groups = (*_POLICY_GROUPS, "settle@mamba", "settle@unified", "rate", "admitted", "timing", "protect", "split",
-              "park")
+    groups = (*_POLICY_GROUPS, "settle@mamba", "settle@unified", "rate", "admitted", "timing", "protect",
+              "protect@0.5.23", "split", "park")
     for h in HOOKS:
         if h.group in _POLICY_GROUPS and h.group in hooked:
             policy_hooks.SUPPORTED.add(_resolve(h.target.rsplit(".", 1)[0]))
     _place(registry, hook_type, hooked, groups)
     split_policy.SPLIT_HOOKED[0] = "split" in hooked
     split_policy.PARK_HOOKED[0] = "park" in hooked
-    for name in ("admitted", "timing", "protect", "split", "park"):
+    for name in ("admitted", "timing", _protect_group(hooked), "split", "park"):
         if name not in hooked:
             g = GROUPS[name]
             targets = ", ".join(".".join(h.target.rsplit(".", 2)[-2:]) for h in HOOKS if h.group == name)

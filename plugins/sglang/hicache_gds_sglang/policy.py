@@ -13,15 +13,15 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   asked each time the scheduler reaches a waiting request): stop the load and recompute the rest
   (keeping what was loaded) when the request could start on the GPU before its load ends and the
   load left takes longer than the compute the pages left would save; else wait;
-* **late** (0.5.17, after ``Scheduler.get_new_batch_prefill``, one rank): a queued request sent
+* **late** (after ``Scheduler.get_new_batch_prefill``, both releases, one rank): a queued request sent
   to the GPU is given to the disk once its hit loads before the GPU would reach it -- the disk
   stays busy when loads run faster than forecast (`LoadOrCompute.late_admit`);
 * **host pool** (``HiCacheController.prefetch_rate_limited``): prefetches may hold up to
   `PolicyConfig.host_fraction` of the host pool (SGLang: half), the rest staying for write-back;
   a load is admitted only where the host pool can keep it (`host.host_room`), and a finished load's
-  host pages are protected from eviction until its request leaves the waiting queue (0.5.17's
-  ``check_prefetch_progress``, released after ``Scheduler.get_new_batch_prefill``;
-  `host.PROTECT_MAX_S`);
+  host pages are protected from eviction until its request leaves the waiting queue (where SGLang
+  inserts it: 0.5.17's ``check_prefetch_progress``, 0.5.23's ``_handle_prefetch_result``; released
+  after ``Scheduler.get_new_batch_prefill``; `host.PROTECT_MAX_S`);
 * **split** (`PolicyConfig.split`, 0.5.17, one rank): where computing the head of a hit while the
   disk loads its tail finishes first (`CostModel.split`), the request goes to the GPU as a
   recompute and the tail is prefetched on its own; when the request's chunks reach it, the pages

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hicache_gds import ConfigError, parse_bool, parse_size
+from hicache_gds import SEED_KEYS, ConfigError, parse_bool, parse_size, seed_settings
 
 __all__ = ["POLICY", "SGLANG_POLICIES", "FALLBACK", "POLICY_KEYS", "REMOVED_KEYS", "SPLIT_MODES", "PolicyConfig",
            "check_removed"]
@@ -14,7 +14,10 @@ __all__ = ["POLICY", "SGLANG_POLICIES", "FALLBACK", "POLICY_KEYS", "REMOVED_KEYS
 POLICY = "compute_or_load"
 SGLANG_POLICIES = ("best_effort", "wait_complete", "timeout")
 FALLBACK = "timeout"  # SGLang's default: what our name turns into where the policy cannot run
-POLICY_KEYS = ("policy", "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
+# The cost model's seeds are the core's keys (`hicache_gds.SEED_KEYS`: read_bytes_per_s,
+# prefill_tokens_per_s), as for every adapter; policy_read_gbps and policy_prefill_tokens_per_s are
+# their deprecated names here (`hicache_gds.SEED_ALIASES`), still accepted.
+POLICY_KEYS = ("policy", *SEED_KEYS, "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
                "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park")
 # Keys of settings measured not to pay in a running server and removed (`benchmarks/RESULTS.md`,
 # runs 9-10): passing one is an error naming it, as an unknown key is.
@@ -58,7 +61,9 @@ class PolicyConfig:
 
     policy: ``compute_or_load`` or one of SGLang's policies, applied at attach (as the flag would
     be); None leaves the flag's choice. read_gbps / prefill_tokens_per_s: seeds used until the
-    server has measured its own (they win over a persisted estimate). host_fraction: share of the
+    server has measured its own (they win over a persisted estimate), from the core's keys
+    ``read_bytes_per_s`` / ``prefill_tokens_per_s`` (`hicache_gds.seed_settings`; the old
+    ``policy_read_gbps`` / ``policy_prefill_tokens_per_s`` still accepted, with a deprecation line). host_fraction: share of the
     host pool prefetches may hold. stop_margin: how much sooner stopping must finish before a
     load in flight is stopped.
     split: when a hit may be split, its head computed on the GPU while the disk loads its tail
@@ -98,10 +103,11 @@ class PolicyConfig:
             if p not in (POLICY, *SGLANG_POLICIES):
                 raise ConfigError(f"policy: {p!r} is not one of {', '.join((POLICY, *SGLANG_POLICIES))}")
             kw["policy"] = p
-        if "policy_read_gbps" in extra:
-            kw["read_gbps"] = _positive(extra["policy_read_gbps"], "policy_read_gbps")
-        if "policy_prefill_tokens_per_s" in extra:
-            kw["prefill_tokens_per_s"] = _positive(extra["policy_prefill_tokens_per_s"], "policy_prefill_tokens_per_s")
+        seeds = seed_settings(extra)
+        if "read_bytes_per_s" in seeds:
+            kw["read_gbps"] = seeds["read_bytes_per_s"] / 1e9
+        if "prefill_tokens_per_s" in seeds:
+            kw["prefill_tokens_per_s"] = seeds["prefill_tokens_per_s"]
         if "policy_host_fraction" in extra:
             f = _positive(extra["policy_host_fraction"], "policy_host_fraction")
             if f > 1:

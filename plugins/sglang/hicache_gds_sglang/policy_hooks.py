@@ -20,9 +20,8 @@ from .policy import FALLBACK, POLICY, LoadOrCompute, policy_of, process_policies
 from .view import agree, agree_int, once
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
-           "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch", "around_forward",
-           "after_cache_unfinished",
-           "publish_metrics"]
+           "around_prefetch_result", "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch",
+           "around_forward", "after_cache_unfinished", "publish_metrics"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -250,13 +249,32 @@ def around_check_progress(original: Any, cache: Any, req_id: Any, *args: Any, **
     pol = policy_of(cache)
     entry = view.loading_entry(cache, req_id) if pol is not None else None
     done = original(cache, req_id, *args, **kwargs)
-    if entry is not None and done and view.loading_entry(cache, req_id) is None:
-        try:
-            pol.protect(cache, view.rid(req_id), entry)
-        except Exception as exc:  # noqa: BLE001 -- unprotected pages are SGLang's behaviour
-            once("protect", "hicache-gds policy: a finished load's host pages not protected (%s: %s)",
-                  type(exc).__name__, exc)
+    if entry is not None and done:
+        _protect_settled(pol, cache, req_id, entry)
     return done
+
+
+def around_prefetch_result(original: Any, cache: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
+    """0.5.23's ``UnifiedRadixCache._handle_prefetch_result`` (a finished or stopped load inserted
+    into the tree, from the acknowledgement drain or ``check_prefetch_progress``): its host pages
+    are protected as on 0.5.17."""
+    pol = policy_of(cache)
+    handle = getattr(operation, "handle", None)
+    entry = view.loading_entry(cache, handle) if pol is not None and handle is not None else None
+    out = original(cache, operation, *args, **kwargs)
+    if entry is not None:
+        _protect_settled(pol, cache, handle, entry)
+    return out
+
+
+def _protect_settled(pol: Any, cache: Any, key: Any, entry: Any) -> None:
+    if view.loading_entry(cache, key) is not None:
+        return  # not settled (0.5.23 keeps a staged or retried load)
+    try:
+        pol.protect(cache, view.rid(key), entry)
+    except Exception as exc:  # noqa: BLE001 -- unprotected pages are SGLang's behaviour
+        once("protect", "hicache-gds policy: a finished load's host pages not protected (%s: %s)",
+             type(exc).__name__, exc)
 
 
 def after_new_prefill_batch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -12,8 +12,10 @@ flight (`loads`, `loading_rids`, `loaded_done`, `settles_by_ack`); the waiting q
 request (`waiting`, `chunked`); a prefill batch's shape (`batch_shape`); the host pool
 (`host_free`, `host_evictable`, `host_limit`); how many ranks decide (`single_rank`).
 Actions: agree a verdict across ranks (`agree`, `agree_int`); prefetch a queued request again
-(`prefetch_again`); protect and release host pages (`protect_loaded`, `release_node`); attach the
-policy to a cache (`attach`, `attached`).
+(`prefetch_again`); protect and release host pages (`loading_parts`, `protect_loaded`, `release_node`;
+0.5.17 through its tree nodes' ``protect_host``, 0.5.23 through ``inc_host_lock_ref`` /
+``dec_host_lock_ref`` on the node SGLang's own ``match_prefix`` returns); attach the policy to a
+cache (`attach`, `attached`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Iterator, NamedTuple
 __all__ = ["Loading", "rid", "on_gpu", "req_work", "to_prefill", "backend_of", "page_size", "threshold", "loads",
            "loading_rids", "loaded_done", "settles_by_ack", "waiting", "chunked", "batch_shape", "host_free",
            "host_evictable", "host_limit", "single_rank", "agree", "agree_int", "prefetch_again",
-           "protect_loaded", "release_node", "attach", "attached", "once"]
+           "loading_parts", "find_waiting", "protect_loaded", "release_node", "attach", "attached", "once"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 _ATTR = "_hgds_policy"  # where the policy object hangs on SGLang's cache and controller
@@ -255,25 +257,72 @@ def buffer_only(controller: Any) -> bool:
     return getattr(controller, "host_memory_mode", "") == "buffer_only"
 
 
-def protect_loaded(cache: Any, last_host_node: Any, key: Any, usable: int) -> Any:
-    """Protect from host eviction the deepest node a finished load inserted (0.5.17: under
-    `last_host_node`, its first `usable` tokens of `key`); returns it, or None where nothing of it
-    is in the tree (dropped, or all of it was there already)."""
-    _, node = cache._match_prefix_helper(last_host_node, key[:usable])
-    if node is last_host_node or getattr(node, "host_value", None) is None:
+class HostLock(NamedTuple):
+    """0.5.23's host lock on a tree node: the cache, the node's id, and the receipt SGLang's
+    ``dec_host_lock_ref`` asks back."""
+
+    cache: Any
+    node: Any
+    params: Any
+
+
+def loading_parts(entry: Any) -> tuple[Any, Any, Any]:
+    """(the node a load hangs under, its radix key, its operation) of an ``ongoing_prefetch``
+    entry (0.5.17: a tuple; 0.5.23: ``_OngoingPrefetch``)."""
+    if hasattr(entry, "anchor_node_id"):
+        return entry.anchor_node_id, entry.prefetch_key, entry.operation
+    return entry[0], entry[1], entry[2]
+
+
+def find_waiting(scheduler: Any, request_id: str) -> Any:
+    """The queued request of `request_id` (None where it is not waiting)."""
+    return next((r for r in waiting(scheduler) if rid(r) == request_id), None)
+
+
+def protect_loaded(cache: Any, last_host_node: Any, key: Any, usable: int, req: Any = None) -> Any:
+    """Protect from host eviction the deepest node a finished load inserted (under
+    `last_host_node`, its first `usable` tokens of `key`); returns what `release_node` takes, or
+    None where nothing of it is in the tree (dropped, or all of it was there already).
+
+    0.5.17: the node under `last_host_node` (``_match_prefix_helper``), its ``protect_host``.
+    0.5.23 (node ids, a tree core that may be Rust): SGLang's ``match_prefix`` over the queued
+    request's tokens up to the load's end (`req`, which is needed there), then
+    ``inc_host_lock_ref`` on the node it ends on, as SGLang's own load back holds host pages."""
+    if callable(getattr(cache, "_match_prefix_helper", None)):
+        _, node = cache._match_prefix_helper(last_host_node, key[:usable])
+        if node is last_host_node or getattr(node, "host_value", None) is None:
+            return None
+        node.protect_host()
+        return node
+    fill = getattr(req, "full_untruncated_fill_ids", None) if req is not None else None
+    if fill is None or not callable(getattr(cache, "inc_host_lock_ref", None)):
         return None
-    node.protect_host()
-    return node
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    end = int(getattr(req, "storage_prefetch_last_match_len", 0) or 0) + int(usable)
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(fill[:end], getattr(req, "extra_key", None))))
+    node = getattr(m, "last_host_node", None)
+    if node is None or node == last_host_node or cache.is_root(node):
+        return None
+    return HostLock(cache, node, cache.inc_host_lock_ref(node).to_dec_params())
 
 
 def release_node(node: Any) -> None:
+    """End a protection `protect_loaded` placed."""
+    if isinstance(node, HostLock):
+        try:
+            node.cache.dec_host_lock_ref(node.node, node.params)
+        except Exception as exc:  # noqa: BLE001 -- a tree reset dropped the node: nothing is held
+            once("release-node", "hicache-gds: a host lock was gone when released (%s: %s)", type(exc).__name__, exc)
+        return
     if getattr(node, "host_ref_counter", 0) > 0:  # a tree reset may have dropped the node's state
         node.release_host()
 
 
 def can_protect(cache_cls: Any) -> bool:
-    """The cache class inserts finished loads where the policy can find them (0.5.17)."""
-    return callable(getattr(cache_cls, "_match_prefix_helper", None))
+    """The cache class inserts finished loads where the policy can find and lock them."""
+    return callable(getattr(cache_cls, "_match_prefix_helper", None)) or \
+        callable(getattr(cache_cls, "inc_host_lock_ref", None))
 
 
 # -- ranks ----------------------------------------------------------------------------------------

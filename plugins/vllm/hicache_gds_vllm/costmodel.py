@@ -16,7 +16,8 @@ would (`CostModel.decide`), given
 The rates are measured in the running engine: the read rate from this engine's loads (bytes and
 service time, `ReadRate`), the prefill cost from its steps (per request new tokens and cached
 prefix, and the step's wall time, `PrefillModel`; `HiCacheGDSConnector` times them). Before a
-first measurement, `load_bytes_per_s` / `prefill_tokens_per_s` seed them; else what an earlier
+first measurement, the core's seed keys `read_bytes_per_s` / `prefill_tokens_per_s` seed them (the
+SGLang adapter's too; `load_bytes_per_s`, the old name, is still accepted); else what an earlier
 run measured and persisted; else the read rate is probed at start (`read_probe` bytes of O_DIRECT
 reads per directory, `hicache_gds.seed_read_rate`, as the SGLang adapter does); with no read rate at
 all, the model answers "load" (the adapter's behaviour without a model). `cost_model`: "on" (default; "rate" is
@@ -33,14 +34,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hicache_gds import ConfigError, CostModel, Decision, PrefillModel, ReadRate
+from hicache_gds import SEED_ALIASES, SEED_KEYS, ConfigError, CostModel, Decision, PrefillModel, ReadRate, seed_settings
 
 __all__ = ["KEYS", "CostModel", "Decision", "cost_model_from", "RunJudge", "Advisor", "best_run", "for_the_queue"]
 
 log = logging.getLogger("hicache_gds_vllm")
 
 # Extra-config keys this module reads (the spec ignores them when building hicache-gds' Config).
-KEYS = ("cost_model", "prefill_tokens_per_s", "load_bytes_per_s")
+# The seeds are the core's keys (`hicache_gds.SEED_KEYS`: read_bytes_per_s, prefill_tokens_per_s), one
+# set for every adapter; load_bytes_per_s is read_bytes_per_s's deprecated name here, still accepted.
+KEYS = ("cost_model", *SEED_KEYS, *SEED_ALIASES)
 
 
 def cost_model_from(extra: Mapping[str, Any], bytes_per_token: float, chunk: int | None = None) -> CostModel | None:
@@ -50,9 +53,9 @@ def cost_model_from(extra: Mapping[str, Any], bytes_per_token: float, chunk: int
     if name == "off":
         return None
     if name in ("on", "rate"):
-        read = ReadRate(_num(extra.get("load_bytes_per_s"), "load_bytes_per_s"), "configured load_bytes_per_s")
-        prefill = PrefillModel(_num(extra.get("prefill_tokens_per_s"), "prefill_tokens_per_s"),
-                               "configured prefill_tokens_per_s", chunk=chunk)
+        seeds = seed_settings(extra)
+        read = ReadRate(seeds.get("read_bytes_per_s"), "configured read_bytes_per_s")
+        prefill = PrefillModel(seeds.get("prefill_tokens_per_s"), "configured prefill_tokens_per_s", chunk=chunk)
         return CostModel(bytes_per_token, read=read, prefill=prefill)
     mod, _, cls = name.partition(":")
     if not mod or not cls:
@@ -190,18 +193,6 @@ def for_the_queue(d: Decision, behind: int, gpu_backlog: float) -> Decision:
                         f"{behind} request(s) wait behind: loading frees {alone:.3f} s of GPU for each "
                         f"(costs this one {d.t_load - d.t_compute:.3f} s)")
     return d
-
-
-def _num(v: Any, name: str) -> float | None:
-    if v is None or v == "":
-        return None
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        x = float("nan")
-    if not x > 0:
-        raise ConfigError(f"{name}: expected a positive number, got {v!r}")
-    return x
 
 
 @dataclass

@@ -67,7 +67,7 @@ from vllm.v1.kv_offload.base import (LookupResult, OffloadingEvent, OffloadingMa
                                      ReqContext, RequestOffloadingContext, ScheduleEndContext, get_offload_group_idx)
 
 from hicache_gds import COST_STATE_FILE as STATE_FILE
-from hicache_gds import ConfigError, load_state, save_state, seed_read_rate
+from hicache_gds import ConfigError, load_state, save_state, seed_read_rate, seed_settings
 
 from . import compat
 from .costmodel import Advisor, CostModel, cost_model_from
@@ -153,9 +153,9 @@ class HiCacheGDSManager(OffloadingManager):
             if model is not None else None
         self._state_path = os.path.join(spec.sidecar.path, STATE_FILE)
         if model is not None:
-            extra, state = spec.config.extra_config, load_state(self._state_path) or {}
-            seeded = model.seed_from_state(state, read=False, prefill="prefill_tokens_per_s" not in extra)
-            if "load_bytes_per_s" not in extra:  # persisted, else probed now: the core's one way
+            seeds, state = seed_settings(spec.config.extra_config), load_state(self._state_path) or {}
+            seeded = model.seed_from_state(state, read=False, prefill="prefill_tokens_per_s" not in seeds)
+            if "read_bytes_per_s" not in seeds:  # persisted, else probed now: the core's one way
                 seeded.append(seed_read_rate(model.read, state=state, dirs=list(spec.hicache.gds_path),
                                              probe_bytes=spec.hicache.read_probe))
             if seeded:

@@ -1,0 +1,36 @@
+"""SGLang 0.5.23's own storage test kit with hicache-gds in place of ``file`` (`kit_0523.py`, in a
+subprocess: ``load_plugins()`` hooks SGLang's classes for the whole process).
+
+What runs there, on CPU with the kit's real ``UnifiedRadixCache`` stacks: a prefix the kit backs
+up to L3 through ``gds`` is prefetched into the host tier under the ``compute_or_load`` policy,
+byte for byte; a finished load's host pages survive SGLang's host eviction until the scheduler
+takes the request (host protection through ``inc_host_lock_ref``), then are SGLang's again; a
+queued request admission sent to the GPU is prefetched after a prefill batch is formed, once its
+hit loads before the GPU reaches it (late admission), and loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+KIT = os.path.join(os.path.dirname(__file__), "kit_0523.py")
+
+
+def test_sglangs_storage_kit_runs_with_gds_in_place_of_file():
+    try:
+        kit = importlib.util.find_spec("sglang.test.kits.unified_radix_cache")
+    except ImportError:  # its parent package is missing too
+        kit = None
+    if kit is None:
+        pytest.skip("this SGLang has no unified_radix_cache storage kit (0.5.17)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, KIT], capture_output=True, text=True, timeout=480, env=env)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-6000:]
+    for name in ("round-trip", "protect", "late"):
+        assert f"KIT-OK {name}" in said, said[-6000:]
