@@ -20,7 +20,9 @@ __all__ = ["Config", "parse_size", "parse_bool", "ENV_PREFIX", "describe_keys"]
 
 ENV_PREFIX = "HICACHE_GDS_"
 # Variables of the same prefix that an adapter reads, not the store: known, so not typos here.
-ADAPTER_ENV = frozenset({ENV_PREFIX + "TRACE"})  # the SGLang plugin's prefetch timeline (trace.py)
+# Read elsewhere: the SGLang plugin's prefetch timeline (trace.py); the remote tier's cluster secret
+# (remote/trust.py), which a page server and its clients take from the environment
+ADAPTER_ENV = frozenset({ENV_PREFIX + "TRACE", ENV_PREFIX + "CLUSTER_SECRET", ENV_PREFIX + "CLUSTER_SECRET_FILE"})
 
 _SIZE_RE = re.compile(r"^\s*(?:(0[xX][0-9a-fA-F]+)|(\d+(?:\.\d+)?))\s*([A-Za-z%]*)\s*$")
 _SETTING_UNIT_RE = re.compile(r"([kmgtp]?)(i?b?)")

@@ -45,6 +45,8 @@ def test_unknown_key_and_env_var():
         Config.load({}, env={"HICACHE_GDS_CAPACTY": "1"})
     # an adapter's own variable of the same prefix is not a typo of the store's
     assert Config.load({}, env={"HICACHE_GDS_TRACE": "1"}).verify is True
+    # nor is the remote tier's cluster secret, which page servers and clients read from the environment
+    assert Config.load({}, env={"HICACHE_GDS_CLUSTER_SECRET": "s", "HICACHE_GDS_CLUSTER_SECRET_FILE": "/f"}).verify
 
 
 def test_ignored_adapter_keys():

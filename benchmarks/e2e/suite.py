@@ -304,7 +304,7 @@ def run_workload(srv: Server, cell: dict[str, Any], a: argparse.Namespace, lens:
         n = min(a.burst, len(lens))
         return send_all(srv, [(f"p{i}", prompt(i, lens[i], a, VISIT_SUFFIX), 0.0) for i in range(n)], a)
     if w == "host":
-        return host_hit(srv, cell, a, lens[0])
+        return host_hit(srv, cell, a, lens)
     rate = cell["rate"]
     n = a.open_requests or len(lens)
     arrivals = open_arrivals(rate, n, int(cell.get("rep", 0)))
@@ -312,15 +312,28 @@ def run_workload(srv: Server, cell: dict[str, Any], a: argparse.Namespace, lens:
                            float(t)) for i, t in enumerate(arrivals)], a)
 
 
-def host_hit(srv: Server, cell: dict[str, Any], a: argparse.Namespace, n: int) -> list[Result]:
+def host_hit(srv: Server, cell: dict[str, Any], a: argparse.Namespace, lens: list[int]) -> list[Result]:
     """The ``host`` workload: the revisit of a prompt that only the host pool holds (its result
     alone; the visits before it raise where they fail)."""
+    n = lens[0]
     seed = HOST_SEED  # the same prompt everywhere (its tokens compared with recompute's): an L3 that
     # holds it from an earlier measurement serves at most its first visit; the host pool, its revisit
     hi = min(120000, a.vocab - 1)
     head = np.random.default_rng(seed).integers(1000, hi, size=n).tolist()
     sfx = [np.random.default_rng(seed + k).integers(1000, hi, size=a.suffix_tokens).tolist() for k in (1, 2)]
-    evictors = [prompt(EVICT_SEED + j, n, a, VISIT_SUFFIX) for j in range(a.max_total_tokens // n + 2)]
+    # the evictors: the measured prompts first (already in the L3s: a new prompt per evictor filled
+    # gds's namespace past its capacity on the GPU machine, and the next measurements missed), new
+    # ones only where those do not fill the GPU pool
+    evictors, total = [], 0
+    for i in range(len(lens)):
+        if total >= a.max_total_tokens + n:
+            break
+        evictors.append(prompt(i, lens[i], a, VISIT_SUFFIX))
+        total += lens[i]
+    j = 0
+    while total < a.max_total_tokens + n:
+        evictors.append(prompt(EVICT_SEED + j, n, a, VISIT_SUFFIX))
+        total, j = total + n, j + 1
     for tag, ids in [("host-first", head + sfx[0])] + [(f"evict{j}", e) for j, e in enumerate(evictors)]:
         r = generate(srv, tag, ids, a.gen, a.req_timeout)
         if r.error is not None:
