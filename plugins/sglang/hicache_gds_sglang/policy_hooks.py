@@ -195,20 +195,24 @@ def after_cache_unfinished(result: Any, cache: Any, req: Any, *args: Any, **kwar
     try:
         pol.join_tail(cache, req)
     except Exception as exc:  # noqa: BLE001 -- the request computes on; its tail is dropped
-        once("split-join", "hicache-gds policy: a split's tail could not join its request (%s: %s); it is "
-              "computed instead", type(exc).__name__, exc)
-        try:
-            split_policy.drop_tail(pol, cache, view.rid(req))
-        except Exception:  # noqa: BLE001
-            pass
+        _drop_tail_after(exc, "split-join", "a split's tail could not join its request", pol, cache, req)
     return None
+
+
+def _drop_tail_after(exc: Exception, key: str, what: str, pol: Any, cache: Any, req: Any) -> None:
+    """A split step failed: say so once, and drop the request's tail (it computes on)."""
+    once(key, "hicache-gds policy: %s (%s: %s); it is computed instead", what, type(exc).__name__, exc)
+    try:
+        split_policy.drop_tail(pol, cache, view.rid(req))
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def around_add_chunked_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """0.5.17's ``PrefillAdder.add_chunked_req``: a split request whose tail is still being read
     is held this pass where waiting for it finishes first (returned as SGLang returns a parked
     chunk: still the chunked request, nothing added, and no other request added this pass:
-    `view.hold_batch`); otherwise its tail joins and it runs on (`LoadOrCompute.park`).""" 
+    `view.hold_batch`); otherwise its tail joins and it runs on (`LoadOrCompute.park`)."""
     cache = getattr(adder, "tree_cache", None)
     pol = view.attached(cache) if cache is not None else None
     if pol is not None and pol.parked:
@@ -217,12 +221,7 @@ def around_add_chunked_req(original: Any, adder: Any, req: Any, *args: Any, **kw
                 view.hold_batch(adder)
                 return req
         except Exception as exc:  # noqa: BLE001 -- the request computes on; its tail is dropped
-            once("split-park", "hicache-gds policy: a split request could not be held for its tail (%s: %s); it "
-                  "is computed instead", type(exc).__name__, exc)
-            try:
-                split_policy.drop_tail(pol, cache, view.rid(req))
-            except Exception:  # noqa: BLE001
-                pass
+            _drop_tail_after(exc, "split-park", "a split request could not be held for its tail", pol, cache, req)
     return original(adder, req, *args, **kwargs)
 
 
