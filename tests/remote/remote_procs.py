@@ -49,18 +49,7 @@ class RedisProc:
         self.proc = subprocess.Popen([REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--dir", str(self.tmp), *self.extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-        r = redis.Redis(port=self.port, socket_timeout=1, **self.auth)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                if r.ping():
-                    break
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-        r.close()
+        wait_ping(self.port, **self.auth)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -115,3 +104,19 @@ class ServerProc:
                 self.proc.kill()
                 self.proc.wait(5)
         self.logf.close()
+
+
+def wait_ping(port: int, timeout: float = 15.0, **auth) -> None:  # noqa: ANN003
+    """Until the Redis on `port` answers PING (RuntimeError after `timeout` seconds)."""
+    import redis
+    r = redis.Redis(port=port, socket_timeout=1, **auth)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if r.ping():
+                break
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis on port {port} did not start")
+            time.sleep(0.05)
+    r.close()

@@ -13,24 +13,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from remote_procs import REDIS, free_port
+from remote_procs import REDIS, free_port, wait_ping as _wait_ping
 
 SERVICE = "hicache"
-
-
-def _wait_ping(port: int, timeout: float = 15.0, **auth) -> None:  # noqa: ANN003
-    import redis
-    r = redis.Redis(port=port, socket_timeout=1, **auth)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if r.ping():
-                break
-        except redis.RedisError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis on port {port} did not start")
-            time.sleep(0.05)
-    r.close()
 
 
 class SentinelSet:
