@@ -122,11 +122,11 @@ def park(pol: Any, cache: Any, req: Any, *, hold: bool = True) -> bool:
     cached = view.cached_prefix(req)
     read, complete, alive = split_mod.progress(cache, tail)
     if hold and alive and not complete and cached >= tail.start:
-        if time.monotonic() < until and _hold_pays(pol, req, tail, cached, read):
+        if now < until and _hold_pays(pol, req, tail, cached, read):
             return True
-        if time.monotonic() >= until:
+        if now >= until:
             log.info("hicache-gds policy: %s split tail still reading %.3f s past its forecast: %d of %d tokens "
-                     "join, the rest is computed", rid, time.monotonic() - until, read, tail.tokens)
+                     "join, the rest is computed", rid, now - until, read, tail.tokens)
     del pol.parked[rid]
     pol.park_checked.pop(rid, None)
     if cached < tail.start:
@@ -140,17 +140,23 @@ def park(pol: Any, cache: Any, req: Any, *, hold: bool = True) -> bool:
 def _hold_pays(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> bool:
     """Waiting for the rest of the tail, then computing what follows it, finishes before
     computing on from what is read now."""
+    costs = _tail_costs(pol, req, tail, cached, read)
+    return costs is not None and costs[0] + costs[1] < costs[2]
+
+
+def _tail_costs(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int,
+                read: int) -> tuple[float, float, float] | None:
+    """Seconds to read the rest of the tail, to compute what follows the whole tail, and to
+    compute on from what is read now (None where a rate is unknown)."""
     model = pol.cost_model
     if model is None:
-        return False
-    n = sum(view.req_work(req))
+        return None
+    n = sum(view.req_work(req))  # the request's tokens: left to prefill and held
     frontier = max(cached, tail.start + read)
     io_left = model.predict_load((tail.end - tail.start - read) * model.bytes_per_token)
     later = model.predict_compute(n - tail.end, tail.end)
     now = model.predict_compute(n - frontier, frontier)
-    if None in (io_left, later, now):
-        return False
-    return io_left + later < now
+    return None if None in (io_left, later, now) else (io_left, later, now)
 
 
 def _hold_limit(pol: Any, tail: "split_mod.TailLoad", read: int) -> float:
@@ -187,14 +193,11 @@ def _wait_for_tail(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int, 
     model = pol.cost_model
     if not chunk or model is None or cached + chunk >= tail.end:
         return False
-    n = sum(view.req_work(req))  # the request's tokens: left to prefill and held
-    frontier = max(cached, tail.start + read)
-    io_left = model.predict_load((tail.end - tail.start - read) * model.bytes_per_token)
+    costs = _tail_costs(pol, req, tail, cached, read)
     c_chunk = model.predict_compute(chunk, cached)
-    now = model.predict_compute(n - frontier, frontier)
-    later = model.predict_compute(n - tail.end, tail.end)
-    if None in (io_left, c_chunk, now, later):
+    if costs is None or c_chunk is None:
         return False
+    io_left, later, now = costs
     return io_left <= c_chunk and c_chunk + later < now
 
 
