@@ -9,6 +9,7 @@ accepts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,8 +22,8 @@ __all__ = ["Config", "parse_size", "parse_bool", "ENV_PREFIX", "describe_keys"]
 ENV_PREFIX = "HICACHE_GDS_"
 # Variables of the same prefix that an adapter reads, not the store: known, so not typos here.
 # Read elsewhere: the SGLang plugin's prefetch timeline (trace.py); the remote tier's cluster secret
-# (remote/trust.py), which a page server and its clients take from the environment
-ADAPTER_ENV = frozenset({ENV_PREFIX + "TRACE", ENV_PREFIX + "CLUSTER_SECRET", ENV_PREFIX + "CLUSTER_SECRET_FILE"})
+# itself (remote/trust.py: a secret is no config value, shown by `doctor` and kept in `sources`)
+ADAPTER_ENV = frozenset({ENV_PREFIX + "TRACE", ENV_PREFIX + "CLUSTER_SECRET"})
 
 _SIZE_RE = re.compile(r"^\s*(?:(0[xX][0-9a-fA-F]+)|(\d+(?:\.\d+)?))\s*([A-Za-z%]*)\s*$")
 _SETTING_UNIT_RE = re.compile(r"([kmgtp]?)(i?b?)")
@@ -135,6 +136,16 @@ def _seconds_or_zero(value: Any, key: str) -> float:
     return f
 
 
+def _nonneg_float(value: Any, key: str) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number >= 0, got {value!r}") from None
+    if not 0 <= f < math.inf:
+        raise ConfigError(f"{key}: expected a finite number >= 0, got {value!r}")
+    return f
+
+
 def _fraction(value: Any, key: str) -> float:
     try:
         f = float(value)
@@ -219,6 +230,16 @@ _SPEC: dict[str, tuple[str, Callable[[Any, str], Any], Any, str]] = {
                       "Redis key prefix of the remote tier; deployments sharing a Redis use distinct ones"),
     "remote_timeout": (ENV_PREFIX + "REMOTE_TIMEOUT", _positive_float, 2.0,
                        "seconds one Redis call may take; slower counts as a miss"),
+    "remote_lease": (ENV_PREFIX + "REMOTE_LEASE", _nonneg_float, 0.0,
+                     "seconds a reserved remote slot stays reserved for a writer that never publishes "
+                     "(0: 2 x io_timeout + 10)"),
+    "remote_wait_replicas": (ENV_PREFIX + "REMOTE_WAIT_REPLICAS", _int_at_least(0), 1,
+                             "directory replicas that must acknowledge a write (capped by those attached; 0: off)"),
+    "remote_wait_ms": (ENV_PREFIX + "REMOTE_WAIT_MS", _int_at_least(1), 1000,
+                       "milliseconds a directory write waits for its replicas' acknowledgement"),
+    "cluster_secret_file": (ENV_PREFIX + "CLUSTER_SECRET_FILE", _text, "",
+                            "file (mode 0600) with the remote tier's cluster secret: page server records are "
+                            "signed with it and clients trust only signed ones (empty: unsigned, trusted)"),
     "tier_mode": (ENV_PREFIX + "TIER_MODE", _choice("local", "remote", "both"), "both",
                   "TieredStore: NVMe only, remote only, or both"),
     "tier_write": (ENV_PREFIX + "TIER_WRITE", _choice("through", "back"), "through",
@@ -253,6 +274,10 @@ class Config:
     remote_url: str = ""
     remote_prefix: str = "hicache"
     remote_timeout: float = 2.0
+    remote_lease: float = 0.0
+    remote_wait_replicas: int = 1
+    remote_wait_ms: int = 1000
+    cluster_secret_file: str = ""
     tier_mode: str = "both"
     tier_write: str = "through"
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
