@@ -42,6 +42,13 @@ class Bufs:
     def got(self, i: int) -> np.ndarray:
         return self.dst.numpy()[i * self.page:(i + 1) * self.page]
 
+    def round_trip(self, store, keys: list[str]) -> None:  # noqa: ANN001
+        """Put `keys`' pages, read them into poisoned slots: every one is put, read and byte-equal."""
+        assert store.put(keys, self.fill(keys)) == [True] * len(keys)
+        ok = store.get(keys, self.poisoned(len(keys)))
+        assert ok == [True] * len(keys)
+        self.check(keys, ok)
+
     def check(self, keys: list[str], ok: list[bool], salt: str = "") -> None:
         """Pages read (True) equal their data byte for byte; pages missed (False) are untouched poison."""
         for i, (k, hit) in enumerate(zip(keys, ok)):

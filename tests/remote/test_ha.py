@@ -94,12 +94,7 @@ def test_sentinel_url_round_trip(sset, spawn):
     spawn(sset.url, "s0", prefix, "8M", PAGE, ttl=5.0)
     t = tier(sset.url, prefix, PAGE, uuid.uuid4().hex)
     try:
-        keys = [f"r{i}" for i in range(6)]
-        b = Bufs(t, 6, PAGE)
-        assert t.put(keys, b.fill(keys)) == [True] * 6
-        got = t.get(keys, b.poisoned(6))
-        assert got == [True] * 6
-        b.check(keys, got)
+        Bufs(t, 6, PAGE).round_trip(t, [f"r{i}" for i in range(6)])
         assert "sentinel" in t.stats()["redis"]
     finally:
         t.close()
@@ -279,12 +274,7 @@ def test_sentinel_url_with_an_acl_user(tmp_path, spawn):
         spawn(s.url, "s0", prefix, "4M", PAGE, ttl=5.0)
         t = tier(s.url, prefix, PAGE, uuid.uuid4().hex)
         try:
-            keys = [f"a{i}" for i in range(4)]
-            b = Bufs(t, 4, PAGE)
-            assert t.put(keys, b.fill(keys)) == [True] * 4
-            ok = t.get(keys, b.poisoned(4))
-            assert ok == [True] * 4
-            b.check(keys, ok)
+            Bufs(t, 4, PAGE).round_trip(t, [f"a{i}" for i in range(4)])
             assert "pw-7y" not in str(t.stats()) and "hc:***@" in t.stats()["redis"]
         finally:
             t.close()
