@@ -6,7 +6,8 @@ up to L3 through ``gds`` is prefetched into the host tier under the ``compute_or
 byte for byte; a finished load's host pages survive SGLang's host eviction until the scheduler
 takes the request (host protection through ``inc_host_lock_ref``), then are SGLang's again; a
 queued request admission sent to the GPU is prefetched after a prefill batch is formed, once its
-hit loads before the GPU reaches it (late admission), and loads.
+hit loads before the GPU reaches it (late admission), and loads. And a split hit's tail
+(`kit_split_0523.py`) joins a real request where its chunks reach it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import pytest
 
 KIT = os.path.join(os.path.dirname(__file__), "kit_0523.py")
+SPLIT_KIT = os.path.join(os.path.dirname(__file__), "kit_split_0523.py")
 
 
 def test_sglangs_storage_kit_runs_with_gds_in_place_of_file():
@@ -33,4 +35,23 @@ def test_sglangs_storage_kit_runs_with_gds_in_place_of_file():
     said = out.stdout + out.stderr
     assert out.returncode == 0, said[-6000:]
     for name in ("round-trip", "protect", "late"):
+        assert f"KIT-OK {name}" in said, said[-6000:]
+
+
+def test_a_split_hits_tail_joins_on_sglang_0523s_real_cache():
+    """`kit_split_0523.py`: a split's tail loads as SGLang's own prefetches and joins a real
+    request's KV row after SGLang's ``checkpoint``, byte for byte against the producer's KV over a
+    poisoned GPU pool; a read failing midway joins only what was read (the rest computed); a read
+    still stalled when the chunk reaches the tail joins nothing and gives back its host pages."""
+    try:
+        kit = importlib.util.find_spec("sglang.test.kits.unified_radix_cache")
+    except ImportError:
+        kit = None
+    if kit is None:
+        pytest.skip("this SGLang has no unified_radix_cache storage kit (0.5.17)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, SPLIT_KIT], capture_output=True, text=True, timeout=480, env=env)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-6000:]
+    for name in ("split-join", "split-overlap", "split-fault", "split-timeout"):
         assert f"KIT-OK {name}" in said, said[-6000:]

@@ -8,7 +8,8 @@ hicache-gds store on disk. The GPU is a CPU tensor of pages: "computing" a chunk
 page's true bytes there, and a load back copies the host page. Every test checks, page by page,
 that what the request's prefix points at is the bytes of that page of the prompt.
 
-0.5.23 moved its tree into a core this does not hook: there the policy never splits (last test).
+0.5.23 keeps its tree in a core of its own: its split (`split_0523`) is tested on its real
+cache in `test_kit_0523.py` (`kit_split_0523.py`).
 """
 
 from __future__ import annotations
@@ -453,7 +454,8 @@ def test_policy_split_is_checked_and_off_where_sglang_has_no_join_point(gds_dir)
     assert PolicyConfig.from_extra({"policy_split_get": 0}).split_get == 0
     with pytest.raises(ConfigError, match="policy_split_get"):
         PolicyConfig.from_extra({"policy_split_get": "lots"})
-    # 0.5.23 keeps its tree in a core the join does not reach: there is no HiRadixCache to hook
+    # 0.5.23 has no HiRadixCache to hook: its join point is the scheduler's stash of a chunked
+    # request (`split_0523`, tested on its real cache in test_kit_0523.py)
     assert (plugin._resolve(plugin._JOIN) is None) == (HiRadixCache is None)
 
 

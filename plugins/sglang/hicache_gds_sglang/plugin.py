@@ -40,10 +40,11 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    ``Scheduler.get_new_batch_prefill`` (AFTER: the protection ends when the request leaves the
    waiting queue, and a waiting request sent to the GPU may be given to the disk: the policy's
    late admission); both releases;
-8. 0.5.17's ``HiRadixCache.cache_unfinished_req`` (AFTER): a split hit's tail joins the request's
-   prefix where its chunks reach it (`split`; ``policy_split``). 0.5.23 has the join point
-   (``UnifiedRadixCache.checkpoint``), but `split` is not ported to its tree core (`GROUPS`'
-   ``split`` fallback says what is missing): split falls back on 0.5.23.
+8. where a chunked request's chunks are cached before its next chunk is formed -- 0.5.17's
+   ``HiRadixCache.cache_unfinished_req``, 0.5.23's ``Scheduler.stash_chunked_request`` (its
+   ``checkpoint(req, up_to=...)``) (AFTER): a split hit's tail joins the request's prefix there
+   (`split`, `split_0523`; ``policy_split``); 0.5.17's ``PrefillAdder.add_chunked_req`` (AROUND):
+   a split request held for its tail (``policy_split_park``; not on 0.5.23, `GROUPS`' ``park``).
 
 9. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
    (`trace`), from the scheduler's queue through each L3 get to the prefill batch.
@@ -155,6 +156,9 @@ HOOKS: tuple[Hook, ...] = (
     # chunk there, and returns a chunk it parks without adding it (0.5.17 parks for hybrid SWA).
     Hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", "AROUND", "around_add_chunked_req",
          "0.5.17", "park"),
+    # 0.5.23's join point: the scheduler checkpoints a chunked request's chunks into the tree
+    # (``checkpoint(req, up_to=extend_end)``) and sets where its next chunk starts, then forms it.
+    Hook(f"{_SCHED}.stash_chunked_request", "AFTER", "after_stash_chunked", "0.5.23", "split@0.5.23"),
 )
 GROUPS: dict[str, Group] = {
     "backend": Group(requires=("backend",), requires_any=("factory@0.5.23", "factory@0.5.17"), level=logging.WARNING,
@@ -180,14 +184,16 @@ GROUPS: dict[str, Group] = {
     "protect@0.5.23": Group(requires=(*_POLICY, "policy@0.5.23"),
                             fallback="a finished load's host pages are SGLang's to evict; no late admission"),
     "split": Group(requires=(*_POLICY, "protect"), requires_any=_POLICY_GROUPS,
-                   fallback="policy_split does nothing (no join point for a split hit here; 0.5.23 has the point, "
-                            "UnifiedRadixCache.checkpoint(req, up_to=...), but `split`'s tail load and join are "
-                            "0.5.17 tree surgery (_insert_helper_host, req.prefix_indices), not ported to 0.5.23's "
-                            "tree core: node ids, the request's req.kv row, prefetches keyed per CacheRequestHandle, "
-                            "init_load_back called at admission only)"),
+                   fallback="policy_split does nothing (no join point for a split hit here)"),
+    # a tail's finished operation must not be inserted by SGLang under its anchor: protect@0.5.23's
+    # hook on _handle_prefetch_result leaves it to the join
+    "split@0.5.23": Group(requires=(*_POLICY, "protect@0.5.23", "policy@0.5.23"),
+                          fallback="policy_split does nothing (no join point for a split hit here)"),
     "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"),  # its parked-chunk path read in 0.5.17 only
                   fallback="a split request is never held for its tail: what is read when its chunks reach it "
-                           "joins, the rest is computed"),
+                           "joins, the rest is computed (0.5.23's PrefillAdder.add_chunked_req has the "
+                           "parked-chunk return, and a pass that adds nothing forms no batch, but the hold is "
+                           "not ported there: untested on 0.5.23's adder)"),
 }
 # Back-compatible names of single points (tests and `trace` resolve them)
 _JOIN = f"{_HIRADIX}.cache_unfinished_req"
@@ -322,9 +328,14 @@ def policy_paths(present: set[str] | None = None) -> dict[str, str]:
         "host share": path("rate" in hooked, "rate"),
         "host protection": path(protect in hooked, protect),
         "late admission": path(protect in hooked, protect),
-        "split": path("split" in hooked, "split"),
+        "split": path(_split_group(hooked) in hooked, _split_group(hooked)),
         "split hold": path("park" in hooked, "park"),
     }
+
+
+def _split_group(hooked: set[str]) -> str:
+    """The split group (join point) of the release whose cache the policy hooked."""
+    return "split@0.5.23" if "policy@0.5.23" in hooked else "split"
 
 
 def _protect_group(hooked: set[str]) -> str:
@@ -389,14 +400,14 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
                  "own prefetch policies run", POLICY)
         return
     groups = (*_POLICY_GROUPS, "settle@mamba", "settle@unified", "rate", "admitted", "timing", "protect",
-              "protect@0.5.23", "split", "park")
+              "protect@0.5.23", "split", "split@0.5.23", "park")
     for h in HOOKS:
         if h.group in _POLICY_GROUPS and h.group in hooked:
             policy_hooks.SUPPORTED.add(_resolve(h.target.rsplit(".", 1)[0]))
     _place(registry, hook_type, hooked, groups)
-    split_policy.SPLIT_HOOKED[0] = "split" in hooked
+    split_policy.SPLIT_HOOKED[0] = _split_group(hooked) in hooked
     split_policy.PARK_HOOKED[0] = "park" in hooked
-    for name in ("admitted", "timing", _protect_group(hooked), "split", "park"):
+    for name in ("admitted", "timing", _protect_group(hooked), _split_group(hooked), "park"):
         if name not in hooked:
             g = GROUPS[name]
             targets = ", ".join(".".join(h.target.rsplit(".", 2)[-2:]) for h in HOOKS if h.group == name)

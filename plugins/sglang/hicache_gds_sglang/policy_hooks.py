@@ -15,13 +15,13 @@ from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
-from . import split_policy, view
+from . import split_0523, split_policy, view
 from .policy import FALLBACK, POLICY, LoadOrCompute, policy_of, process_policies
 from .view import agree, agree_int, once
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
            "around_prefetch_result", "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch",
-           "around_forward", "after_cache_unfinished", "publish_metrics"]
+           "around_forward", "after_cache_unfinished", "after_stash_chunked", "publish_metrics"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -199,6 +199,15 @@ def after_cache_unfinished(result: Any, cache: Any, req: Any, *args: Any, **kwar
     return None
 
 
+def after_stash_chunked(result: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """0.5.23's ``Scheduler.stash_chunked_request`` (SGLang checkpointed a chunked request's
+    chunks into the tree and set where its next chunk starts): the join point of a split there."""
+    cache = view.tree_cache(scheduler)
+    if cache is not None:
+        after_cache_unfinished(None, cache, req)
+    return None
+
+
 def _drop_tail_after(exc: Exception, key: str, what: str, pol: Any, cache: Any, req: Any) -> None:
     """A split step failed: say so once, and drop the request's tail (it computes on)."""
     once(key, "hicache-gds policy: %s (%s: %s); it is computed instead", what, type(exc).__name__, exc)
@@ -259,6 +268,9 @@ def around_prefetch_result(original: Any, cache: Any, operation: Any, *args: Any
     are protected as on 0.5.17."""
     pol = policy_of(cache)
     handle = getattr(operation, "handle", None)
+    if handle is not None and split_0523.is_tail(handle):
+        split_0523.read_ended(operation)  # its pages join under its request's head (`split_0523`), not here
+        return None
     entry = view.loading_entry(cache, handle) if pol is not None and handle is not None else None
     out = original(cache, operation, *args, **kwargs)
     if entry is not None:

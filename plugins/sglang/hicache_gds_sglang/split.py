@@ -25,6 +25,9 @@ Host memory follows SGLang's ``check_prefetch_progress``: pages inserted are the
 inserted but complete are freed, pages past the completed count are released through the
 controller's release queue (its IO thread may still be writing them) and the rest by that thread.
 One rank only: the pages joined depend on progress that ranks could see differently.
+
+SGLang 0.5.23 (``UnifiedRadixCache``, whose finished loads settle through acknowledgements): each
+function hands its cache to `split_0523`, the same contract on that release's tree core.
 """
 
 from __future__ import annotations
@@ -53,8 +56,20 @@ def batch_pages() -> int:
         return 128
 
 
+def _unified(cache: Any) -> bool:
+    from . import view
+    return view.settles_by_ack(cache)
+
+
+def _unified_mod() -> Any:
+    from . import split_0523
+    return split_0523
+
+
 def supported(cache: Any) -> bool:
     """The cache has the 0.5.17 parts a split uses (capabilities, not a version check)."""
+    if _unified(cache):
+        return _unified_mod().supported(cache)
     cc = getattr(cache, "cache_controller", None)
     return (all(callable(getattr(cache, m, None)) for m in ("_insert_helper_host", "init_load_back", "match_prefix",
                                                               "inc_lock_ref", "dec_lock_ref"))
@@ -96,11 +111,14 @@ class TailLoad:
 
 
 def start(cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any, prefix_keys: Any, *,
-          matched: int, head: int, expect: int, pages_per_op: int | None = None) -> TailLoad | None:
+          matched: int, head: int, expect: int, pages_per_op: int | None = None, req: Any = None) -> TailLoad | None:
     """Prefetch ``tokens[head:]`` (the request's tokens from position `matched` on, as SGLang's
     ``prefetch_from_storage`` gets them) under the hash chain continued over ``tokens[:head]``, as
     operations of `pages_per_op` pages (the last one takes the remainder; None: one operation).
     None where the tail is shorter than SGLang's prefetch threshold."""
+    if _unified(cache):
+        return _unified_mod().start(cache, rid, last_host_node, tokens, last_hash, prefix_keys, matched=matched,
+                                    head=head, expect=expect, pages_per_op=pages_per_op, req=req)
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     ps = int(cache.page_size)
@@ -187,12 +205,16 @@ def _settle(cache: Any, t: TailLoad, keep: int) -> tuple[int, Any, list]:
 
 def cancel(cache: Any, t: TailLoad) -> None:
     """Drop the tail: stop its reads and free its host memory (nothing is inserted)."""
+    if _unified(cache):
+        return _unified_mod().cancel(cache, t)
     _settle(cache, t, 0)
 
 
 def progress(cache: Any, t: TailLoad) -> tuple[int, bool, bool]:
     """(tail tokens read and counted, in order from its start; whether all of them are; whether
     it may still read more: not ended by SGLang, as after a short read or a revoked operation)."""
+    if _unified(cache):
+        return _unified_mod().progress(cache, t)
     ps = int(cache.page_size)
     done = 0
     for op_key in t.keys:
@@ -230,7 +252,10 @@ class HeadGuard:
 
 def guard_head(cache: Any, node: Any, req: Any) -> HeadGuard | None:
     """Lock `node` (the head a tail was joined under) where the cache writes through and some
-    node from the root to it is not backed up; None where nothing needs guarding."""
+    node from the root to it is not backed up; None where nothing needs guarding (0.5.23: not
+    ported, its write-through backs up a checkpointed chunk at its insert)."""
+    if _unified(cache):
+        return None
     cc = getattr(cache, "cache_controller", None)
     if getattr(cc, "write_policy", "write_back") == "write_back" or _backed_up(cache, node):
         return None
@@ -270,6 +295,8 @@ def join(cache: Any, req: Any, t: TailLoad) -> int:
     pages read so far beyond the cached prefix under its last node, load them back to GPU memory
     and append them to the request's prefix. Ends the tail; returns the tokens the prefix grew by
     (0: the request computes on)."""
+    if _unified(cache):
+        return _unified_mod().join(cache, req, t)
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey

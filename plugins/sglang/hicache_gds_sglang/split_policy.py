@@ -27,7 +27,7 @@ __all__ = ["SPLIT_HOOKED", "PARK_HOOKED", "can_split", "can_park", "tail_pages",
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
-SPLIT_HOOKED = [False]  # the join point of a split (``cache_unfinished_req``) is hooked in this process
+SPLIT_HOOKED = [False]  # the join point of a split (0.5.17 ``cache_unfinished_req``, 0.5.23 ``stash_chunked_request``)
 PARK_HOOKED = [False]  # the point a chunked request is held at (``PrefillAdder.add_chunked_req``) is hooked
 PARK_LATE_FACTOR, PARK_SLACK_S = 1.5, 0.1  # a request is held at most this much past its tail's forecast
 PARK_CHECK_S = 0.002  # a held request's tail is looked at no more often
@@ -69,7 +69,7 @@ def start_tail(pol: Any, cache: Any, rid: str, last_host_node: Any, tokens: Any,
     whole = plan.expect >= plan.hit - plan.head
     per_op = None if backend is None or model is None or whole else tail_pages(cache, backend, model)
     tail = split_mod.start(cache, rid, last_host_node, tokens, last_hash, prefix_keys, matched=matched,
-                           head=plan.head, expect=plan.expect, pages_per_op=per_op)
+                           head=plan.head, expect=plan.expect, pages_per_op=per_op, req=req)
     if tail is None:
         d = pol.decided.get(rid)
         if d is not None:

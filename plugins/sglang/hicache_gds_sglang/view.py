@@ -399,9 +399,8 @@ def storage_type(cache: Any) -> str:
 
 # -- the split's request --------------------------------------------------------------------------
 def cached_prefix(req: Any) -> int:
-    """Tokens of a chunked request's prefix SGLang has cached (its ``prefix_indices``)."""
-    pi = getattr(req, "prefix_indices", None)  # a tensor: never read by its truth value
-    return 0 if pi is None else len(pi)
+    """Tokens of a chunked request's prefix SGLang has cached (``prefix_indices``; 0.5.23: ``prefix_len``)."""
+    return on_gpu(req)
 
 
 def can_hold_batch(adder: Any) -> bool:
