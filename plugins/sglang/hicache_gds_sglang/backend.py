@@ -141,6 +141,8 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         self.read_rate = ReadRate()
         self._cost_path: str | None = None
         self._reading: tuple[Any, int] | None = None  # (`_region` of the get in flight, pages read)
+        self._read_returned = threading.Event()  # set as each get or existence query returns (`wait_for_reads`)
+        self.idle_wait_s = self.policy_config.idle_wait_ms / 1e3
         # cancelled prefetches: (their host_indices, held weakly, and its `_region`)
         self._cancelled: list[tuple[weakref.ref, tuple[Any, int, int]]] = []
         self._cancel_lock = threading.Lock()
@@ -312,6 +314,8 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         except Exception as exc:  # noqa: BLE001
             self._fail("batch_exists", exc)
             return 0
+        finally:
+            self._read_returned.set()
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Read pages into the host pool's slots; per-page result (SGLang uses the leading run).
@@ -335,12 +339,21 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
             out: List[bool] = list(self._io("batch_get_v1", kv, keys, host_indices, write=False, record=False))
         finally:
             self._reading = None
+            self._read_returned.set()
         secs = time.perf_counter() - t0
         got = sum(out)
         self._metrics.record(False, got, got * kv.geo.page_bytes, secs)
         if got and len(out) == n and all(out):
             self.read_rate.observe(got * kv.geo.page_bytes, secs)  # whole gets only: a cut one is no rate
         return out + [False] * (n - len(out))
+
+    def wait_for_reads(self, timeout_s: float) -> bool:
+        """Block the caller (the scheduler, on an idle pass: `idle`) until one of this backend's
+        gets or existence queries returns, or `timeout_s` passes; True when one returned. The
+        wait releases the GIL the reads need."""
+        ev = self._read_returned
+        ev.clear()
+        return ev.wait(timeout_s)
 
     # -- the compute_or_load policy's view of the reads (policy.py) -------------------------------
     def kv_bytes_per_token(self) -> float | None:

@@ -45,7 +45,11 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    (``UnifiedRadixCache.checkpoint``), but `split` is not ported to its tree core (`GROUPS`'
    ``split`` fallback says what is missing): split falls back on 0.5.23.
 
-9. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
+9. ``Scheduler.on_idle`` (AFTER; both releases, every prefetch policy): a pass that ran nothing
+   while this backend reads for waiting requests waits for the next get to return, a bounded
+   time (`idle`; ``policy_idle_wait_ms``), instead of spinning on the GIL the reads need.
+
+10. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
    (`trace`), from the scheduler's queue through each L3 get to the prefill batch.
 
 Caches without those points (0.5.17's hybrid-model caches) keep SGLang's policy: the name turns
@@ -62,6 +66,7 @@ three policies are all there is.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import pkgutil
@@ -155,6 +160,9 @@ HOOKS: tuple[Hook, ...] = (
     # chunk there, and returns a chunk it parks without adding it (0.5.17 parks for hybrid SWA).
     Hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", "AROUND", "around_add_chunked_req",
          "0.5.17", "park"),
+    # A scheduler pass that ran nothing while requests wait on L3 reads: the scheduler waits for
+    # the next get to return (bounded) instead of spinning on the GIL the reads need (`idle`).
+    Hook(f"{_SCHED}.on_idle", "AFTER", "idle.after_idle", "0.5.17, 0.5.23", "idle"),
 )
 GROUPS: dict[str, Group] = {
     "backend": Group(requires=("backend",), requires_any=("factory@0.5.23", "factory@0.5.17"), level=logging.WARNING,
@@ -185,6 +193,7 @@ GROUPS: dict[str, Group] = {
                             "0.5.17 tree surgery (_insert_helper_host, req.prefix_indices), not ported to 0.5.23's "
                             "tree core: node ids, the request's req.kv row, prefetches keyed per CacheRequestHandle, "
                             "init_load_back called at admission only)"),
+    "idle": Group(requires=("backend",), fallback="an idle scheduler pass spins while requests wait on L3 reads"),
     "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"),  # its parked-chunk path read in 0.5.17 only
                   fallback="a split request is never held for its tail: what is read when its chunks reach it "
                            "joins, the rest is computed"),
@@ -296,6 +305,9 @@ def hooked_groups(present: set[str]) -> set[str]:
 def _hook_fn(name: str) -> Callable:
     if name.startswith("plugin."):
         return globals()[name.split(".", 1)[1]]
+    if "." in name:  # ``module.function`` of this package
+        module, fn = name.split(".", 1)
+        return getattr(importlib.import_module(f"{__package__}.{module}"), fn)
     from . import policy_hooks
     return getattr(policy_hooks, name)
 
@@ -356,7 +368,7 @@ def register() -> None:
     from . import trace
     if trace.enabled():
         trace.register(HookRegistry, HookType, _resolve)
-    _place(HookRegistry, HookType, hooked, ("backend", "factory@0.5.23", "factory@0.5.17", "draft"))
+    _place(HookRegistry, HookType, hooked, ("backend", "factory@0.5.23", "factory@0.5.17", "draft", "idle"))
     _registered = True
 
 
