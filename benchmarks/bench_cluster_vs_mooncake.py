@@ -1,13 +1,14 @@
 """The remote tier and Mooncake Store on the same network namespaces, in one run, interleaved.
 
     sudo python benchmarks/bench_cluster_vs_mooncake.py [--reps 3] [--rounds 5] [--batch 64]
-        [--variant before:UCX_TCP_TX_SEG_SIZE=8k ...] [--json out.json]
+        [--variant before:UCX_TCP_TX_SEG_SIZE=8k ...] [--baseline NAME:DIR ...] [--json out.json]
 
 Needs root, `ip netns`, redis-server, and Mooncake Store in --venv (see bench_cluster_mooncake.py).
 Each repetition times, one after the other in fresh labs: the remote tier over veth TCP (client in
 n1, page servers in n2 and n3: `cluster_faults.run_throughput`), the tier again under each
 `--variant` (NAME:VAR=VALUE[,VAR=VALUE]: environment the lab's processes get, e.g. a UCX setting
-as it was before a change), and Mooncake Store (`bench_cluster_mooncake.py`: master in d1, storage
+as it was before a change), the tier of another checkout under each `--baseline` (NAME:DIR, e.g.
+an export of an older commit: its own `run_throughput`, in a subprocess), and Mooncake Store (`bench_cluster_mooncake.py`: master in d1, storage
 in n2 and n3, client in n1, protocol tcp). Interleaving puts every system under the same
 background load on a shared machine. Prints per system the median and min-max over every timed
 batch, and each repetition's medians. Every batch is byte-compared after timing.
@@ -45,6 +46,16 @@ def tier(batch: int, rounds: int, env: dict[str, str]) -> dict:
                 os.environ[k] = v
 
 
+def baseline(repo: str, batch: int, rounds: int) -> dict:
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+            "from hicache_gds.testing.cluster_faults import run_throughput; "
+            "print(json.dumps(run_throughput(int(sys.argv[2]), int(sys.argv[3]), transports=('veth-tcp',))['veth-tcp']))")
+    r = subprocess.run([sys.executable, "-c", code, repo, str(batch), str(rounds)], capture_output=True, text=True,
+                       timeout=300, cwd=repo)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"error": (r.stdout + r.stderr)[-500:]}
+
+
 def mooncake(args: argparse.Namespace) -> dict:
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_cluster_mooncake.py"), "--venv", args.venv,
                         "--stub-dir", args.stub_dir, "--batch", str(args.batch), "--rounds", str(args.rounds)],
@@ -64,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--variant", action="append", default=[], help="NAME:VAR=VALUE[,VAR=VALUE]")
+    ap.add_argument("--baseline", action="append", default=[], help="NAME:DIR, another checkout of hicache-gds")
     ap.add_argument("--venv", default="/work/venv-mooncake")
     ap.add_argument("--stub-dir", default="/work/venv-mooncake/stub")
     ap.add_argument("--json", default="")
@@ -72,16 +84,24 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"bench_cluster_vs_mooncake: {why}", file=sys.stderr)
         return 2
-    systems: dict[str, dict[str, str] | None] = {"hicache-gds": {}}
+    systems: dict[str, dict[str, str] | str | None] = {"hicache-gds": {}}
     for v in args.variant:
         name, _, spec = v.partition(":")
         systems[f"hicache-gds {name}"] = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+    for v in args.baseline:
+        name, _, repo = v.partition(":")
+        systems[f"hicache-gds {name}"] = str(Path(repo).resolve())
     systems["Mooncake Store"] = None
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for rep in range(args.reps):
         for name, env in systems.items():
-            res = mooncake(args) if env is None else tier(args.batch, args.rounds, env)
+            if env is None:
+                res = mooncake(args)
+            elif isinstance(env, str):
+                res = baseline(env, args.batch, args.rounds)
+            else:
+                res = tier(args.batch, args.rounds, env)
             res["load"] = os.getloadavg()[0]
             runs[name].append(res)
             if "put_gbps" in res:
@@ -100,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         gets = [x for r in ok for x in r["get_gbps"]]
         per = "; ".join(f"{statistics.median(r['put_gbps']):.2f} / {statistics.median(r['get_gbps']):.2f}" for r in ok)
         env = systems[name]
-        label = name + (f" ({', '.join(f'{k}={v}' for k, v in env.items())})" if env else "")
+        if isinstance(env, str):
+            label = f"{name} ({env})"
+        else:
+            label = name + (f" ({', '.join(f'{k}={v}' for k, v in env.items())})" if env else "")
         print(f"| {label} | {summary(puts)} | {summary(gets)} | {per} | {sum(r['bad_batches'] for r in ok)} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"started": started, "runs": runs, "variants": systems}, indent=1))
