@@ -74,7 +74,7 @@ local function fence(fk)  -- the directory epoch; raised when the primary is not
   if f[2] == id then return tonumber(f[1]), tonumber(f[3] or 0) end
   local ep = math.max((tonumber(f[1]) or 0) + 1, now_us())  -- never repeats, even after a restart empty
   local bumped = 0
-  if f[2] then bumped = now_us() end  -- a primary before this one: quarantine its writers' slots
+  if f[2] then bumped = now_us() end  -- a primary before this one: mark what is reserved for a lease
   redis.call('HSET', fk, 'epoch', string.format('%d', ep), 'id', id, 'bumped', string.format('%d', bumped))
   return ep, bumped
 end
