@@ -63,7 +63,7 @@ from typing import Any
 
 from hicache_gds import CostModel, LoadPace, PrefillModel
 
-from . import backlog, host, split_policy, view
+from . import backlog, host, ranks, split_policy, view
 from . import split as split_mod
 from .policy_config import FALLBACK, POLICY, POLICY_KEYS, SGLANG_POLICIES, PolicyConfig  # noqa: F401
 from .prefill import PrefillClock
@@ -344,35 +344,54 @@ class LoadOrCompute:
         decides with the request's place in the queue). Loading it then costs the request nothing
         and takes its hit off the GPU's queue for every request behind it; a load that runs late
         is stopped as any other. One request per pass, each at most once, at most every
-        `LATE_EVERY_S`; one rank only (the trigger is timed locally, and the ranks' collectives
-        must agree)."""
+        `LATE_EVERY_S` (one rank alone; with peers, at every batch that leaves such a request
+        waiting: the ranks' clocks differ). On a multi-rank server the candidates are the same on
+        every rank (the waiting queue and the agreed decisions), each rank votes on each from its
+        own rates, and the first request every rank votes for is given to the disk on every rank
+        (`ranks.first_all`), at the same step."""
         cache = view.tree_cache(scheduler)
         now = time.monotonic()
-        if cache is None or now - self.late_look < LATE_EVERY_S or policy_of(cache) is None:
+        if cache is None or policy_of(cache) is None:
+            return None
+        multi = ranks.multi(cache)
+        if not multi and now - self.late_look < LATE_EVERY_S:
             return None
         self.late_look = now
         if not any(d.action == "compute" for d in self.decided.values()):
             return None
         backend = view.backend_of(cache)
         model = self.model(backend)
-        if model is None or not view.single_rank(cache):
+        if model is None:
             return None
-        ahead, _ = self.gpu_backlog(cache, model)
-        _, d = self.disk_backlog(cache, model, backend)
+        if multi:  # forget the requests that left the queue now, at this step on every rank (not by a timer)
+            self.backlog = None
+            self.gpu_backlog(cache, model)
         loading = view.loading_rids(cache)
         threshold = view.threshold(cache)
+        cands = []
         for req in view.waiting(scheduler):
             rid = view.rid(req)
             dec = self.decided.get(rid)
             if dec is None or dec.action != "compute" or rid in self.late or rid in loading:
                 continue
-            hit = dec.hit
-            if hit < max(threshold, 1):
-                continue
+            if dec.hit >= max(threshold, 1):
+                cands.append((req, rid, dec.hit))
+        if not cands:
+            return None
+        ahead, _ = self.gpu_backlog(cache, model)
+        _, d = self.disk_backlog(cache, model, backend)
+        votes = []
+        for req, rid, hit in cands:
             t_io = model.predict_load(hit * model.bytes_per_token, d)
             g = ahead.get(rid, 0.0)
-            if t_io is None or t_io * (1.0 + model.stop_margin) >= g:
-                continue
+            votes.append((t_io, g, t_io is not None and t_io * (1.0 + model.stop_margin) < g))
+            if votes[-1][2] and not multi:
+                break
+        pick = ranks.first_all(cache, [rid for _, rid, _ in cands], [v[2] for v in votes]) if multi else \
+            next((i for i, v in enumerate(votes) if v[2]), None)
+        if pick is not None:
+            req, rid, hit = cands[pick]
+            t_io, g, _ = votes[pick]
             self.late.add(rid)
             self.counts["late"] += 1
             log.info("hicache-gds policy: %s late load: its %d tokens in L3 load in %.3f s (disk backlog %.3f s), the "
