@@ -37,9 +37,11 @@ def scenario(fn):
     return fn
 
 
-def world(rank: int, n: int, base: str, *, read_ratio: float):
+def world(rank: int, n: int, base: str, *, read_ratio: float, measured: bool = False):
     """`test_split.World` for this rank: its own store and shard, SGLang's TP fields on its cache
-    (set before the policy settles on it, as SGLang's constructor sets them)."""
+    (set before the policy settles on it, as SGLang's constructor sets them). `measured`: its
+    read rate is one its own gets measured (a server that ran a while: the ranks' rates differ,
+    and the seed agreement has nothing to do), not a seed."""
     pool = T.make_pool
     T.make_pool = lambda *a, **k: pool(*a, **{**k, "seed": 100 + rank})  # this rank's shard: its own bytes
     settle = hooks._settle
@@ -54,9 +56,13 @@ def world(rank: int, n: int, base: str, *, read_ratio: float):
     d = os.path.join(base, f"rank{rank}")
     os.makedirs(d, exist_ok=True)
     try:
-        return T.World(d, read_ratio=read_ratio)
+        w = T.World(d, read_ratio=read_ratio)
     finally:
         hooks._settle, T.make_pool = settle, pool
+    if measured:
+        rate = w.b.read_rate.rate
+        w.b.read_rate.observe(1 << 40, (1 << 40) / rate)
+    return w
 
 
 def prefix_ok(w, req) -> bool:
@@ -91,7 +97,7 @@ RATIOS = [1.0, 1.3, 2.0, 1.6]  # each rank's read rate against its prefill: head
 def split_join(w_of, rank, n, log):
     """Each rank proposes its own head and reads its own share of its tail (rank 1's read fails
     after one get); all join what every rank read, at the agreed head."""
-    w = w_of(RATIOS[rank])
+    w = w_of(RATIOS[rank], measured=True)
     req = admitted(w, log)
     w.read_tail(gets=None if rank != 1 else 1)
     chunks(w, req, log, [T.CHUNK, 2 * T.CHUNK, 3 * T.CHUNK])
@@ -124,10 +130,25 @@ def split_slow_rank(w_of, rank, n, log):
 @scenario
 def mixed_verdicts(w_of, rank, n, log):
     """Rank 0 would load the whole hit, the others split or compute: no rank loads or splits."""
-    w = w_of([0.5, 1.0, 3.0, 1.3][rank])
+    w = w_of([0.5, 1.0, 3.0, 1.3][rank], measured=True)
     req = admitted(w, log)
     log.append(["ops", sorted(w.cache.ongoing_prefetch), w.cache.cache_controller.prefetch_queue.qsize()])
     chunks(w, req, log, [T.CHUNK, T.PAGES * T.PS])
+    w.release(req)
+    return w
+
+
+@scenario
+def fresh_seed(w_of, rank, n, log):
+    """A fresh server: each rank's read rate is only a seed, and each rank's differs (probed or
+    persisted per rank); at the first admission every rank takes the slowest, then decides alike
+    without needing to be overruled."""
+    w = w_of(RATIOS[rank])
+    w.pol.seeded = False
+    req = admitted(w, log)
+    log.append(["rate", round(w.pol.cost_model.read.rate), w.pol.counts["split"]])
+    w.read_tail()
+    chunks(w, req, log, [T.CHUNK, 2 * T.CHUNK, 3 * T.CHUNK, T.PAGES * T.PS])
     w.release(req)
     return w
 
@@ -253,8 +274,8 @@ def main() -> None:
         log: list = []
         made: list = []
 
-        def w_of(ratio):
-            made.append(world(rank, n, os.path.join(base, name), read_ratio=ratio))
+        def w_of(ratio, measured=False):
+            made.append(world(rank, n, os.path.join(base, name), read_ratio=ratio, measured=measured))
             return made[-1]
 
         try:

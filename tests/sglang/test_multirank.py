@@ -31,9 +31,11 @@ except ImportError:
 pytestmark = pytest.mark.skipif(HiRadixCache is None, reason="SGLang 0.5.17's HiRadixCache (split's release)")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS = ("split_join", "split_slow_rank", "mixed_verdicts", "hold_until_all_read", "hold_read_fails",
+SCENARIOS = ("fresh_seed", "split_join", "split_slow_rank", "mixed_verdicts", "hold_until_all_read", "hold_read_fails",
              "hold_limit_passes", "late_admission")
 PAGES, PS, CHUNK = 16, 64, 256  # test_split's prompt
+BPT, A = 1024, 1 / 6000  # its KV bytes per token and prefill seconds per token
+RATIOS = [1.0, 1.3, 2.0, 1.6]  # multirank_rank's: each rank's read time against its prefill time
 
 
 def _run(n: int, base: str) -> list[dict]:
@@ -120,4 +122,12 @@ def test_late_admission_gives_the_disk_a_request_only_when_every_rank_can_read_i
     late = [e for e in log if e[0] == "late"]
     assert [e[2] for e in late] == [None, None, "r1", None]  # one rank's GPU reaches it first at step 1
     assert late[2][3] == "load" and late[2][4] == ["r1"]  # admitted again, loaded on every rank
+    assert log[-1] == ["chunk", 1024, 1024, False, False, True]
+
+
+def test_a_fresh_servers_ranks_start_from_one_read_rate_the_slowest_seed(ranks):
+    log = _same(ranks, "fresh_seed")
+    slowest = BPT / (A * max(RATIOS[:len(ranks)])) / 1e9 * 1e9
+    assert log[1][0] == "rate" and abs(log[1][1] - slowest) <= 1 and log[1][2] == 1  # each split alone, one rate
+    assert log[0] == ["admit", "split", 768, [768, 1024]]
     assert log[-1] == ["chunk", 1024, 1024, False, False, True]

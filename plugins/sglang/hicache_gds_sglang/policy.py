@@ -128,6 +128,7 @@ class LoadOrCompute:
         self.guards: list = []  # heads of joined tails locked until backed up (`split.HeadGuard`)
         self.backlog: Backlog | None = None
         self.late_look = 0.0
+        self.seeded = False  # the ranks agreed the read rate's seed (`ranks.seed`, a multi-rank server)
         self.counts: Counter[str] = Counter()
         self.last: dict[str, Any] = {}
         self._last_save = time.monotonic()

@@ -148,6 +148,14 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     if pol is None:
         return original(cache, *args, **kwargs)
     tokens = args[2] if len(args) > 2 else kwargs.get("new_input_tokens", ())
+    if not pol.seeded and ranks.multi(cache):  # the first admission: on every rank at this step
+        pol.seeded = True
+        try:
+            model = pol.model(view.backend_of(cache))
+        except Exception:  # noqa: BLE001 -- this rank knows no rate; it still takes part
+            model = None
+        said = ranks.seed(cache, model)
+        log.info("hicache-gds policy: read rate seed agreed across ranks: %s", said or "no rank knows one")
     try:
         request = args[0] if args else kwargs.get("request", kwargs.get("req_id"))
         matched = kwargs.get("matched_prefix_tokens")

@@ -13,6 +13,9 @@ timer, an error) only ever goes *into* an agreement as a vote, never gates one.
 
 Agreed here (and where each is used):
 
+* `seed`: at a policy's first admission (``policy_hooks.around_admit``), the read rate its cost
+  model starts from: the slowest of the rates the ranks were seeded with (configured, persisted
+  in each rank's namespace, or probed by each rank), so a fresh server's ranks start alike;
 * `split_plan`: after admission's agreed "not a load" (``policy_hooks.around_admit``): whether the
   hit is split (every rank chose to), its head (the longest any rank chose: the tail every rank
   can read) and the tail tokens forecast read by the join (the fewest);
@@ -33,7 +36,7 @@ from typing import Any, Sequence
 
 from . import view
 
-__all__ = ["multi", "reduce", "split_plan", "all_ok", "tail", "first_all", "JOIN", "WAIT", "HOLD"]
+__all__ = ["multi", "reduce", "seed", "split_plan", "all_ok", "tail", "first_all", "JOIN", "WAIT", "HOLD"]
 
 JOIN, WAIT, HOLD = 0, 1, 2  # a tail's verdicts, most cautious first (the agreed one is the minimum)
 
@@ -63,6 +66,19 @@ def reduce(cache: Any, mins: Sequence[int], maxs: Sequence[int] = ()) -> tuple[l
         out = values
     n = len(mins)
     return out[:n], [-x for x in out[n:]]
+
+
+def seed(cache: Any, model: Any) -> str | None:
+    """Seed every rank's read rate (`model`: this rank's `CostModel`, or None) with the slowest
+    rate any rank starts from; returns what was seeded, for the log (None: no rank knows one)."""
+    read = getattr(model, "read", None)
+    rate = read.rate if read is not None and not read.total_gets else None
+    known = round(rate) if rate and rate > 0 else 0
+    (low,), (high,) = reduce(cache, [known or 2 ** 62], [known])
+    if not high or read is None:
+        return None
+    read.seed(float(low), "agreed across ranks (the slowest rank's seed)")
+    return f"read rate {low / 1e9:.2f} GB/s (this rank's seed: {known / 1e9:.2f} GB/s)"
 
 
 def split_plan(cache: Any, plan: Any) -> tuple[int, int] | None:
