@@ -258,6 +258,42 @@ def late_admission(w_of, rank, n, log):
     return w
 
 
+@scenario
+def late_any_release(w_of, rank, n, log):
+    """Late admission on the release installed (0.5.17's HiRadixCache or 0.5.23's
+    UnifiedRadixCache, `test_policy`'s harness): a request sent to the GPU behind 10 s of prefill
+    waits; the disk turns fast on rank 0 first (its own gets), then on every rank. It goes to
+    the disk at that second step, on every rank."""
+    import test_policy as P
+    hooks.SUPPORTED.add(P.CACHE)  # as test_policy's fixture (and plugin.register) does
+    d = os.path.join(BASE[0], f"late-rank{rank}")
+    os.makedirs(d, exist_ok=True)
+    b, _ = P.open_backend(d, policy_read_gbps=P.gbps_for(8.0))  # loading takes 8x computing
+    made_backends.append(b)
+    cache, _, pol = P.make_cache(b, queue_reqs=[P.req("q0", 60000)])
+    cache.tp_world_size, cache.tp_group, cache.pp_rank, cache.pp_size, cache.pp_group = \
+        n, dist.group.WORLD, 0, 1, None
+    cache.attn_cp_group = cache.attn_tp_group = None
+    sched, calls, r1 = cache._test_scheduler, [], P.req("r1", 18000)
+    pol.current_req = r1
+    P.admit(cache, "r1", 18000 - 64, calls)
+    pol.current_req = None
+    sched.waiting_queue.append(r1)
+    log.append(["admit", pol.decided["r1"].action, list(calls)])
+    sched.tree_cache = cache
+    sched._prefetch_kvcache = lambda r: hooks.around_prefetch_kvcache(
+        lambda s, q: P.admit(cache, q.rid, 18000 - 64, calls), sched, r)
+    for step, fast in enumerate([[False] * n, [True] + [False] * (n - 1), [True] * n, [True] * n]):
+        if fast[rank]:
+            b.read_rate.seed(P.gbps_for(0.5) * 1e9, "test: this rank's gets run faster")
+        got = pol.late_admit(sched)
+        log.append(["late", step, got, pol.decided["r1"].action, list(calls)])
+
+
+BASE: list = [""]
+made_backends: list = []
+
+
 def main() -> None:
     """Run the scenarios named (comma-separated) one after another, each on fresh worlds, and
     print {scenario: its log, or the error it ended with}."""
@@ -265,8 +301,10 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=float(os.environ.get("MULTIRANK_TIMEOUT_S", "60"))))
     cc_mod.STORAGE_BATCH_SIZE = hs_mod.STORAGE_BATCH_SIZE = T.BATCH
-    hooks.SUPPORTED.add(T.HiRadixCache)
+    if T.HiRadixCache is not None:  # 0.5.17
+        hooks.SUPPORTED.add(T.HiRadixCache)
     out: dict = {}
+    BASE[0] = base
     for name in names:
         T.backend_mod._RATES.clear()
         T.view._logged.clear()
@@ -284,8 +322,9 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 -- reported to the test, which fails on it
             out[name] = {"error": f"{type(exc).__name__}: {exc}", "log": log}
         finally:
-            for w in made:
+            for w in made + made_backends:
                 w.close()
+            made_backends.clear()
         dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(out))

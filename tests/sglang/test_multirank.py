@@ -28,11 +28,12 @@ try:
 except ImportError:
     HiRadixCache = None
 
-pytestmark = pytest.mark.skipif(HiRadixCache is None, reason="SGLang 0.5.17's HiRadixCache (split's release)")
+needs_0517 = pytest.mark.skipif(HiRadixCache is None, reason="SGLang 0.5.17's HiRadixCache (split's release)")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS = ("fresh_seed", "split_join", "split_slow_rank", "mixed_verdicts", "hold_until_all_read", "hold_read_fails",
-             "hold_limit_passes", "late_admission")
+SPLIT = ("fresh_seed", "split_join", "split_slow_rank", "mixed_verdicts", "hold_until_all_read", "hold_read_fails",
+         "hold_limit_passes", "late_admission")
+SCENARIOS = ("late_any_release", *(SPLIT if HiRadixCache is not None else ()))
 PAGES, PS, CHUNK = 16, 64, 256  # test_split's prompt
 BPT, A = 1024, 1 / 6000  # its KV bytes per token and prefill seconds per token
 RATIOS = [1.0, 1.3, 2.0, 1.6]  # multirank_rank's: each rank's read time against its prefill time
@@ -72,6 +73,7 @@ def _same(ranks, name) -> list:
     return logs[0]
 
 
+@needs_0517
 def test_a_split_is_taken_at_the_longest_head_any_rank_chose_and_joins_what_every_rank_read(ranks):
     log = _same(ranks, "split_join")
     assert log[0] == ["admit", "split", 768, [768, 1024]]  # rank 0 alone splits at 512
@@ -81,6 +83,7 @@ def test_a_split_is_taken_at_the_longest_head_any_rank_chose_and_joins_what_ever
     assert log[4] == ["chunk", 1024, 1024, False, False, True]
 
 
+@needs_0517
 def test_a_rank_whose_reads_land_later_gets_the_same_verdict_on_every_rank(ranks):
     log = _same(ranks, "split_slow_rank")
     assert log[0][:2] == ["admit", "split"]
@@ -88,6 +91,7 @@ def test_a_rank_whose_reads_land_later_gets_the_same_verdict_on_every_rank(ranks
     assert log[-1][:3] == ["chunk", 1024, 1024]
 
 
+@needs_0517
 def test_a_split_or_load_some_ranks_chose_is_a_recompute_on_every_rank(ranks):
     log = _same(ranks, "mixed_verdicts")
     assert log[0] == ["admit", "compute", 1024, None]
@@ -95,6 +99,7 @@ def test_a_split_or_load_some_ranks_chose_is_a_recompute_on_every_rank(ranks):
     assert log[-1] == ["chunk", 1024, 1024, False, False, True]
 
 
+@needs_0517
 def test_a_held_request_waits_for_every_ranks_tail_then_joins_it_whole(ranks):
     log = _same(ranks, "hold_until_all_read")
     assert log[0] == ["admit", "split", [512, 1024], 1]
@@ -104,18 +109,21 @@ def test_a_held_request_waits_for_every_ranks_tail_then_joins_it_whole(ranks):
     assert log[6] == ["rounds", [1024]]
 
 
+@needs_0517
 def test_a_tail_read_failing_on_one_rank_ends_the_hold_on_every_rank(ranks):
     log = _same(ranks, "hold_read_fails")
     assert log[3:5] == [["pass", True, 512, True, True], ["pass", False, 512 + 2 * PS, False, True]]
     assert log[-1] == ["chunk", 1024, 1024, False, False, True]
 
 
+@needs_0517
 def test_a_hold_limit_passing_on_one_rank_ends_the_hold_on_every_rank(ranks):
     log = _same(ranks, "hold_limit_passes")
     assert log[3:5] == [["pass", True, 512, True, True], ["pass", False, 512 + 2 * PS, False, True]]
     assert log[-1] == ["chunk", 1024, 1024, False, False, True]
 
 
+@needs_0517
 def test_late_admission_gives_the_disk_a_request_only_when_every_rank_can_read_it_in_time(ranks):
     log = _same(ranks, "late_admission")
     assert log[0] == ["admit", "compute", 1024, None]
@@ -125,9 +133,17 @@ def test_late_admission_gives_the_disk_a_request_only_when_every_rank_can_read_i
     assert log[-1] == ["chunk", 1024, 1024, False, False, True]
 
 
+@needs_0517
 def test_a_fresh_servers_ranks_start_from_one_read_rate_the_slowest_seed(ranks):
     log = _same(ranks, "fresh_seed")
     slowest = BPT / (A * max(RATIOS[:len(ranks)])) / 1e9 * 1e9
     assert log[1][0] == "rate" and abs(log[1][1] - slowest) <= 1 and log[1][2] == 1  # each split alone, one rate
     assert log[0] == ["admit", "split", 768, [768, 1024]]
     assert log[-1] == ["chunk", 1024, 1024, False, False, True]
+
+
+def test_late_admission_on_either_release_waits_until_every_ranks_disk_is_in_time(ranks):
+    log = _same(ranks, "late_any_release")
+    assert log[0] == ["admit", "compute", []]
+    assert [e[2] for e in log[1:]] == [None, None, "r1", None]  # once, at the step every rank is fast
+    assert log[3][3:] == ["load", ["r1"]] and log[4][4] == ["r1"]  # admitted again: loaded on every rank

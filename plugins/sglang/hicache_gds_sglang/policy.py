@@ -13,7 +13,7 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   asked each time the scheduler reaches a waiting request): stop the load and recompute the rest
   (keeping what was loaded) when the request could start on the GPU before its load ends and the
   load left takes longer than the compute the pages left would save; else wait;
-* **late** (after ``Scheduler.get_new_batch_prefill``, both releases, one rank): a queued request sent
+* **late** (after ``Scheduler.get_new_batch_prefill``, both releases): a queued request sent
   to the GPU is given to the disk once its hit loads before the GPU would reach it -- the disk
   stays busy when loads run faster than forecast (`LoadOrCompute.late_admit`);
 * **host pool** (``HiCacheController.prefetch_rate_limited``): prefetches may hold up to
@@ -22,7 +22,7 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   host pages are protected from eviction until its request leaves the waiting queue (where SGLang
   inserts it: 0.5.17's ``check_prefetch_progress``, 0.5.23's ``_handle_prefetch_result``; released
   after ``Scheduler.get_new_batch_prefill``; `host.PROTECT_MAX_S`);
-* **split** (`PolicyConfig.split`, 0.5.17, one rank): where computing the head of a hit while the
+* **split** (`PolicyConfig.split`, 0.5.17): where computing the head of a hit while the
   disk loads its tail finishes first (`CostModel.split`), the request goes to the GPU as a
   recompute and the tail is prefetched on its own; when the request's chunks reach it, the pages
   read by then join its prefix (`split.join`, after ``cache_unfinished_req``) and its next chunk
@@ -37,7 +37,8 @@ forward_batch_generation``, timed with CUDA events on the forward stream, no syn
 the GPU backlog, from the scheduler's waiting queue and chunked request (``Scheduler.
 _prefetch_kvcache`` binds the scheduler); the disk backlog, from the prefetches in flight and the
 backend's progress within a get. Decisions are agreed across TP/PP ranks (SGLang's own
-``_all_reduce``), as SGLang's policies agree theirs.
+``_all_reduce``), as SGLang's policies agree theirs: split, its hold and late admission too
+(`ranks`: each rank votes from its own observations, at a step every rank reaches).
 
 Where the parts live: this module holds the policy's state (named records, `records`) and its
 decisions (admission, in flight, late); the settings are `policy_config`'s; prefill timing

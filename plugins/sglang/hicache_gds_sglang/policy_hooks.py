@@ -206,6 +206,9 @@ def _agree_not_loaded(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: A
             split_policy.drop_tail(pol, cache, rid)
         log.info("hicache-gds policy: %s split dropped: a rank could not start its tail; the request is recomputed",
                  rid)
+    elif plan is not None:
+        log.info("hicache-gds policy: %s split not agreed: another rank chose to load or recompute the hit; it is "
+                 "recomputed", rid)
     pol.split_plans.pop(rid, None)
     pol.loads.pop(rid, None)
     pol.decided[rid] = Decided("compute", new, held, hit)

@@ -3,7 +3,9 @@ tail, joining it where the request's chunks reach it, holding the request there 
 is read where that finishes it first (`park`), and dropping the tails of requests gone.
 
 On by `PolicyConfig.split` where this SGLang has the join point (`SPLIT_HOOKED`, set by the
-plugin's hook table), the cache has what `split` uses, and it serves one rank. A request is held
+plugin's hook table) and the cache has what `split` uses; on a multi-rank server every step is
+agreed by the ranks (`ranks`: the split and its head, the tail's start, each join or hold verdict
+and the tokens joined, the hold's end), each voting from its own rates and reads. A request is held
 where SGLang adds a chunked request's next chunk (`PARK_HOOKED`; SGLang's own path for a parked
 chunk: the request stays the scheduler's chunked request and the GPU runs what else waits), at
 most `PARK_LATE_FACTOR` times its tail's forecast (plus `PARK_SLACK_S`): a tail that reads late
