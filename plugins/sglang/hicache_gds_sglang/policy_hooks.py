@@ -203,7 +203,12 @@ def _agree_not_loaded(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: A
                      "chose %s)", rid, head, hit - head, "a split at %d" % plan.head if plan is not None else "compute")
             return
         if rid in pol.tails:  # this rank started its tail, another did not: the request is recomputed
-            split_policy.drop_tail(pol, cache, rid)
+            try:
+                split_policy.drop_tail(pol, cache, rid)
+            except Exception as exc:  # noqa: BLE001 -- its reads run on; the request is recomputed regardless
+                once("split-undo", "hicache-gds policy: a split tail not agreed was not cancelled (%s: %s)",
+                     type(exc).__name__, exc)
+                pol.tails.pop(rid, None)
         log.info("hicache-gds policy: %s split dropped: a rank could not start its tail; the request is recomputed",
                  rid)
     elif plan is not None:
