@@ -259,6 +259,33 @@ def late_admission(w_of, rank, n, log):
 
 
 @scenario
+def load_done_later(w_of, rank, n, log):
+    """A load every rank admitted: rank 0 reads all of it first, the others half. Finished on
+    one rank is no reason to stop the others' reads: every rank waits, then ends it at the pass
+    every rank has read it, and inserts the whole hit."""
+    w = w_of(0.5)  # loading is twice as fast as computing: admitted whole
+    req = w.request()
+    w.admit(req)
+    ctl = w.cache.cache_controller
+    op = ctl.prefetch_queue.get_nowait()
+    assert w.query(op)
+    half = len(op.hash_value) // 2
+    got = len(op.hash_value) if rank == 0 else half
+    ctl._page_get_zero_copy(op, op.hash_value[:got], op.host_indices[:got * T.PS])
+
+    def ask():
+        return hooks.around_can_terminate(T.HiRadixCache.can_terminate_prefetch, w.cache, op)
+
+    w.cache.prefetch_loaded_tokens_by_reqid, w.cache.enable_storage_metrics = {}, False  # as SGLang constructs it
+    log.append(["admit", w.pol.decided["r1"].action, ask()])
+    if rank != 0:
+        ctl._page_get_zero_copy(op, op.hash_value[half:], op.host_indices[half * T.PS:])
+    log.append(["done", ask(), w.cache.check_prefetch_progress("r1")])
+    m = w.cache.match_prefix(T.MatchPrefixParams(key=T.RadixKey(w.tokens[:T.PAGES * T.PS])))
+    log.append(["inserted", int(m.host_hit_length)])
+
+
+@scenario
 def late_any_release(w_of, rank, n, log):
     """Late admission on the release installed (0.5.17's HiRadixCache or 0.5.23's
     UnifiedRadixCache, `test_policy`'s harness): a request sent to the GPU behind 10 s of prefill

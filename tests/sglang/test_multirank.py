@@ -31,7 +31,7 @@ except ImportError:
 needs_0517 = pytest.mark.skipif(HiRadixCache is None, reason="SGLang 0.5.17's HiRadixCache (split's release)")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SPLIT = ("fresh_seed", "split_join", "split_slow_rank", "mixed_verdicts", "hold_until_all_read", "hold_read_fails",
+SPLIT = ("load_done_later", "fresh_seed", "split_join", "split_slow_rank", "mixed_verdicts", "hold_until_all_read", "hold_read_fails",
          "hold_limit_passes", "late_admission")
 SCENARIOS = ("late_any_release", *(SPLIT if HiRadixCache is not None else ()))
 PAGES, PS, CHUNK = 16, 64, 256  # test_split's prompt
@@ -147,3 +147,11 @@ def test_late_admission_on_either_release_waits_until_every_ranks_disk_is_in_tim
     assert log[0] == ["admit", "compute", []]
     assert [e[2] for e in log[1:]] == [None, None, "r1", None]  # once, at the step every rank is fast
     assert log[3][3:] == ["load", ["r1"]] and log[4][4] == ["r1"]  # admitted again: loaded on every rank
+
+
+@needs_0517
+def test_a_load_finished_on_one_rank_waits_for_the_others_then_ends_on_every_rank(ranks):
+    log = _same(ranks, "load_done_later")
+    assert log[0] == ["admit", "load", False]  # rank 0 has it all, the others half: every rank waits
+    assert log[1] == ["done", True, True]  # then every rank ends it at the same pass
+    assert log[2] == ["inserted", PAGES * PS]  # with the whole hit (SGLang keeps what every rank read)

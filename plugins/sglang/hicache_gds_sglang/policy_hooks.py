@@ -281,13 +281,23 @@ def around_can_terminate(original: Any, cache: Any, operation: Any, *args: Any, 
     pol = policy_of(cache)
     if pol is None:
         return original(cache, operation, *args, **kwargs)
+    done = False
     try:
+        done = view.loaded_done(cache, operation)
         stop = pol.stop(cache, operation)
     except Exception as exc:  # noqa: BLE001
         once("stop", "hicache-gds policy: stop decision failed (%s: %s); waiting for the load", type(exc).__name__,
               exc)
         stop = False
-    stop = agree(cache, stop or view.is_terminated(operation), "MAX")
+    if ranks.multi(cache):
+        # A load finished on this rank is no vote to stop the others' (SGLang's wait_complete waits
+        # for every rank): it ends when every rank read it, or when a rank's policy stops it or
+        # SGLang ended it on one rank (then every rank keeps what all of them read)
+        (all_done,), (any_stop,) = ranks.reduce(cache, [int(done)],
+                                                [int((stop and not done) or view.is_terminated(operation))])
+        stop = bool(any_stop or (all_done and not view.settles_by_ack(cache)))
+    else:
+        stop = agree(cache, stop or view.is_terminated(operation), "MAX")
     if stop:
         view.cancel_rest(cache, operation)  # the rest of its reads: skipped
     return stop
