@@ -25,6 +25,8 @@ Agreed here (and where each is used):
   tokens every rank has read (the fewest), whether every rank's tail is still alive and complete,
   and the verdict (join now, wait one chunk, hold: the most cautious vote wins, so a rank whose
   tail read failed or whose hold ran out makes every rank join what all of them read);
+* a load in flight (``policy_hooks.around_can_terminate``, through `reduce`): stopped where any
+  rank's policy stops it (or SGLang ended it on one rank), ended where every rank read it whole;
 * `first_all`: late admission (`policy.LoadOrCompute.late_admit`): the first waiting request
   whose hit every rank can load before its GPU reaches it.
 """
