@@ -140,6 +140,7 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         self.policy_config = PolicyConfig.from_extra(extra)
         self.read_rate = ReadRate()
         self._cost_path: str | None = None
+        self._cost_saves = False  # MLA readers read the writer's estimates, and write none
         self._reading: tuple[Any, int] | None = None  # (`_region` of the get in flight, pages read)
         self._read_returned = threading.Event()  # set as each get or existence query returns (`wait_for_reads`)
         self.idle_wait_s = self.policy_config.idle_wait_ms / 1e3
@@ -216,7 +217,10 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         with a short O_DIRECT read of the namespace's directories (`hicache_gds.probe`, ``read_probe`` bytes each: 0.25-0.5 s at 1 GB/s)."""
         try:
             dirs = kv.store.stats().get("dirs") or []
-            self._cost_path = None if kv.read_only or not dirs else os.path.join(dirs[0], STATE_FILE)
+            # every rank reads the estimates persisted in its KV namespace (a rank-replicated MLA
+            # namespace is the same on every rank: its readers seed as its writer does)
+            self._cost_path = os.path.join(dirs[0], STATE_FILE) if dirs else None
+            self._cost_saves = not kv.read_only
             ident = dirs[0] if dirs else None
             with _RATES_LOCK:
                 known = _RATES.get(ident) if ident else None
@@ -388,7 +392,7 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
 
     def save_cost_state(self, state: dict) -> bool:
         """Persist the policy's estimates in the KV namespace directory (MLA readers write nothing)."""
-        return bool(self._cost_path) and save_state(self._cost_path, state)
+        return bool(self._cost_path) and self._cost_saves and save_state(self._cost_path, state)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Write pages from the host pool's slots; present pages are not rewritten (True)."""

@@ -67,7 +67,7 @@ class PolicyConfig:
     host pool prefetches may hold. stop_margin: how much sooner stopping must finish before a
     load in flight is stopped.
     split: when a hit may be split, its head computed on the GPU while the disk loads its tail
-    (`split`; SGLang 0.5.17 on one rank, elsewhere never), where that finishes the request first:
+    (`split`; SGLang 0.5.17, agreed across ranks; elsewhere never), where that finishes the request first:
     ``idle`` (the default: only while no load is on the disk), ``always`` (``true``) or ``off``.
     Measured on an H200 (the same server and run, against ``off``; runs 12-13): one at a time a
     request alone is faster than both its load and its recompute (32B shape: 0.83x the mean TTFT,
