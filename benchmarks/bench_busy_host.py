@@ -60,6 +60,30 @@ class Busy:
         self._t.join()
 
 
+class SchedulerLoop(Busy):
+    """SGLang's scheduler while requests wait on L3 reads: passes of Python work (`pass_ms` each),
+    each followed by the plugin's idle hook (`hicache_gds_sglang.idle.after_idle`), which waits on
+    `backend`'s reads where that backend is HiCacheGDS with its idle wait on, and otherwise returns
+    at once, so the loop spins as SGLang's does."""
+
+    def __init__(self, backend: object = None, pass_ms: float = 0.3) -> None:
+        super().__init__()
+        self._backend, self._pass_s = backend, pass_ms / 1e3
+
+    def _spin(self) -> None:
+        from types import SimpleNamespace
+
+        from hicache_gds_sglang import idle
+        cc = SimpleNamespace(storage_backend=self._backend, enable_storage=True)
+        sched = SimpleNamespace(tree_cache=SimpleNamespace(cache_controller=cc, ongoing_prefetch={"waiting": None}),
+                                running_batch=None)
+        while not self._stop:
+            t = time.perf_counter()
+            while time.perf_counter() - t < self._pass_s:
+                pass
+            idle.after_idle(None, sched)
+
+
 def run_engine(engine: str, root: str, pages: int, page_mib: int, reps: int, intervals: list[float]) -> dict:
     seg = page_mib * MiB // 2
     page = 2 * seg

@@ -17,7 +17,10 @@ drives it:
 each backend under the thread switch interval its own server would have -- HiCacheGDS the one its
 store sets at open (`switch_interval`), the others Python's default -- so the GIL hand-offs of each
 read path cost what they cost in a server; ``--same-interval`` puts every backend under the smallest
-of them, as in one server process where a store lowered it for all. ``--profile`` prints a cProfile
+of them, as in one server process where a store lowered it for all. ``--busy scheduler`` runs that
+thread as SGLang's scheduler while requests wait on L3: passes of Python work, each followed by the
+plugin's idle hook (`hicache_gds_sglang.idle`), where a HiCacheGDS column waits on its own reads
+(add ``gds:policy_idle_wait_ms=0`` for the same column without the wait). ``--profile`` prints a cProfile
 of the HiCacheGDS columns' gets in the last round (wall time, GIL waits included), and each round's
 line splits a HiCacheGDS get into posting, waiting for IO and exposed checksums (the store's
 counters; the rest is the work around the IO); ``--timeline`` prints, for each of those gets, when
@@ -177,7 +180,11 @@ def fio(root, rw, nbytes, tag):
             "--bs=2M", f"--rw={rw}", "--ioengine=libaio", "--direct=1", "--iodepth=16", "--output-format=json"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
-    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+    side = job["write" if rw == "write" else "read"]
+    if job.get("error") or side.get("io_bytes", 0) < nbytes:  # e.g. a full device: never report a 0 GB/s round
+        raise SystemExit(f"fio {rw} of {nbytes} bytes in {root} failed (error {job.get('error')}, "
+                         f"{side.get('io_bytes', 0)} bytes moved): {out.stderr.strip()[-300:]}")
+    return side["bw_bytes"] / 1e9
 
 
 @contextlib.contextmanager
@@ -228,7 +235,11 @@ def main() -> None:
     ap.add_argument("--backends", default="gds,file,nixl,fio",
                     help="any of gds,file,nixl,fio,raw; gds:key=value:... adds a HiCacheGDS column with those keys "
                          "(gds:get_pages=16: its gets of 16 pages, as a split's tail is read)")
-    ap.add_argument("--busy", action="store_true", help="a thread spinning in Python beside every backend's calls")
+    ap.add_argument("--busy", nargs="?", const="spin", choices=("spin", "scheduler"),
+                    help="a thread busy in Python beside every backend's calls: `spin` (the default) spins; "
+                         "`scheduler` runs passes of 0.3 ms of Python, each followed by the plugin's idle hook, "
+                         "as SGLang's scheduler does while requests wait on L3 (HiCacheGDS columns wait on their "
+                         "reads there unless policy_idle_wait_ms=0; the other backends' loops spin)")
     ap.add_argument("--profile", action="store_true", help="cProfile the HiCacheGDS columns' gets in the last round")
     ap.add_argument("--timeline", action="store_true",
                     help="print when each request of the HiCacheGDS columns' reads completed, last round")
@@ -245,8 +256,12 @@ def main() -> None:
         report(j["results"], j["pages"], j["page_bytes"], j["rounds"], j["cold"])
         return
     PAGE_TOKENS = args.page_tokens
-    from bench_busy_host import Busy
-    busy = Busy if args.busy else contextlib.nullcontext
+    from bench_busy_host import Busy, SchedulerLoop
+
+    def busy(d):
+        if args.busy == "scheduler":
+            return SchedulerLoop(d.b)
+        return Busy() if args.busy else contextlib.nullcontext()
     which = list(dict.fromkeys(args.backends.split(",")))
     import sglang_pools
     root = os.path.abspath(args.dir)
@@ -287,7 +302,7 @@ def main() -> None:
             if d.switch_interval:
                 sys.setswitchinterval(d.switch_interval)
             t0 = time.perf_counter()
-            with busy():
+            with busy(d):
                 ok = all(d.set(keys[i:i + 128], src[i:i + 128]) for i in range(0, n, 128))
             t_set = time.perf_counter() - t0
             os.sync()  # HiCacheFile's pages are still in the page cache when its calls return
@@ -299,7 +314,7 @@ def main() -> None:
             prof = cProfile.Profile() if args.profile and last_gds else None
             timeline = request_timeline([]) if args.timeline and last_gds else contextlib.nullcontext()
             t0, c0 = time.perf_counter(), time.process_time()
-            with busy(), timeline as reads:
+            with busy(d), timeline as reads:
                 if prof is not None:
                     prof.enable()
                 g = d.get_pages
@@ -353,7 +368,7 @@ def main() -> None:
     if raw is not None:
         raw.close()
     if args.busy:
-        print("\nbusy: a thread spinning in Python beside every call; " + (
+        print(f"\nbusy ({args.busy}): a thread busy in Python beside every call; " + (
             f"every backend under a {drivers[0].switch_interval * 1e3:g} ms switch interval" if args.same_interval
             and drivers else "HiCacheGDS under its store's switch interval, the others under Python's default"))
     report(results, n, pbytes, args.rounds, how)

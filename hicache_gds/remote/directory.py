@@ -177,9 +177,10 @@ class Directory:
         return int(self._call("fence", self.r.hget, self.key("fence"), "epoch") or 0)
 
     def is_stale(self, entry: str) -> bool:
-        """Whether `entry` was written under an older directory epoch than the one last seen: its
-        slot may have been reused by writes a failover lost, so it is served only once its
-        checksum verifies (`scripts.py`)."""
+        """Whether `entry` was written under an older directory epoch than the one last seen, or
+        reserved within a lease of a failover (its epoch marked ``q``): its slot may have been
+        reused, or may still take a late write, by writers a failover lost, so it is served only
+        once its checksum verifies (`scripts.py`)."""
         dep = entry.rsplit(scripts.ENTRY_SEP, 1)[-1]
         return not dep.isdigit() or int(dep) < self.epoch
 

@@ -27,7 +27,7 @@ class RemoteOptions:
     refresh: float = 1.0
     """Seconds between refreshes of the live server list."""
     threads: int = 2
-    """Threads that drive transfers (and hash pages) in parallel; UCX over cma copies in the caller."""
+    """Threads that hash pages in parallel; one of them polls a batch's transfers (UCX over cma copies there)."""
     request_bytes: int = 64 << 20
     """Batches are cut into requests of at most this many bytes, spread over `threads`."""
     verify: bool = True

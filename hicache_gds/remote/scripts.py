@@ -16,7 +16,9 @@ share one Redis Cluster slot. `sid` is a page server's name, `ns` a namespace id
     {P}:lru:<sid>        zset   published slot -> last use (microseconds, Redis TIME)
     {P}:pend:<sid>       zset   reserved slot -> lease deadline; an expired lease goes back to free
     {P}:own:<sid>        hash   slot -> "dep:gen<TAB>ns<TAB>key" for reserved and published slots
-    {P}:dir              hash   "ns<TAB>key" -> "sid|epoch|slot|gen|len|csum|dep" (published pages only)
+                                (dep ends in "q" for a slot reserved within a lease of a failover)
+    {P}:dir              hash   "ns<TAB>key" -> "sid|epoch|slot|gen|len|csum|dep" (published pages only;
+                                dep "<epoch>q": reserved within a lease of a failover, checksum required)
     {P}:fence            hash   epoch (the directory epoch), id (run_id:replid of the primary that
                                 wrote it), bumped (when the epoch last changed, us), sweep (a cursor)
 
@@ -40,8 +42,13 @@ is enough, after a failover that lost the last writes (an async replica promoted
 * entries that survived (``dep`` older than the current epoch) may name a slot the lost suffix
   reused, so its bytes are another page's: clients serve such an entry only after its checksum
   verifies, whatever their `verify` setting (`tier.py`);
-* RESERVE hands out no slot for a lease after the epoch changed, so a write the lost suffix
-  started cannot land in a slot reserved after the failover.
+* a write the lost suffix started may still land for up to a lease after the failover, in a slot
+  the rolled-back state hands out again. RESERVE marks every reservation it makes within a lease
+  of the epoch change (its ``dep`` carries a ``q``: ``depq:gen``), and PUBLISH writes the mark into
+  the entry's ``dep`` field; readers treat a marked entry as they treat one of an older epoch
+  (served only once its checksum verifies, `Directory.is_stale`), so a late write that lands over
+  such a page makes it a miss, never another page's bytes. Puts resume as soon as the new
+  primary answers; before, RESERVE handed out no slot for a whole lease.
 
 Acked writes (``WAIT``, `Directory`) make the lost suffix hold unacknowledged writes only.
 """
@@ -67,7 +74,7 @@ local function fence(fk)  -- the directory epoch; raised when the primary is not
   if f[2] == id then return tonumber(f[1]), tonumber(f[3] or 0) end
   local ep = math.max((tonumber(f[1]) or 0) + 1, now_us())  -- never repeats, even after a restart empty
   local bumped = 0
-  if f[2] then bumped = now_us() end  -- a primary before this one: quarantine its writers' slots
+  if f[2] then bumped = now_us() end  -- a primary before this one: mark what is reserved for a lease
   redis.call('HSET', fk, 'epoch', string.format('%d', ep), 'id', id, 'bumped', string.format('%d', bumped))
   return ep, bumped
 end
@@ -190,15 +197,16 @@ return 1
 """
 
 # KEYS: srv free lru own pend dir alive fence. ARGV: sid epoch lease_ms ns key...
-# -> {slot, gen} per key; slot -2: already published, -1: no slot (all reserved, or quarantined
-# after a new directory epoch). {-3}: stale epoch.
+# -> {slot, gen} per key; slot -2: already published, -1: no slot (all reserved). {-3}: stale epoch.
+# A reservation within a lease of a new directory epoch is marked (`depq`): see the module's notes.
 RESERVE = _PRELUDE + r"""
 local sid, epoch, lease, ns = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local srv, free, lru, own, pend, dir, ak = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local dep, bumped = fence(KEYS[8])
 if not alive(ak, sid, epoch) then return {-3} end
 local now = now_us()
-local quarantined = bumped > 0 and now < bumped + lease * 1000
+local tag = string.format('%d', dep)
+if bumped > 0 and now < bumped + lease * 1000 then tag = tag..'q' end  -- a late write may land here
 reclaim(free, lru, own, pend, now)
 local out = {}
 for i = 5, #ARGV do
@@ -211,10 +219,10 @@ for i = 5, #ARGV do
   if e then
     out[#out + 1] = -2; out[#out + 1] = 0
   else
-    local slot = (not quarantined) and (redis.call('LPOP', free) or evict_one(srv, lru, own, dir, sid, epoch))
+    local slot = redis.call('LPOP', free) or evict_one(srv, lru, own, dir, sid, epoch)
     if slot then
       local gen = redis.call('HINCRBY', srv, 'gen', 1)
-      redis.call('HSET', own, slot, string.format('%d', dep)..':'..gen..'\t'..f)
+      redis.call('HSET', own, slot, tag..':'..gen..'\t'..f)
       redis.call('ZADD', pend, now + lease * 1000, slot)
       out[#out + 1] = tonumber(slot); out[#out + 1] = gen
     else
@@ -238,7 +246,10 @@ local now = now_us()
 for i = 4, #ARGV, 5 do
   local key, slot, gen, len, csum = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local f = ns..'\t'..key
-  if not ok or redis.call('HGET', own, slot) ~= dep..':'..gen..'\t'..f or not redis.call('ZSCORE', pend, slot) then
+  local o = redis.call('HGET', own, slot)
+  local tag = dep
+  if o == dep..'q:'..gen..'\t'..f then tag = dep..'q' end  -- reserved just after a failover: mark the entry
+  if not ok or o ~= tag..':'..gen..'\t'..f or not redis.call('ZSCORE', pend, slot) then
     out[#out + 1] = 0
   else
     local e = redis.call('HGET', dir, f)
@@ -248,7 +259,7 @@ for i = 4, #ARGV, 5 do
       release(free, lru, own, pend, slot)
       out[#out + 1] = 2
     else
-      redis.call('HSET', dir, f, table.concat({sid, epoch, slot, gen, len, csum, dep}, '|'))
+      redis.call('HSET', dir, f, table.concat({sid, epoch, slot, gen, len, csum, tag}, '|'))
       redis.call('ZREM', pend, slot)
       redis.call('ZADD', lru, now, slot)
       out[#out + 1] = 1
@@ -265,7 +276,8 @@ if not alive(KEYS[6], ARGV[1], ARGV[2]) then return 0 end
 local n = 0
 for i = 4, #ARGV, 3 do
   local key, slot, gen = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  if redis.call('HGET', KEYS[4], slot) == dep..':'..gen..'\t'..ARGV[3]..'\t'..key and redis.call('ZSCORE', KEYS[5], slot) then
+  local o, rest = redis.call('HGET', KEYS[4], slot), ':'..gen..'\t'..ARGV[3]..'\t'..key
+  if (o == dep..rest or o == dep..'q'..rest) and redis.call('ZSCORE', KEYS[5], slot) then
     release(KEYS[2], KEYS[3], KEYS[4], KEYS[5], slot); n = n + 1
   end
 end

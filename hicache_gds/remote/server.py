@@ -51,6 +51,7 @@ class PageServer:
         from .._nixl import new_agent
         from ..memory import HostBuffer, align_up
         from .directory import SID_RE, Directory
+        from .ucx import tcp_defaults
 
         self.slot_bytes = align_up(page_bytes)
         self.nslots = size // self.slot_bytes
@@ -67,6 +68,7 @@ class PageServer:
         self.buf = HostBuffer(self.nslots * self.slot_bytes, pinned=False)
         if prefault:  # fault the pool in now, not under the first client's writes
             self.buf.numpy()[::4096] = 0
+        tcp_defaults()  # gets over TCP are sent back from here in copy-out segments (`ucx.TCP_DEFAULTS`)
         self.agent = new_agent("serve", backends=["UCX"], enable_prog_thread=False)
         self.reg = self.agent.register_memory([(self.buf.addr, self.buf.nbytes, 0, "")], "DRAM")
         self.metadata = self.agent.get_agent_metadata()

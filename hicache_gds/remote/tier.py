@@ -26,7 +26,7 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -404,7 +404,7 @@ class RemoteTier:
               during: Callable[[], Any] | None = None) -> dict[str, list[str]]:
         """Move pages[i] <-> slot on each server; per server and item "ok", "fail" or "timeout".
 
-        Requests run on the transfer threads; `during` runs in the caller meanwhile. Nothing here
+        Requests are polled by one transfer thread; `during` runs in the caller meanwhile. Nothing here
         waits past `io_timeout` (a request still running then is a timeout, and is left to finish).
         """
         # Per server and item, the worst outcome of the requests holding its rows (an item may span
@@ -412,7 +412,7 @@ class RemoteTier:
         worst = {sid: np.zeros(len(items), dtype=np.int8) for sid, (_, items) in plan.items()}
         caps = self.engine.capabilities
         deadline = time.monotonic() + self.opts.io_timeout
-        posted: list[tuple[str, int, int, Future]] = []
+        posted: list[tuple[str, int, int, Any]] = []
         for sid, (peer, items) in plan.items():
             if not items:
                 continue
@@ -432,12 +432,32 @@ class RemoteTier:
                     self._peer_failed(sid, exc)
                     worst[sid][bt.start:bt.stop] = np.maximum(worst[sid][bt.start:bt.stop], 1)
                     continue
-                posted.append((sid, bt.start, bt.stop, self._pool.submit(t.wait, self.opts.io_timeout)))
+                posted.append((sid, bt.start, bt.stop, t))
+
+        def wait_all() -> list[BaseException | None]:
+            # One thread polls every request: they share the agent's one UCX worker, so each poll
+            # advances all of them, and two threads polling it only contended for its lock (gets
+            # over veth TCP ran at 0.61 GB/s with a thread per request, 0.83 with one, same run).
+            out: list[BaseException | None] = []
+            for _, _, _, t in posted:
+                try:
+                    t.wait(max(0.0, deadline - time.monotonic()))
+                    out.append(None)
+                except TransferError as exc:
+                    out.append(exc)
+            return out
+
+        waiting = self._pool.submit(wait_all) if posted else None
         if during is not None:
             during()
-        for sid, a, b, fut in posted:
+        try:
+            errors = waiting.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0) if waiting else []
+        except FutureTimeout as exc:
+            errors = [exc] * len(posted)
+        for (sid, a, b, _), err in zip(posted, errors):
             try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+                if err is not None:
+                    raise err
             except (TransferTimeout, FutureTimeout) as exc:
                 self._stats.add(timeouts=1)
                 worst[sid][a:b] = 2

@@ -22,9 +22,25 @@ from ..engines.base import Capabilities, EngineOptions, MemKind, Op, Traits, Tra
 from ..engines.nixl_agent import NIXL_MODULES, NixlAgentEngine, NixlTransfer
 from ..errors import PeerDisconnected, TransferError
 
-__all__ = ["NixlUcxEngine", "PeerDisconnected", "ucx_path"]
+__all__ = ["NixlUcxEngine", "PeerDisconnected", "ucx_path", "TCP_DEFAULTS", "tcp_defaults"]
 
 _GiB = 1 << 30
+
+TCP_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "64k"}
+"""UCX settings the tier's agents are created with where the environment does not set them.
+
+Over TCP, UCX has no native one-sided GET: a get is served by the page server's worker, which
+sends the bytes back as active messages of at most one send copy-out segment each. UCX's default
+segment (8 KiB) cut every 2 MiB page into 256 messages and held gets over veth TCP to about half
+of what puts (zero-copy) moved; 64 KiB segments (the size of UCX's default receive segment, so a
+peer with UCX's defaults still takes them) doubled gets there (benchmarks/RESULTS.md, remote tier).
+Only the TCP transport reads it: RDMA and shared-memory paths are unchanged."""
+
+
+def tcp_defaults() -> None:
+    """Set `TCP_DEFAULTS` in this process's environment where unset (before a UCX agent is made)."""
+    for k, v in TCP_DEFAULTS.items():
+        os.environ.setdefault(k, v)
 
 
 def ucx_path() -> str:
@@ -44,6 +60,7 @@ class NixlUcxEngine(NixlAgentEngine):
     plugin = "UCX"
 
     def __init__(self, options: EngineOptions | None = None) -> None:
+        tcp_defaults()
         super().__init__(options or EngineOptions(direct_io=False))
         kinds = {MemKind.DRAM}
         try:

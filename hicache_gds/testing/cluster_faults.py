@@ -62,7 +62,7 @@ class LabConfig:
     warm: float = 3.0
     hold: float = 3.0
     after: float = 12.0
-    after_directory: float = 30.0  # directory faults: a failover's write quarantine lasts a lease
+    after_directory: float = 20.0  # directory faults: Sentinel's failover, then time to show it holds
     ucx_tls: str = "tcp"
 
 

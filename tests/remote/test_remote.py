@@ -377,3 +377,15 @@ def wait_for_true(fn, timeout: float) -> bool:  # noqa: ANN001
             return True
         time.sleep(0.2)
     return False
+
+
+def test_tcp_send_segment_default_respects_the_environment(monkeypatch):
+    """Agents are made with 64 KiB UCX TCP send segments (gets over TCP come back one segment a
+    message), unless the environment names a size."""
+    from hicache_gds.remote.ucx import TCP_DEFAULTS, tcp_defaults
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    tcp_defaults()
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == TCP_DEFAULTS["UCX_TCP_TX_SEG_SIZE"] == "64k"
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")
+    tcp_defaults()
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "8k"

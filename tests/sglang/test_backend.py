@@ -677,3 +677,29 @@ def test_mla_eight_ranks_one_writer_seven_readers_at_once(gds_dir):
         writer.close()
         for r in readers:
             r.close()
+
+
+def test_mla_readers_seed_their_read_rate_from_the_writers_persisted_estimates(gds_dir):
+    """A rank-replicated MLA namespace is the same on every TP rank: its readers start from the
+    read rate its writer persisted, as the writer does (a fresh multi-rank server's ranks start
+    alike), and write no estimates of their own."""
+    from hicache_gds import PrefillModel
+    from hicache_gds.rates import estimates_state
+    from hicache_gds_sglang import backend as backend_mod
+    wpool, rpool = make_pool("mla", "page_first", seed=7), make_pool("mla", "page_first", seed=None)
+    writer = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=0, tp_size=2), wpool)
+    try:
+        writer.read_rate.observe(1 << 30, 0.25)  # 4.3 GB/s measured
+        assert writer.save_cost_state(estimates_state(writer.read_rate, PrefillModel(), writer.kv_bytes_per_token()))
+        backend_mod._RATES.clear()  # the reader is another process
+        reader = attach(storage_config(gds_dir, is_mla_model=True, tp_rank=1, tp_size=2), rpool)
+        try:
+            assert reader.read_rate.source.startswith("persisted")
+            assert reader.read_rate.rate == pytest.approx((1 << 30) / 0.25)
+            before = os.path.getmtime(reader._cost_path)
+            assert reader.save_cost_state({"version": 0}) is False and os.path.getmtime(reader._cost_path) == before
+        finally:
+            reader.close()
+    finally:
+        writer.close()
+        backend_mod._RATES.clear()

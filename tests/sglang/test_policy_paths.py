@@ -89,7 +89,7 @@ def test_registration_places_the_table_and_logs_what_falls_back(present, caplog)
         with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):
             plugin._register_policy(Registry, HookType, plugin.hooked_groups(present))
         want = [(h.target, h.hook, h.kind) for h in plugin.HOOKS if h.group in plugin.hooked_groups(present)
-                and not h.group.startswith(("backend", "factory@", "draft"))]
+                and not h.group.startswith(("backend", "factory@", "draft", "idle"))]
         assert registered == want
         hooked = plugin.hooked_groups(present)
         assert split_policy.SPLIT_HOOKED[0] is (plugin._split_group(hooked) in hooked)

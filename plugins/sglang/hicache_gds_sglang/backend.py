@@ -140,7 +140,10 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         self.policy_config = PolicyConfig.from_extra(extra)
         self.read_rate = ReadRate()
         self._cost_path: str | None = None
+        self._cost_saves = False  # MLA readers read the writer's estimates, and write none
         self._reading: tuple[Any, int] | None = None  # (`_region` of the get in flight, pages read)
+        self._read_returned = threading.Event()  # set as each get or existence query returns (`wait_for_reads`)
+        self.idle_wait_s = self.policy_config.idle_wait_ms / 1e3
         # cancelled prefetches: (their host_indices, held weakly, and its `_region`)
         self._cancelled: list[tuple[weakref.ref, tuple[Any, int, int]]] = []
         self._cancel_lock = threading.Lock()
@@ -214,7 +217,10 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         with a short O_DIRECT read of the namespace's directories (`hicache_gds.probe`, ``read_probe`` bytes each: 0.25-0.5 s at 1 GB/s)."""
         try:
             dirs = kv.store.stats().get("dirs") or []
-            self._cost_path = None if kv.read_only or not dirs else os.path.join(dirs[0], STATE_FILE)
+            # every rank reads the estimates persisted in its KV namespace (a rank-replicated MLA
+            # namespace is the same on every rank: its readers seed as its writer does)
+            self._cost_path = os.path.join(dirs[0], STATE_FILE) if dirs else None
+            self._cost_saves = not kv.read_only
             ident = dirs[0] if dirs else None
             with _RATES_LOCK:
                 known = _RATES.get(ident) if ident else None
@@ -312,6 +318,8 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         except Exception as exc:  # noqa: BLE001
             self._fail("batch_exists", exc)
             return 0
+        finally:
+            self._read_returned.set()
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Read pages into the host pool's slots; per-page result (SGLang uses the leading run).
@@ -335,12 +343,21 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
             out: List[bool] = list(self._io("batch_get_v1", kv, keys, host_indices, write=False, record=False))
         finally:
             self._reading = None
+            self._read_returned.set()
         secs = time.perf_counter() - t0
         got = sum(out)
         self._metrics.record(False, got, got * kv.geo.page_bytes, secs)
         if got and len(out) == n and all(out):
             self.read_rate.observe(got * kv.geo.page_bytes, secs)  # whole gets only: a cut one is no rate
         return out + [False] * (n - len(out))
+
+    def wait_for_reads(self, timeout_s: float) -> bool:
+        """Block the caller (the scheduler, on an idle pass: `idle`) until one of this backend's
+        gets or existence queries returns, or `timeout_s` passes; True when one returned. The
+        wait releases the GIL the reads need."""
+        ev = self._read_returned
+        ev.clear()
+        return ev.wait(timeout_s)
 
     # -- the compute_or_load policy's view of the reads (policy.py) -------------------------------
     def kv_bytes_per_token(self) -> float | None:
@@ -375,7 +392,7 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
 
     def save_cost_state(self, state: dict) -> bool:
         """Persist the policy's estimates in the KV namespace directory (MLA readers write nothing)."""
-        return bool(self._cost_path) and save_state(self._cost_path, state)
+        return bool(self._cost_path) and self._cost_saves and save_state(self._cost_path, state)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         """Write pages from the host pool's slots; present pages are not rewritten (True)."""

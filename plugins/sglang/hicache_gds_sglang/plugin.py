@@ -46,7 +46,11 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    (`split`, `split_0523`; ``policy_split``); 0.5.17's ``PrefillAdder.add_chunked_req`` (AROUND):
    a split request held for its tail (``policy_split_park``; not on 0.5.23, `GROUPS`' ``park``).
 
-9. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
+9. ``Scheduler.on_idle`` (AFTER; both releases, every prefetch policy): a pass that ran nothing
+   while this backend reads for waiting requests waits for the next get to return, a bounded
+   time (`idle`; ``policy_idle_wait_ms``), instead of spinning on the GIL the reads need.
+
+10. with ``HICACHE_GDS_TRACE=1`` only: a per-request timeline of the prefetch for any backend
    (`trace`), from the scheduler's queue through each L3 get to the prefill batch.
 
 Caches without those points (0.5.17's hybrid-model caches) keep SGLang's policy: the name turns
@@ -63,6 +67,7 @@ three policies are all there is.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import pkgutil
@@ -159,6 +164,9 @@ HOOKS: tuple[Hook, ...] = (
     # 0.5.23's join point: the scheduler checkpoints a chunked request's chunks into the tree
     # (``checkpoint(req, up_to=extend_end)``) and sets where its next chunk starts, then forms it.
     Hook(f"{_SCHED}.stash_chunked_request", "AFTER", "after_stash_chunked", "0.5.23", "split@0.5.23"),
+    # A scheduler pass that ran nothing while requests wait on L3 reads: the scheduler waits for
+    # the next get to return (bounded) instead of spinning on the GIL the reads need (`idle`).
+    Hook(f"{_SCHED}.on_idle", "AFTER", "idle.after_idle", "0.5.17, 0.5.23", "idle"),
 )
 GROUPS: dict[str, Group] = {
     "backend": Group(requires=("backend",), requires_any=("factory@0.5.23", "factory@0.5.17"), level=logging.WARNING,
@@ -189,6 +197,7 @@ GROUPS: dict[str, Group] = {
     # hook on _handle_prefetch_result leaves it to the join
     "split@0.5.23": Group(requires=(*_POLICY, "protect@0.5.23", "policy@0.5.23"),
                           fallback="policy_split does nothing (no join point for a split hit here)"),
+    "idle": Group(requires=("backend",), fallback="an idle scheduler pass spins while requests wait on L3 reads"),
     "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"),  # its parked-chunk path read in 0.5.17 only
                   fallback="a split request is never held for its tail: what is read when its chunks reach it "
                            "joins, the rest is computed (0.5.23's PrefillAdder.add_chunked_req has the "
@@ -302,6 +311,9 @@ def hooked_groups(present: set[str]) -> set[str]:
 def _hook_fn(name: str) -> Callable:
     if name.startswith("plugin."):
         return globals()[name.split(".", 1)[1]]
+    if "." in name:  # ``module.function`` of this package
+        module, fn = name.split(".", 1)
+        return getattr(importlib.import_module(f"{__package__}.{module}"), fn)
     from . import policy_hooks
     return getattr(policy_hooks, name)
 
@@ -367,7 +379,7 @@ def register() -> None:
     from . import trace
     if trace.enabled():
         trace.register(HookRegistry, HookType, _resolve)
-    _place(HookRegistry, HookType, hooked, ("backend", "factory@0.5.23", "factory@0.5.17", "draft"))
+    _place(HookRegistry, HookType, hooked, ("backend", "factory@0.5.23", "factory@0.5.17", "draft", "idle"))
     _registered = True
 
 

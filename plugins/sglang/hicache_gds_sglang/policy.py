@@ -13,7 +13,7 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   asked each time the scheduler reaches a waiting request): stop the load and recompute the rest
   (keeping what was loaded) when the request could start on the GPU before its load ends and the
   load left takes longer than the compute the pages left would save; else wait;
-* **late** (after ``Scheduler.get_new_batch_prefill``, both releases, one rank): a queued request sent
+* **late** (after ``Scheduler.get_new_batch_prefill``, both releases): a queued request sent
   to the GPU is given to the disk once its hit loads before the GPU would reach it -- the disk
   stays busy when loads run faster than forecast (`LoadOrCompute.late_admit`);
 * **host pool** (``HiCacheController.prefetch_rate_limited``): prefetches may hold up to
@@ -22,7 +22,7 @@ None of them knows how fast the disk reads or the GPU prefills. This policy asks
   host pages are protected from eviction until its request leaves the waiting queue (where SGLang
   inserts it: 0.5.17's ``check_prefetch_progress``, 0.5.23's ``_handle_prefetch_result``; released
   after ``Scheduler.get_new_batch_prefill``; `host.PROTECT_MAX_S`);
-* **split** (`PolicyConfig.split`, 0.5.17, one rank): where computing the head of a hit while the
+* **split** (`PolicyConfig.split`, 0.5.17): where computing the head of a hit while the
   disk loads its tail finishes first (`CostModel.split`), the request goes to the GPU as a
   recompute and the tail is prefetched on its own; when the request's chunks reach it, the pages
   read by then join its prefix (`split.join`, after ``cache_unfinished_req``) and its next chunk
@@ -37,7 +37,8 @@ forward_batch_generation``, timed with CUDA events on the forward stream, no syn
 the GPU backlog, from the scheduler's waiting queue and chunked request (``Scheduler.
 _prefetch_kvcache`` binds the scheduler); the disk backlog, from the prefetches in flight and the
 backend's progress within a get. Decisions are agreed across TP/PP ranks (SGLang's own
-``_all_reduce``), as SGLang's policies agree theirs.
+``_all_reduce``), as SGLang's policies agree theirs: split, its hold and late admission too
+(`ranks`: each rank votes from its own observations, at a step every rank reaches).
 
 Where the parts live: this module holds the policy's state (named records, `records`) and its
 decisions (admission, in flight, late); the settings are `policy_config`'s; prefill timing
@@ -63,7 +64,7 @@ from typing import Any
 
 from hicache_gds import CostModel, LoadPace, PrefillModel
 
-from . import backlog, host, split_policy, view
+from . import backlog, host, ranks, split_policy, view
 from . import split as split_mod
 from .policy_config import FALLBACK, POLICY, POLICY_KEYS, SGLANG_POLICIES, PolicyConfig  # noqa: F401
 from .prefill import PrefillClock
@@ -128,6 +129,7 @@ class LoadOrCompute:
         self.guards: list = []  # heads of joined tails locked until backed up (`split.HeadGuard`)
         self.backlog: Backlog | None = None
         self.late_look = 0.0
+        self.seeded = False  # the ranks agreed the read rate's seed (`ranks.seed`, a multi-rank server)
         self.counts: Counter[str] = Counter()
         self.last: dict[str, Any] = {}
         self._last_save = time.monotonic()
@@ -344,35 +346,54 @@ class LoadOrCompute:
         decides with the request's place in the queue). Loading it then costs the request nothing
         and takes its hit off the GPU's queue for every request behind it; a load that runs late
         is stopped as any other. One request per pass, each at most once, at most every
-        `LATE_EVERY_S`; one rank only (the trigger is timed locally, and the ranks' collectives
-        must agree)."""
+        `LATE_EVERY_S` (one rank alone; with peers, at every batch that leaves such a request
+        waiting: the ranks' clocks differ). On a multi-rank server the candidates are the same on
+        every rank (the waiting queue and the agreed decisions), each rank votes on each from its
+        own rates, and the first request every rank votes for is given to the disk on every rank
+        (`ranks.first_all`), at the same step."""
         cache = view.tree_cache(scheduler)
         now = time.monotonic()
-        if cache is None or now - self.late_look < LATE_EVERY_S or policy_of(cache) is None:
+        if cache is None or policy_of(cache) is None:
+            return None
+        multi = ranks.multi(cache)
+        if not multi and now - self.late_look < LATE_EVERY_S:
             return None
         self.late_look = now
         if not any(d.action == "compute" for d in self.decided.values()):
             return None
         backend = view.backend_of(cache)
         model = self.model(backend)
-        if model is None or not view.single_rank(cache):
+        if model is None:
             return None
-        ahead, _ = self.gpu_backlog(cache, model)
-        _, d = self.disk_backlog(cache, model, backend)
+        if multi:  # forget the requests that left the queue now, at this step on every rank (not by a timer)
+            self.backlog = None
+            self.gpu_backlog(cache, model)
         loading = view.loading_rids(cache)
         threshold = view.threshold(cache)
+        cands = []
         for req in view.waiting(scheduler):
             rid = view.rid(req)
             dec = self.decided.get(rid)
             if dec is None or dec.action != "compute" or rid in self.late or rid in loading:
                 continue
-            hit = dec.hit
-            if hit < max(threshold, 1):
-                continue
+            if dec.hit >= max(threshold, 1):
+                cands.append((req, rid, dec.hit))
+        if not cands:
+            return None
+        ahead, _ = self.gpu_backlog(cache, model)
+        _, d = self.disk_backlog(cache, model, backend)
+        votes = []
+        for req, rid, hit in cands:
             t_io = model.predict_load(hit * model.bytes_per_token, d)
             g = ahead.get(rid, 0.0)
-            if t_io is None or t_io * (1.0 + model.stop_margin) >= g:
-                continue
+            votes.append((t_io, g, t_io is not None and t_io * (1.0 + model.stop_margin) < g))
+            if votes[-1][2] and not multi:
+                break
+        pick = ranks.first_all(cache, [rid for _, rid, _ in cands], [v[2] for v in votes]) if multi else \
+            next((i for i, v in enumerate(votes) if v[2]), None)
+        if pick is not None:
+            req, rid, hit = cands[pick]
+            t_io, g, _ = votes[pick]
             self.late.add(rid)
             self.counts["late"] += 1
             log.info("hicache-gds policy: %s late load: its %d tokens in L3 load in %.3f s (disk backlog %.3f s), the "

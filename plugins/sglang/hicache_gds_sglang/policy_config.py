@@ -18,7 +18,7 @@ FALLBACK = "timeout"  # SGLang's default: what our name turns into where the pol
 # prefill_tokens_per_s), as for every adapter; policy_read_gbps and policy_prefill_tokens_per_s are
 # their deprecated names here (`hicache_gds.SEED_ALIASES`), still accepted.
 POLICY_KEYS = ("policy", *SEED_KEYS, "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
-               "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park")
+               "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park", "policy_idle_wait_ms")
 # Keys of settings measured not to pay in a running server and removed (`benchmarks/RESULTS.md`,
 # runs 9-10): passing one is an error naming it, as an unknown key is.
 REMOVED_KEYS = {
@@ -67,7 +67,7 @@ class PolicyConfig:
     host pool prefetches may hold. stop_margin: how much sooner stopping must finish before a
     load in flight is stopped.
     split: when a hit may be split, its head computed on the GPU while the disk loads its tail
-    (`split`; SGLang 0.5.17 on one rank, elsewhere never), where that finishes the request first:
+    (`split`; SGLang 0.5.17, agreed across ranks; elsewhere never), where that finishes the request first:
     ``idle`` (the default: only while no load is on the disk), ``always`` (``true``) or ``off``.
     Measured on an H200 (the same server and run, against ``off``; runs 12-13): one at a time a
     request alone is faster than both its load and its recompute (32B shape: 0.83x the mean TTFT,
@@ -82,7 +82,9 @@ class PolicyConfig:
     the rate of 1 GiB gets; an H200's 16 cores kept up with the forecast). split_park: a split
     request may be held after its head until its whole tail is read (the GPU runs whatever else
     waits meanwhile), where that finishes it first (`split_policy.park`; where the scheduler has
-    the point to hold it at)."""
+    the point to hold it at). idle_wait_ms: on a scheduler pass that ran nothing while this
+    backend reads for waiting requests, the scheduler waits up to this long for the next read to
+    return instead of spinning on the GIL the reads need (`idle`; every prefetch policy; 0: off)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -92,6 +94,7 @@ class PolicyConfig:
     split: str = "idle"
     split_get: int = 128 << 20
     split_park: bool = True
+    idle_wait_ms: float = 2.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -127,4 +130,13 @@ class PolicyConfig:
             kw["split_get"] = parse_size(extra["policy_split_get"], key="policy_split_get")
         if "policy_split_park" in extra:
             kw["split_park"] = parse_bool(extra["policy_split_park"], "policy_split_park")
+        if "policy_idle_wait_ms" in extra:
+            try:
+                w = float(extra["policy_idle_wait_ms"])
+            except (TypeError, ValueError):
+                w = -1.0
+            if not 0 <= w <= 100:
+                raise ConfigError(f"policy_idle_wait_ms: expected milliseconds in [0, 100], got "
+                                  f"{extra['policy_idle_wait_ms']!r}")
+            kw["idle_wait_ms"] = w
         return cls(**kw)

@@ -15,8 +15,9 @@ from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
-from . import split_0523, split_policy, view
+from . import ranks, split_0523, split_policy, view
 from .policy import FALLBACK, POLICY, LoadOrCompute, policy_of, process_policies
+from .records import Decided, SplitPlan
 from .view import agree, agree_int, once
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
@@ -147,6 +148,14 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     if pol is None:
         return original(cache, *args, **kwargs)
     tokens = args[2] if len(args) > 2 else kwargs.get("new_input_tokens", ())
+    if not pol.seeded and ranks.multi(cache):  # the first admission: on every rank at this step
+        pol.seeded = True
+        try:
+            model = pol.model(view.backend_of(cache))
+        except Exception:  # noqa: BLE001 -- this rank knows no rate; it still takes part
+            model = None
+        said = ranks.seed(cache, model)
+        log.info("hicache-gds policy: read rate seed agreed across ranks: %s", said or "no rank knows one")
     try:
         request = args[0] if args else kwargs.get("request", kwargs.get("req_id"))
         matched = kwargs.get("matched_prefix_tokens")
@@ -156,7 +165,11 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
               exc)
         take = len(tokens)
     take = agree_int(cache, int(take), "MIN")
-    if take <= 0:
+    if ranks.multi(cache):
+        if take <= 0:
+            _agree_not_loaded(pol, cache, args, kwargs, tokens)
+            return None
+    elif take <= 0:
         if pol.split_plans:
             _start_tail(pol, cache, args, kwargs, tokens)
         return None
@@ -168,21 +181,60 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     return original(cache, *args, **kwargs)
 
 
-def _start_tail(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: Any) -> None:
-    """Admission chose a split (one rank only, so no agreement): prefetch the tail of the hit
-    (0.5.17's ``prefetch_from_storage(req_id, last_host_node, new_input_tokens, last_hash,
-    prefix_keys)``)."""
+def _agree_not_loaded(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: Any) -> None:
+    """Every rank agreed not to load the whole hit (a multi-rank server): split it where every
+    rank chose to, at the head and forecast the ranks agree (`ranks.split_plan`), with a tail
+    every rank started (`ranks.all_ok`); otherwise it is recomputed, and every rank records it
+    so (late admission looks at the requests decided "compute": the same on every rank)."""
+    request = args[0] if args else kwargs.get("request", kwargs.get("req_id"))
+    rid = view.rid(request)
+    hit = len(tokens) // view.page_size(cache) * view.page_size(cache)
+    plan = pol.split_plans.pop(rid, None)
+    d = pol.decided.get(rid)
+    new, held = (d.new, d.held) if d is not None else (hit, 0)
+    agreed = ranks.split_plan(cache, plan) if split_policy.may_split(cache) else None
+    if agreed is not None:
+        head, expect = agreed
+        pol.split_plans[rid] = SplitPlan(head, expect, hit)
+        pol.decided[rid] = Decided("split", new, held, head)
+        ok = ranks.all_ok(cache, _start_tail(pol, cache, args, kwargs, tokens))
+        if ok:
+            log.info("hicache-gds policy: %s split agreed across ranks: compute %d, load the %d after (this rank "
+                     "chose %s)", rid, head, hit - head, "a split at %d" % plan.head if plan is not None else "compute")
+            return
+        if rid in pol.tails:  # this rank started its tail, another did not: the request is recomputed
+            try:
+                split_policy.drop_tail(pol, cache, rid)
+            except Exception as exc:  # noqa: BLE001 -- its reads run on; the request is recomputed regardless
+                once("split-undo", "hicache-gds policy: a split tail not agreed was not cancelled (%s: %s)",
+                     type(exc).__name__, exc)
+                pol.tails.pop(rid, None)
+        log.info("hicache-gds policy: %s split dropped: a rank could not start its tail; the request is recomputed",
+                 rid)
+    elif plan is not None:
+        log.info("hicache-gds policy: %s split not agreed: another rank chose to load or recompute the hit; it is "
+                 "recomputed", rid)
+    pol.split_plans.pop(rid, None)
+    pol.loads.pop(rid, None)
+    pol.decided[rid] = Decided("compute", new, held, hit)
+
+
+def _start_tail(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: Any) -> bool:
+    """Admission chose a split (agreed by every rank where there are several): prefetch the tail
+    of the hit (0.5.17's ``prefetch_from_storage(req_id, last_host_node, new_input_tokens,
+    last_hash, prefix_keys)``). False where it did not start (the request is recomputed)."""
     names = ("req_id", "last_host_node", "new_input_tokens", "last_hash", "prefix_keys")
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     rid = view.rid(bound.get("req_id", ""))
     try:
-        pol.start_tail(cache, rid, bound.get("last_host_node"), tokens, bound.get("last_hash"),
-                       bound.get("prefix_keys"))
+        return bool(pol.start_tail(cache, rid, bound.get("last_host_node"), tokens, bound.get("last_hash"),
+                                   bound.get("prefix_keys")))
     except Exception as exc:  # noqa: BLE001 -- the request is recomputed, as admission's fallback
         pol.split_plans.pop(rid, None)
         once("split-start", "hicache-gds policy: a split's tail load could not start (%s: %s); the request is "
               "recomputed", type(exc).__name__, exc)
+        return False
 
 
 def after_cache_unfinished(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) -> None:
@@ -238,13 +290,23 @@ def around_can_terminate(original: Any, cache: Any, operation: Any, *args: Any, 
     pol = policy_of(cache)
     if pol is None:
         return original(cache, operation, *args, **kwargs)
+    done = False
     try:
+        done = view.loaded_done(cache, operation)
         stop = pol.stop(cache, operation)
     except Exception as exc:  # noqa: BLE001
         once("stop", "hicache-gds policy: stop decision failed (%s: %s); waiting for the load", type(exc).__name__,
               exc)
         stop = False
-    stop = agree(cache, stop or view.is_terminated(operation), "MAX")
+    if ranks.multi(cache):
+        # A load finished on this rank is no vote to stop the others' (SGLang's wait_complete waits
+        # for every rank): it ends when every rank read it, or when a rank's policy stops it or
+        # SGLang ended it on one rank (then every rank keeps what all of them read)
+        (all_done,), (any_stop,) = ranks.reduce(cache, [int(done)],
+                                                [int((stop and not done) or view.is_terminated(operation))])
+        stop = bool(any_stop or (all_done and not view.settles_by_ack(cache)))
+    else:
+        stop = agree(cache, stop or view.is_terminated(operation), "MAX")
     if stop:
         view.cancel_rest(cache, operation)  # the rest of its reads: skipped
     return stop

@@ -24,10 +24,11 @@ What keeps a wrong byte from being served:
 Host memory follows SGLang's ``check_prefetch_progress``: pages inserted are the tree's, pages not
 inserted but complete are freed, pages past the completed count are released through the
 controller's release queue (its IO thread may still be writing them) and the rest by that thread.
-One rank only: the pages joined depend on progress that ranks could see differently.
+On a multi-rank server the ranks agree how many of the tail's tokens join (the fewest any rank
+has read: `ranks.tail`), so every rank's prefix grows alike; each rank's pages are its own shard.
 
 SGLang 0.5.23 (``UnifiedRadixCache``, whose finished loads settle through acknowledgements): each
-function hands its cache to `split_0523`, the same contract on that release's tree core.
+function hands its cache to `split_0523`, the same contract on that release's tree core (one rank).
 """
 
 from __future__ import annotations
@@ -290,13 +291,14 @@ def _backed_up(cache: Any, node: Any) -> bool:
     return all(n.backuped for n in _path(cache, node))
 
 
-def join(cache: Any, req: Any, t: TailLoad) -> int:
+def join(cache: Any, req: Any, t: TailLoad, *, limit: int | None = None) -> int:
     """After SGLang cached the request's chunks (``cache_unfinished_req``): insert the tail's
-    pages read so far beyond the cached prefix under its last node, load them back to GPU memory
-    and append them to the request's prefix. Ends the tail; returns the tokens the prefix grew by
-    (0: the request computes on)."""
+    pages read so far (at most its first `limit` tokens: on a multi-rank server, what every rank
+    read) beyond the cached prefix under its last node, load them back to GPU memory and append
+    them to the request's prefix. Ends the tail; returns the tokens the prefix grew by (0: the
+    request computes on)."""
     if _unified(cache):
-        return _unified_mod().join(cache, req, t)
+        return _unified_mod().join(cache, req, t, limit=limit)
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -309,7 +311,9 @@ def join(cache: Any, req: Any, t: TailLoad) -> int:
         cancel(cache, t)
         return 0
     off = cached - t.start  # tail tokens the GPU computed already
-    usable, host_indices, hash_value = _settle(cache, t, keep=t.tokens)  # kept: inserted or freed below
+    keep = t.tokens if limit is None else max(0, min(int(limit), t.tokens)) // ps * ps
+    usable, host_indices, hash_value = _settle(cache, t, keep=keep)  # kept: inserted or freed below
+    usable = min(usable, keep)
     cc = cache.cache_controller
     if host_indices is None or usable <= off:
         if host_indices is not None:

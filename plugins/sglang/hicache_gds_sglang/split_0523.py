@@ -55,7 +55,13 @@ def read_ended(operation: Any) -> None:
 
 
 def supported(cache: Any) -> bool:
-    """The cache is a 0.5.23 cache a tail can join (capabilities, not a version check)."""
+    """The cache is a 0.5.23 cache a tail can join (capabilities, not a version check), serving
+    one rank: the join's head backup (`_head_on_host`) and host insert can succeed on one rank and
+    not another, which `ranks.tail`'s agreed length does not cover (the same answer on every rank)."""
+    from . import view
+
+    if not view.single_rank(cache):
+        return False
     cc = getattr(cache, "cache_controller", None)
     core = getattr(cache, "tree_core", None)
     comps = getattr(cache, "tree_components", None)
@@ -190,8 +196,9 @@ def progress(cache: Any, t: "split_mod.TailLoad") -> tuple[int, bool, bool]:
     return done, True, False
 
 
-def join(cache: Any, req: Any, t: "split_mod.TailLoad") -> int:
-    """`split.join` on 0.5.23, after ``stash_chunked_request`` (module docstring)."""
+def join(cache: Any, req: Any, t: "split_mod.TailLoad", *, limit: int | None = None) -> int:
+    """`split.join` on 0.5.23, after ``stash_chunked_request`` (module docstring); at most the
+    tail's first `limit` tokens join."""
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -204,7 +211,9 @@ def join(cache: Any, req: Any, t: "split_mod.TailLoad") -> int:
         cancel(cache, t)
         return 0
     off = cached - t.start
-    usable, hi, hv = _settle(cache, t, keep=t.tokens)
+    keep = t.tokens if limit is None else max(0, min(int(limit), t.tokens)) // ps * ps
+    usable, hi, hv = _settle(cache, t, keep=keep)
+    usable = min(usable, keep)
     cc = cache.cache_controller
     if hi is None or usable <= off or not _head_on_host(cache, req.last_node):
         if hi is not None:

@@ -3,7 +3,9 @@ tail, joining it where the request's chunks reach it, holding the request there 
 is read where that finishes it first (`park`), and dropping the tails of requests gone.
 
 On by `PolicyConfig.split` where this SGLang has the join point (`SPLIT_HOOKED`, set by the
-plugin's hook table), the cache has what `split` uses, and it serves one rank. A request is held
+plugin's hook table) and the cache has what `split` uses; on a multi-rank server every step is
+agreed by the ranks (`ranks`: the split and its head, the tail's start, each join or hold verdict
+and the tokens joined, the hold's end), each voting from its own rates and reads. A request is held
 where SGLang adds a chunked request's next chunk (`PARK_HOOKED`; SGLang's own path for a parked
 chunk: the request stays the scheduler's chunked request and the GPU runs what else waits), at
 most `PARK_LATE_FACTOR` times its tail's forecast (plus `PARK_SLACK_S`): a tail that reads late
@@ -18,11 +20,11 @@ from typing import Any
 
 from hicache_gds import CostModel
 
+from . import ranks, view
 from . import split as split_mod
-from . import view
 from .records import Decided, Tail
 
-__all__ = ["SPLIT_HOOKED", "PARK_HOOKED", "can_split", "can_park", "tail_pages", "start_tail", "join_tail", "park",
+__all__ = ["SPLIT_HOOKED", "PARK_HOOKED", "may_split", "can_split", "can_park", "tail_pages", "start_tail", "join_tail", "park",
            "drop_tail", "sweep_tails"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
@@ -33,10 +35,19 @@ PARK_LATE_FACTOR, PARK_SLACK_S = 1.5, 0.1  # a request is held at most this much
 PARK_CHECK_S = 0.002  # a held request's tail is looked at no more often
 
 
+def may_split(cache: Any) -> bool:
+    """Splits are on and this SGLang has what they use (the same answer on every rank: where
+    ranks agree a split, `ranks.split_plan`, this gates the agreement)."""
+    backend = view.backend_of(cache)
+    return bool(backend is not None and backend.policy_config.split != "off" and SPLIT_HOOKED[0]
+                and split_mod.supported(cache))
+
+
 def can_split(pol: Any, cache: Any, backend: Any) -> bool:
-    """Splits are on, this SGLang has what they use, and the cache serves one rank."""
+    """Splits are on, this SGLang has what they use, and the scheduler chunks prefills (on a
+    multi-rank server each rank proposes, and the ranks agree: `ranks.split_plan`)."""
     return bool(backend.policy_config.split != "off" and SPLIT_HOOKED[0] and pol.prefill.chunk
-                and split_mod.supported(cache) and view.single_rank(cache))
+                and split_mod.supported(cache))
 
 
 def can_park(backend: Any) -> bool:
@@ -91,16 +102,34 @@ def join_tail(pol: Any, cache: Any, req: Any) -> int:
     cached = view.cached_prefix(req)
     if cached < tail.start:
         return 0
-    read, complete, alive = split_mod.progress(cache, tail)
-    if alive and not complete:
-        backend = view.backend_of(cache)
-        if backend is not None and can_park(backend) and _hold_pays(pol, req, tail, cached, read):
-            # held where SGLang adds the chunk (`park`), which joins the tail once it is read
-            pol.parked[rid] = time.monotonic() + _hold_limit(pol, tail, read)
-            return 0
-        if _wait_for_tail(pol, req, tail, cached, read):
-            return 0
-    return _join(pol, cache, req, tail, cached, read)
+    multi = ranks.multi(cache)
+    try:
+        read, complete, alive = split_mod.progress(cache, tail)
+        verdict = ranks.JOIN
+        if complete and multi:
+            verdict = ranks.HOLD  # read whole here: the ranks still reading decide (the agreement's minimum)
+        elif alive and not complete:
+            backend = view.backend_of(cache)
+            if backend is not None and can_park(backend) and _hold_pays(pol, req, tail, cached, read):
+                verdict = ranks.HOLD  # held where SGLang adds the chunk (`park`), which joins the tail once read
+            elif _wait_for_tail(pol, req, tail, cached, read):
+                verdict = ranks.WAIT
+    except Exception as exc:  # noqa: BLE001 -- alone: the hook drops the tail; with peers: a vote to drop it
+        if not multi:
+            raise
+        view.once("split-look", "hicache-gds policy: a split tail's progress could not be read (%s: %s); it is "
+                  "dropped on every rank", type(exc).__name__, exc)
+        read, complete, alive, verdict = 0, False, False, ranks.JOIN
+    if multi:
+        read, complete, alive, verdict = ranks.tail(cache, read, complete, alive or complete, verdict)
+        if complete or not alive:  # read whole on every rank, or failed on one: join what every rank read
+            verdict = ranks.JOIN
+    if verdict == ranks.HOLD:
+        pol.parked[rid] = time.monotonic() + _hold_limit(pol, tail, read)
+        return 0
+    if verdict == ranks.WAIT:
+        return 0
+    return _join(pol, cache, req, tail, cached, read, limit=read if multi else None)
 
 
 def park(pol: Any, cache: Any, req: Any, *, hold: bool = True) -> bool:
@@ -115,23 +144,40 @@ def park(pol: Any, cache: Any, req: Any, *, hold: bool = True) -> bool:
         pol.parked.pop(rid, None)
         return False
     now = time.monotonic()
-    if hold and now < pol.park_checked.get(rid, 0.0) + PARK_CHECK_S and now < until:
-        return True  # looked less than PARK_CHECK_S ago: the idle scheduler asks every pass
+    multi = ranks.multi(cache)
+    if not multi and hold and now < pol.park_checked.get(rid, 0.0) + PARK_CHECK_S and now < until:
+        return True  # looked less than PARK_CHECK_S ago: the idle scheduler asks every pass (alone: a timer)
     pol.park_checked[rid] = now
     tail = entry.load
     cached = view.cached_prefix(req)
-    read, complete, alive = split_mod.progress(cache, tail)
-    if hold and alive and not complete and cached >= tail.start:
-        if now < until and _hold_pays(pol, req, tail, cached, read):
-            return True
-        if now >= until:
-            log.info("hicache-gds policy: %s split tail still reading %.3f s past its forecast: %d of %d tokens "
-                     "join, the rest is computed", rid, now - until, read, tail.tokens)
+    try:
+        read, complete, alive = split_mod.progress(cache, tail)
+        if multi:  # a rank whose tail is read whole votes to hold on: the ranks still reading decide
+            stay = bool(hold and cached >= tail.start and now < until and
+                        (complete or (alive and _hold_pays(pol, req, tail, cached, read))))
+        else:
+            stay = bool(hold and alive and not complete and cached >= tail.start and now < until
+                        and _hold_pays(pol, req, tail, cached, read))
+    except Exception as exc:  # noqa: BLE001 -- alone: the hook drops the tail; with peers: a vote to end the hold
+        if not multi:
+            raise
+        view.once("split-look", "hicache-gds policy: a split tail's progress could not be read (%s: %s); it is "
+                  "dropped on every rank", type(exc).__name__, exc)
+        read, complete, alive, stay = 0, False, False, False
+    if multi:  # the hold ends on every rank when one rank's ends (its tail failed, its limit passed)
+        read, complete, alive, verdict = ranks.tail(cache, read, complete, alive or complete,
+                                                    ranks.HOLD if stay else ranks.JOIN)
+        stay = verdict == ranks.HOLD and alive and not complete
+    if stay:
+        return True
+    if hold and alive and not complete and now >= until:
+        log.info("hicache-gds policy: %s split tail still reading %.3f s past its forecast: %d of %d tokens "
+                 "join, the rest is computed", rid, now - until, read, tail.tokens)
     del pol.parked[rid]
     pol.park_checked.pop(rid, None)
     if cached < tail.start:
         return False
-    grown = _join(pol, cache, req, tail, cached, read)
+    grown = _join(pol, cache, req, tail, cached, read, limit=read if multi else None)
     if grown > 0:
         view.refresh_next_round(req)  # SGLang formed its next round before the prefix grew
     return False
@@ -166,10 +212,12 @@ def _hold_limit(pol: Any, tail: "split_mod.TailLoad", read: int) -> float:
     return (left or 0.0) * PARK_LATE_FACTOR + PARK_SLACK_S
 
 
-def _join(pol: Any, cache: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> int:
+def _join(pol: Any, cache: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int,
+          limit: int | None = None) -> int:
+    """Join the tail's pages read (at most `limit` tail tokens: what every rank read)."""
     rid = view.rid(req)
     head = req.last_node
-    grown = split_mod.join(cache, req, tail)  # where it raises, the hook drops the tail (`drop_tail`)
+    grown = split_mod.join(cache, req, tail, limit=limit)  # where it raises, the hook drops the tail (`drop_tail`)
     del pol.tails[rid]
     if grown > 0:
         g = split_mod.guard_head(cache, head, req)

@@ -25,7 +25,7 @@ from typing import Any, Iterator, NamedTuple
 
 __all__ = ["Loading", "rid", "on_gpu", "req_work", "to_prefill", "backend_of", "page_size", "threshold", "loads",
            "loading_rids", "loaded_done", "settles_by_ack", "waiting", "chunked", "batch_shape", "host_free",
-           "host_evictable", "host_limit", "single_rank", "agree", "agree_int", "prefetch_again",
+           "host_evictable", "host_limit", "reads_pending", "gpu_idle", "single_rank", "agree", "agree_int", "prefetch_again",
            "loading_parts", "find_waiting", "protect_loaded", "release_node", "attach", "attached", "once"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
@@ -90,6 +90,17 @@ def backend_of(cache: Any) -> Any:
     if b is not None and not getattr(b, "supports_compute_or_load", False):
         b = getattr(b, "_backend", None)
     return b if getattr(b, "supports_compute_or_load", False) is True else None
+
+
+def reads_pending(cache: Any) -> bool:
+    """Prefetches are in flight for the cache (their reads may still be running)."""
+    return bool(getattr(cache, "ongoing_prefetch", None))
+
+
+def gpu_idle(scheduler: Any) -> bool:
+    """The scheduler has no running (decode) batch: the GPU has nothing of its to do."""
+    rb = getattr(scheduler, "running_batch", None)
+    return rb is None or bool(rb.is_empty())
 
 
 def page_size(cache: Any) -> int:

@@ -1,0 +1,361 @@
+"""One rank of a multi-rank server for `test_multirank` (run as a process: ``python multirank_rank.py
+SCENARIO RANK WORLD PORT DIR``).
+
+Each rank is `test_split.World` -- SGLang 0.5.17's real ``HiRadixCache`` and controller paths over
+its own hicache-gds store, holding its own shard of the prompt's KV (its own random bytes) -- in a
+gloo group standing in for SGLang's TP group, reduced through SGLang's own ``_all_reduce``. The
+scenario gives each rank its own observations (read rate, how much of its tail it read, a read
+that fails, a hold limit that passes, its GPU backlog) and prints, as its last line, a JSON list
+of what it decided at each step, with whether every page its request's prefix points at holds
+the true bytes of that page of its shard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+import torch.distributed as dist  # noqa: E402
+
+import sglang.srt.managers.cache_controller as cc_mod  # noqa: E402
+import sglang.srt.mem_cache.hicache_storage as hs_mod  # noqa: E402
+
+import test_split as T  # noqa: E402
+from hicache_gds_sglang import policy_hooks as hooks  # noqa: E402
+from hicache_gds_sglang import split_policy  # noqa: E402
+
+SCENARIOS = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def world(rank: int, n: int, base: str, *, read_ratio: float, measured: bool = False):
+    """`test_split.World` for this rank: its own store and shard, SGLang's TP fields on its cache
+    (set before the policy settles on it, as SGLang's constructor sets them). `measured`: its
+    read rate is one its own gets measured (a server that ran a while: the ranks' rates differ,
+    and the seed agreement has nothing to do), not a seed."""
+    pool = T.make_pool
+    T.make_pool = lambda *a, **k: pool(*a, **{**k, "seed": 100 + rank})  # this rank's shard: its own bytes
+    settle = hooks._settle
+
+    def tp_settle(cache):
+        cache.tp_world_size, cache.tp_group, cache.pp_rank, cache.pp_size, cache.pp_group = \
+            n, dist.group.WORLD, 0, 1, None
+        cache.attn_cp_group = cache.attn_tp_group = None
+        settle(cache)
+
+    hooks._settle = tp_settle
+    d = os.path.join(base, f"rank{rank}")
+    os.makedirs(d, exist_ok=True)
+    try:
+        w = T.World(d, read_ratio=read_ratio)
+    finally:
+        hooks._settle, T.make_pool = settle, pool
+    if measured:
+        rate = w.b.read_rate.rate
+        w.b.read_rate.observe(1 << 40, (1 << 40) / rate)
+    return w
+
+
+def prefix_ok(w, req) -> bool:
+    try:
+        w.check_prefix(req)
+        return True
+    except AssertionError:
+        return False
+
+
+def admitted(w, log: list):
+    req = w.admitted()
+    d = w.pol.decided["r1"]
+    t = w.pol.tails.get("r1")
+    log.append(["admit", d.action, d.hit, None if t is None else [t.load.start, t.load.end]])
+    return req
+
+
+def chunks(w, req, log: list, upto) -> None:
+    for end in upto:
+        if end > len(req.prefix_indices):  # (a tail joined up to it: nothing left to compute)
+            w.compute_chunk(req, end)
+        log.append(["chunk", end, len(req.prefix_indices), "r1" in w.pol.tails, "r1" in w.pol.parked,
+                    prefix_ok(w, req)])
+
+
+# -- scenarios: (rank, world) -> each rank's own observations -----------------------------------------
+RATIOS = [1.0, 1.3, 2.0, 1.6]  # each rank's read rate against its prefill: heads 512, 768, 768, 768 alone
+
+
+@scenario
+def split_join(w_of, rank, n, log):
+    """Each rank proposes its own head and reads its own share of its tail (rank 1's read fails
+    after one get); all join what every rank read, at the agreed head."""
+    w = w_of(RATIOS[rank], measured=True)
+    req = admitted(w, log)
+    w.read_tail(gets=None if rank != 1 else 1)
+    chunks(w, req, log, [T.CHUNK, 2 * T.CHUNK, 3 * T.CHUNK])
+    w.load_done()
+    chunks(w, req, log, [T.PAGES * T.PS])
+    w.release(req)
+    return w
+
+
+@scenario
+def split_slow_rank(w_of, rank, n, log):
+    """The last rank has read nothing of its tail when the chunks reach it (its disk is slow):
+    every rank takes the same verdict, and joins only what every rank read."""
+    w = w_of(1.0)
+    req = admitted(w, log)
+    if rank != n - 1:
+        w.read_tail()
+    chunks(w, req, log, [T.CHUNK, 2 * T.CHUNK])
+    log.append(["tails", sorted(w.pol.tails), sorted(w.pol.parked)])
+    if "r1" in w.pol.tails:  # the ranks waited a chunk: the slow rank's reads land meanwhile
+        if rank == n - 1:
+            w.read_tail()
+        chunks(w, req, log, [3 * T.CHUNK])
+    w.load_done()
+    chunks(w, req, log, [T.PAGES * T.PS])
+    w.release(req)
+    return w
+
+
+@scenario
+def mixed_verdicts(w_of, rank, n, log):
+    """Rank 0 would load the whole hit, the others split or compute: no rank loads or splits."""
+    w = w_of([0.5, 1.0, 3.0, 1.3][rank], measured=True)
+    req = admitted(w, log)
+    log.append(["ops", sorted(w.cache.ongoing_prefetch), w.cache.cache_controller.prefetch_queue.qsize()])
+    chunks(w, req, log, [T.CHUNK, T.PAGES * T.PS])
+    w.release(req)
+    return w
+
+
+@scenario
+def fresh_seed(w_of, rank, n, log):
+    """A fresh server: each rank's read rate is only a seed, and each rank's differs (probed or
+    persisted per rank); at the first admission every rank takes the slowest, then decides alike
+    without needing to be overruled."""
+    w = w_of(RATIOS[rank])
+    w.pol.seeded = False
+    req = admitted(w, log)
+    log.append(["rate", round(w.pol.cost_model.read.rate), w.pol.counts["split"]])
+    w.read_tail()
+    chunks(w, req, log, [T.CHUNK, 2 * T.CHUNK, 3 * T.CHUNK, T.PAGES * T.PS])
+    w.release(req)
+    return w
+
+
+def _held(w, rank, log):
+    split_policy.PARK_HOOKED[0] = True
+    req = w.admitted()
+    rounds = []
+    req.init_next_round_input = lambda *a, **k: rounds.append(len(req.prefix_indices))
+    t = w.pol.tails["r1"].load
+    log.append(["admit", w.pol.decided["r1"].action, [t.start, t.end], len(t.keys)])
+    ctl = w.cache.cache_controller
+    op = ctl.prefetch_queue.get_nowait()
+    assert w.query(op)
+    got = len(op.hash_value) if rank == 0 else 2  # rank 0 read its whole tail, the others 2 of its 8 pages
+    ctl._page_get_zero_copy(op, op.hash_value[:got], op.host_indices[:got * T.PS])
+    w.b.read_rate.seed(100e9, "test: a disk far faster than the GPU")
+    chunks(w, req, log, [T.CHUNK, 2 * T.CHUNK])  # the chunks reach the tail: held there
+    return req, op, rounds
+
+
+def _pass(w, req, log):
+    adder = T._Adder(w.cache)
+    held = hooks.around_add_chunked_req(adder.add, adder, req) is req
+    log.append(["pass", held, len(req.prefix_indices), "r1" in w.pol.tails, prefix_ok(w, req)])
+    return held
+
+
+def _end(w, req, op, log):
+    w.cache.cache_controller.append_host_mem_release(op.host_indices[op.completed_tokens:])
+    w.load_done()
+    chunks(w, req, log, [T.PAGES * T.PS])
+    w.release(req)
+
+
+@scenario
+def hold_until_all_read(w_of, rank, n, log):
+    """The request is held on every rank while any rank reads; it joins the whole tail once
+    every rank has read it (rank 0 read its tail first)."""
+    w = w_of(1.0)
+    req, op, rounds = _held(w, rank, log)
+    _pass(w, req, log)
+    _pass(w, req, log)
+    if rank != 0:
+        w.cache.cache_controller._page_get_zero_copy(op, op.hash_value[2:], op.host_indices[2 * T.PS:])
+    _pass(w, req, log)
+    log.append(["rounds", rounds])
+    _end(w, req, op, log)
+    return w
+
+
+@scenario
+def hold_read_fails(w_of, rank, n, log):
+    """One rank's tail read fails while the request is held: every rank ends the hold at the
+    same pass and joins what every rank read."""
+    w = w_of(1.0)
+    req, op, rounds = _held(w, rank, log)
+    _pass(w, req, log)
+    if rank == n - 1:  # its next get fails: SGLang ends the operation
+        ctl = w.cache.cache_controller
+        real = w.b.batch_get_v1
+        w.b.batch_get_v1 = lambda ks, hi, *a: [False] * len(ks)
+        try:
+            ctl._page_get_zero_copy(op, op.hash_value[2:], op.host_indices[2 * T.PS:])
+            op.mark_terminate()  # as the controller's `_page_transfer` does after a short get
+        finally:
+            w.b.batch_get_v1 = real
+    _pass(w, req, log)
+    _end(w, req, op, log)
+    return w
+
+
+@scenario
+def hold_limit_passes(w_of, rank, n, log):
+    """One rank's hold limit passes (its clock): every rank ends the hold at the same pass."""
+    w = w_of(1.0)
+    req, op, rounds = _held(w, rank, log)
+    _pass(w, req, log)
+    if rank == 1:
+        w.pol.parked["r1"] = 0.0
+    _pass(w, req, log)
+    _end(w, req, op, log)
+    return w
+
+
+@scenario
+def late_admission(w_of, rank, n, log):
+    """A request admission sent to the GPU waits; each rank sees its own GPU backlog ahead of it.
+    It goes to the disk only at the step every rank's disk can read it before its GPU reaches it,
+    and then on every rank."""
+    w = w_of(6.0)
+    req = admitted(w, log)
+    w.sched.waiting_queue = [req]
+    w.sched._prefetch_kvcache = w.admit  # SGLang's own path matches it again and asks admission
+    backlog = {"g": 0.0}
+    w.pol.gpu_backlog = lambda cache, model: ({"r1": backlog["g"]}, backlog["g"])
+    for step, ahead in enumerate([[0.0] * n, [100.0] * (n - 1) + [0.0], [100.0] * n, [100.0] * n]):
+        backlog["g"] = ahead[rank]
+        got = w.pol.late_admit(w.sched)
+        d = w.pol.decided["r1"]
+        log.append(["late", step, got, d.action, sorted(w.cache.ongoing_prefetch)])
+    for k in list(w.cache.ongoing_prefetch):  # revoke it (the controller's thread would load it)
+        w.cache._revoke_pending_prefetch(k)
+    w.sched.waiting_queue = []
+    chunks(w, req, log, [T.PAGES * T.PS])
+    w.release(req)
+    return w
+
+
+@scenario
+def load_done_later(w_of, rank, n, log):
+    """A load every rank admitted: rank 0 reads all of it first, the others half. Finished on
+    one rank is no reason to stop the others' reads: every rank waits, then ends it at the pass
+    every rank has read it, and inserts the whole hit."""
+    w = w_of(0.5)  # loading is twice as fast as computing: admitted whole
+    req = w.request()
+    w.admit(req)
+    ctl = w.cache.cache_controller
+    op = ctl.prefetch_queue.get_nowait()
+    assert w.query(op)
+    half = len(op.hash_value) // 2
+    got = len(op.hash_value) if rank == 0 else half
+    ctl._page_get_zero_copy(op, op.hash_value[:got], op.host_indices[:got * T.PS])
+
+    def ask():
+        return hooks.around_can_terminate(T.HiRadixCache.can_terminate_prefetch, w.cache, op)
+
+    w.cache.prefetch_loaded_tokens_by_reqid, w.cache.enable_storage_metrics = {}, False  # as SGLang constructs it
+    log.append(["admit", w.pol.decided["r1"].action, ask()])
+    if rank != 0:
+        ctl._page_get_zero_copy(op, op.hash_value[half:], op.host_indices[half * T.PS:])
+    log.append(["done", ask(), w.cache.check_prefetch_progress("r1")])
+    m = w.cache.match_prefix(T.MatchPrefixParams(key=T.RadixKey(w.tokens[:T.PAGES * T.PS])))
+    log.append(["inserted", int(m.host_hit_length)])
+
+
+@scenario
+def late_any_release(w_of, rank, n, log):
+    """Late admission on the release installed (0.5.17's HiRadixCache or 0.5.23's
+    UnifiedRadixCache, `test_policy`'s harness): a request sent to the GPU behind 10 s of prefill
+    waits; the disk turns fast on rank 0 first (its own gets), then on every rank. It goes to
+    the disk at that second step, on every rank."""
+    import test_policy as P
+    hooks.SUPPORTED.add(P.CACHE)  # as test_policy's fixture (and plugin.register) does
+    d = os.path.join(BASE[0], f"late-rank{rank}")
+    os.makedirs(d, exist_ok=True)
+    b, _ = P.open_backend(d, policy_read_gbps=P.gbps_for(8.0))  # loading takes 8x computing
+    made_backends.append(b)
+    cache, _, pol = P.make_cache(b, queue_reqs=[P.req("q0", 60000)])
+    cache.tp_world_size, cache.tp_group, cache.pp_rank, cache.pp_size, cache.pp_group = \
+        n, dist.group.WORLD, 0, 1, None
+    cache.attn_cp_group = cache.attn_tp_group = None
+    sched, calls, r1 = cache._test_scheduler, [], P.req("r1", 18000)
+    pol.current_req = r1
+    P.admit(cache, "r1", 18000 - 64, calls)
+    pol.current_req = None
+    sched.waiting_queue.append(r1)
+    log.append(["admit", pol.decided["r1"].action, list(calls)])
+    sched.tree_cache = cache
+    sched._prefetch_kvcache = lambda r: hooks.around_prefetch_kvcache(
+        lambda s, q: P.admit(cache, q.rid, 18000 - 64, calls), sched, r)
+    for step, fast in enumerate([[False] * n, [True] + [False] * (n - 1), [True] * n, [True] * n]):
+        if fast[rank]:
+            b.read_rate.seed(P.gbps_for(0.5) * 1e9, "test: this rank's gets run faster")
+        got = pol.late_admit(sched)
+        log.append(["late", step, got, pol.decided["r1"].action, list(calls)])
+
+
+BASE: list = [""]
+made_backends: list = []
+
+
+def main() -> None:
+    """Run the scenarios named (comma-separated) one after another, each on fresh worlds, and
+    print {scenario: its log, or the error it ended with}."""
+    names, rank, n, port, base = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=float(os.environ.get("MULTIRANK_TIMEOUT_S", "60"))))
+    cc_mod.STORAGE_BATCH_SIZE = hs_mod.STORAGE_BATCH_SIZE = T.BATCH
+    if T.HiRadixCache is not None:  # 0.5.17
+        hooks.SUPPORTED.add(T.HiRadixCache)
+    out: dict = {}
+    BASE[0] = base
+    for name in names:
+        T.backend_mod._RATES.clear()
+        T.view._logged.clear()
+        split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0] = True, False
+        log: list = []
+        made: list = []
+
+        def w_of(ratio, measured=False):
+            made.append(world(rank, n, os.path.join(base, name), read_ratio=ratio, measured=measured))
+            return made[-1]
+
+        try:
+            SCENARIOS[name](w_of, rank, n, log)
+            out[name] = log
+        except Exception as exc:  # noqa: BLE001 -- reported to the test, which fails on it
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "log": log}
+        finally:
+            for w in made + made_backends:
+                w.close()
+            made_backends.clear()
+        dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
