@@ -33,13 +33,14 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import xxhash
 
-from .. import checksum, pagesum
+from .. import checksum
 from ..config import Config
 from ..engines.base import MemKind, Op, split_batches
 from ..gil import shorten_switch_interval
 from ..errors import RegionError, TransferError, TransferTimeout
 from ..layout import Pages, namespace_id
 from ..stats import StoreStats
+from .batch import tagged_sums, wait_each
 from .directory import FULL, LOST, PRESENT, Directory, DirectoryUnavailable, Reservation, ServerInfo, parse_entry
 from .options import REMOTE_KEYS, RemoteOptions
 from .ucx import NixlUcxEngine, PeerDisconnected
@@ -381,24 +382,9 @@ class RemoteTier:
         return p
 
     def _sums(self, pages: Pages, idx: list[int], parallel: bool = True, like: Sequence[int] | None = None) -> list[int]:
-        """Tagged checksums (`pagesum`) of pages `idx`: of the kind each `like` value records (a
-        read's check), else the writer's own kind: xxh3 for host pages, hgc1 for device pages (one
-        GPU kernel launch for the batch). Every page carries one, a device page too."""
-        if not idx:
-            return []
-        odd = None if like is None else pagesum.kinds_of(np.asarray(like, dtype=np.int64))
-        if pages.kind is MemKind.VRAM:
-            return pagesum.device_sums(pages.addrs[idx], pages.lens[idx], self.page_bytes, odd, self._device_sums).tolist()
-        hgc1 = None if odd is None else odd.tolist()
-
-        def chunk(lo: int, hi: int) -> list[int]:
-            segs = [list(zip(pages.addrs[i].tolist(), pages.lens[i].tolist())) for i in idx[lo:hi]]
-            return pagesum.host_sums(segs, self.page_bytes, None if hgc1 is None else hgc1[lo:hi])
-
-        if not parallel or self.opts.threads < 2 or len(idx) < 8:
-            return chunk(0, len(idx))
-        step = -(-len(idx) // self.opts.threads)  # xxhash releases the GIL: chunks hash in parallel
-        return [c for part in self._pool.map(lambda lo: chunk(lo, lo + step), range(0, len(idx), step)) for c in part]
+        """Tagged checksums of pages `idx` (`batch.tagged_sums`)."""
+        return tagged_sums(pages, idx, self.page_bytes, threads=self.opts.threads if parallel else 1, pool=self._pool,
+                           device_sums=self._device_sums, like=like)
 
     def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[_Peer, list[tuple[int, int]]]],
               during: Callable[[], Any] | None = None) -> dict[str, list[str]]:
@@ -434,20 +420,7 @@ class RemoteTier:
                     continue
                 posted.append((sid, bt.start, bt.stop, t))
 
-        def wait_all() -> list[BaseException | None]:
-            # One thread polls every request: they share the agent's one UCX worker, so each poll
-            # advances all of them, and two threads polling it only contended for its lock (gets
-            # over veth TCP ran at 0.61 GB/s with a thread per request, 0.83 with one, same run).
-            out: list[BaseException | None] = []
-            for _, _, _, t in posted:
-                try:
-                    t.wait(max(0.0, deadline - time.monotonic()))
-                    out.append(None)
-                except TransferError as exc:
-                    out.append(exc)
-            return out
-
-        waiting = self._pool.submit(wait_all) if posted else None
+        waiting = self._pool.submit(wait_each, [t for *_, t in posted], deadline) if posted else None
         if during is not None:
             during()
         try:

@@ -8,10 +8,11 @@ in `policy.LoadOrCompute`'s tables.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["Decided", "LoadWatch", "Queued", "Protected", "SplitPlan", "Tail", "DiskSlot", "Backlog"]
+__all__ = ["Decided", "LoadWatch", "Queued", "Protected", "SplitPlan", "Tail", "DiskSlot", "Backlog", "TailLoad"]
 
 
 class Decided(NamedTuple):
@@ -93,3 +94,22 @@ class Backlog(NamedTuple):
     key: tuple
     ahead: dict
     at: float
+
+
+@dataclass
+class TailLoad:
+    """The tail of one request's hit in flight: tokens ``[start, end)`` of the request (absolute
+    positions), read by prefetch operations, one after another, under ``keys`` in
+    ``cache.ongoing_prefetch`` (in token order); ``key`` is the tail's radix key."""
+
+    rid: str
+    keys: tuple[str, ...]
+    key: Any
+    start: int
+    end: int
+    expect: int  # tail tokens admission forecast to be read when they are joined
+    since: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start

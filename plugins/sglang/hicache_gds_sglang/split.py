@@ -34,9 +34,10 @@ function hands its cache to `split_0523`, the same contract on that release's tr
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from .records import TailLoad
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -90,25 +91,6 @@ def tail_pages(page_bytes: int, get_bytes: int, threshold_pages: int) -> int | N
     if get_bytes <= 0 or page_bytes <= 0:
         return None
     return max(1, int(threshold_pages), min(batch_pages(), int(get_bytes) // int(page_bytes)))
-
-
-@dataclass
-class TailLoad:
-    """The tail of one request's hit in flight: tokens ``[start, end)`` of the request (absolute
-    positions), read by prefetch operations, one after another, under ``keys`` in
-    ``cache.ongoing_prefetch`` (in token order); ``key`` is the tail's radix key."""
-
-    rid: str
-    keys: tuple[str, ...]
-    key: Any
-    start: int
-    end: int
-    expect: int  # tail tokens admission forecast to be read when they are joined
-    since: float = field(default_factory=time.monotonic)
-
-    @property
-    def tokens(self) -> int:
-        return self.end - self.start
 
 
 def start(cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any, prefix_keys: Any, *,

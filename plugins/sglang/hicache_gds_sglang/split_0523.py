@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import split as split_mod
+from .records import TailLoad
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -86,7 +86,7 @@ def _handle(rid: str, i: int) -> Any:
 
 def start(cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any, prefix_keys: Any, *,
           matched: int, head: int, expect: int, pages_per_op: int | None = None,
-          req: Any = None) -> "split_mod.TailLoad | None":
+          req: Any = None) -> "TailLoad | None":
     """`split.start` on 0.5.23 (the request `req` names the tail's namespace)."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.unified_radix_cache import _OngoingPrefetch
@@ -124,10 +124,10 @@ def start(cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any
         cache.ongoing_prefetch[h] = _OngoingPrefetch(root, sub, None, op, lock, {})
         cc.prefetch_tokens_occupied += len(sub)
         keys.append(h)
-    return split_mod.TailLoad(rid, tuple(keys), key, matched + head, matched + head + len(key), expect)
+    return TailLoad(rid, tuple(keys), key, matched + head, matched + head + len(key), expect)
 
 
-def _settle(cache: Any, t: "split_mod.TailLoad", keep: int) -> tuple[int, Any, list]:
+def _settle(cache: Any, t: TailLoad, keep: int) -> tuple[int, Any, list]:
     """`split._settle` on 0.5.23: take the tail's operations out of ``ongoing_prefetch``."""
     import torch
 
@@ -174,11 +174,11 @@ def _settle(cache: Any, t: "split_mod.TailLoad", keep: int) -> tuple[int, Any, l
     return lead, (torch.cat(kept_hi) if kept_hi else None), kept_hv
 
 
-def cancel(cache: Any, t: "split_mod.TailLoad") -> None:
+def cancel(cache: Any, t: TailLoad) -> None:
     _settle(cache, t, 0)
 
 
-def progress(cache: Any, t: "split_mod.TailLoad") -> tuple[int, bool, bool]:
+def progress(cache: Any, t: TailLoad) -> tuple[int, bool, bool]:
     """`split.progress` on 0.5.23 (a tail's operation SGLang has finished stays in place)."""
     ps = int(cache.page_size)
     done = 0
@@ -196,7 +196,7 @@ def progress(cache: Any, t: "split_mod.TailLoad") -> tuple[int, bool, bool]:
     return done, True, False
 
 
-def join(cache: Any, req: Any, t: "split_mod.TailLoad", *, limit: int | None = None) -> int:
+def join(cache: Any, req: Any, t: TailLoad, *, limit: int | None = None) -> int:
     """`split.join` on 0.5.23, after ``stash_chunked_request`` (module docstring); at most the
     tail's first `limit` tokens join."""
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
