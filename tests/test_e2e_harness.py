@@ -5,6 +5,7 @@ path, the report's tables and targets) is what is tested."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -359,3 +360,19 @@ def test_the_host_workload_revisits_a_prompt_after_pushing_it_out_of_the_gpu_poo
     s = suite_report.summarize(doc)
     assert s["tokens"]["gds-wait_complete"] == {"compared": 1, "identical": 1}
     assert not fake_servers(tmp_path)
+
+
+def test_space_check_counts_capacity_per_writing_rank(tmp_path):
+    """A TP=2 MHA run writes hicache-gds' capacity once per rank: the check refuses a disk that
+    holds one copy but not two, names the problem, and passes MLA (rank 0 writes) on the same disk."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    per_rank = f"{int(free * 0.6) >> 20}M"  # one rank's fits, two ranks' do not
+    a = argparse.Namespace(dir=str(tmp_path), gds_path="", capacity=per_rank, configs="recompute,gds-wait_complete",
+                           open_configs="", raw_size="0", fake=False, tp=2, model_info={"attention": "mha",
+                           "kv_bytes_per_token": 131072}, lengths="640:1280", prefixes=3, single=2, suffix_tokens=64, page_size=64)
+    with pytest.raises(SystemExit, match=r"x 2 writing rank\(s\).*per rank at TP > 1"):
+        suite.check_space(a)
+    a.model_info["attention"] = "mla"
+    suite.check_space(a)
+    a.tp, a.model_info["attention"] = 1, "mha"
+    suite.check_space(a)

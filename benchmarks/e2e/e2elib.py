@@ -459,13 +459,23 @@ def install_guard() -> None:
 
 
 def gpu_pids() -> list[int]:
-    """Processes holding the GPU (nvidia-smi), [] where there is none."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+    """Processes holding this run's GPUs (nvidia-smi), [] where there is none. With
+    CUDA_VISIBLE_DEVICES set (indices or UUIDs), only processes on those GPUs count, so servers on
+    the other GPUs of a multi-GPU machine (another run, started beside this one) are left alone."""
+    def query(what: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader"], capture_output=True,
                              text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+        return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+    try:
+        apps = query("compute-apps=pid,gpu_uuid")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if visible:
+            want = {v.strip() for v in visible.split(",") if v.strip()}
+            uuids = {u for i, u in query("gpu=index,uuid") if i in want or u in want}
+            apps = [a for a in apps if len(a) > 1 and a[1] in uuids]
+    except (OSError, subprocess.SubprocessError, ValueError):
         return []
-    return [int(x) for x in out.split() if x.strip().isdigit()]
+    return [int(a[0]) for a in apps if a and a[0].isdigit()]
 
 
 def stop_leftovers(wait_s: float = 60.0) -> list[int]:

@@ -179,7 +179,7 @@ def server_command(a: argparse.Namespace, port: int) -> tuple[list[str], dict[st
         "--hicache-io-backend", "kernel", "--hicache-write-policy", "write_through",
         "--hicache-storage-backend", "gds", "--hicache-storage-prefetch-policy", "wait_complete",
         "--hicache-storage-backend-extra-config", json.dumps(gds_extra(a))]
-    cmd += tp_args(a)
+    cmd += tp_args(a) + list(getattr(a, "server_arg", None) or [])
     env = dict(os.environ)
     env["GDS_PATH"] = ",".join(gds_dirs(a))
     env["SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"] = os.path.join(a.dir, "nixl")
@@ -200,6 +200,54 @@ def tp_args(a: argparse.Namespace) -> list[str]:
     with MHA each rank stores its heads' share of a page, with MLA rank 0 alone writes and every
     rank reads (hicache-gds' MLA split)."""
     return ["--tp-size", str(a.tp)] if getattr(a, "tp", 1) > 1 else []
+
+
+def l3_writers(a: argparse.Namespace) -> int:
+    """How many ranks write their own copy of a page's share to each L3: every TP rank with MHA
+    (its KV heads' share, in its own namespace), rank 0 alone with MLA (every rank holds the same
+    latent). hicache-gds' ``capacity`` is per namespace, so per writing rank."""
+    return 1 if a.model_info.get("attention") == "mla" else max(1, getattr(a, "tp", 1))
+
+
+def check_space(a: argparse.Namespace) -> None:
+    """Refuse to start when the disks cannot hold what the run writes: hicache-gds' capacity per
+    writing rank (its slabs are preallocated), HiCacheNixl's pages and the raw-disk probe. A full
+    disk fails HiCacheNixl's writes and then every reattach of hicache-gds (its index cannot grow),
+    which the measurements would otherwise report as slow reads or misses."""
+    from hicache_gds.config import parse_size
+
+    kv = a.model_info["kv_bytes_per_token"]
+    need: dict[int, list] = {}  # st_dev -> [bytes needed, a directory on it]
+
+    def want(d: str, n: int) -> None:
+        os.makedirs(d, exist_ok=True)
+        dev = os.stat(d).st_dev
+        used = 0
+        for root, _dirs, files in os.walk(d):  # what an earlier call left (a reused L3) is already there
+            for f in files:
+                try:
+                    used += os.stat(os.path.join(root, f)).st_blocks * 512
+                except OSError:
+                    pass
+        need.setdefault(dev, [0, d])[0] += max(0, n - used)
+
+    cap = parse_size(a.capacity, key="--capacity") * l3_writers(a)
+    dirs = gds_dirs(a)
+    if any(split_config(c)[0].startswith("gds") for c in (a.configs + "," + a.open_configs).split(",") if c):
+        for d in dirs:
+            want(d, cap // len(dirs))
+    if any(split_config(c)[0] == "nixl" for c in a.configs.split(",") if c):
+        want(os.path.join(a.dir, "nixl"), sum(lengths(a)[i] + a.suffix_tokens for i in single_set(a)) * kv)
+    if a.raw_size not in ("0", "") and not a.fake:
+        want(a.dir, parse_size(a.raw_size, key="--raw-size"))
+    for dev, (n, d) in need.items():
+        st = os.statvfs(d)
+        free = st.f_bavail * st.f_frsize
+        if n > free:
+            raise SystemExit(
+                f"[suite] {d}: the run needs {n / 2**30:.1f} GiB more there, the disk has {free / 2**30:.1f} GiB free "
+                f"(hicache-gds --capacity {a.capacity} x {l3_writers(a)} writing rank(s), HiCacheNixl's pages, the "
+                f"raw-disk probe): lower --capacity (it is per rank at TP > 1 with MHA) or give the run more room")
 
 
 def gds_dirs(a: argparse.Namespace) -> list[str]:
@@ -428,7 +476,8 @@ class Suite:
     def populate(self, backend: str) -> None:
         """Write the prompts to one L3 once (kept across calls: checked by its page count)."""
         idx = list(range(len(self.lens))) if backend == "gds" else single_set(self.a)
-        want = sum((self.lens[i] + self.a.suffix_tokens) // self.a.page_size for i in idx)
+        copy = sum((self.lens[i] + self.a.suffix_tokens) // self.a.page_size for i in idx)
+        want = copy * l3_writers(self.a)  # every writing rank stores its own share of each page, counted as a page
         have = stored_pages(self.a, backend)
         marker = os.path.join(self.a.dir, f"populated-{backend}.json")
         spec = {"shape": self.a.shape, "lengths": self.lens, "prompts": idx, "suffix_tokens": self.a.suffix_tokens,
@@ -447,7 +496,7 @@ class Suite:
         before = backed_up_tokens(self.srv) or 0
         rs = [generate(self.srv, f"w{i}", prompt(i, self.lens[i], self.a, POP_SUFFIX), self.a.gen, self.a.req_timeout)
               for i in idx]
-        expect = before + want * self.a.page_size
+        expect = before + copy * self.a.page_size  # SGLang counts tokens backed up, not copies
         last, since, t_wait = -1, time.monotonic(), time.monotonic()
         while time.monotonic() - t_wait < self.a.drain_timeout:
             now = stored_pages(self.a, backend)
@@ -583,6 +632,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights", default="", choices=("", "bf16", "fp8"),
                    help="weights' dtype in that copy: fp8 adds DeepSeek-V3's block-FP8 quantization_config, "
                         "bf16 drops any (default: the config's own)")
+    g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for sglang.launch_server, as given (repeat it; use --server-arg=--flag), "
+                        "e.g. --server-arg=--enforce-disable-flashinfer-allreduce-fusion: at TP=4 with the DeepSeek "
+                        "shape, that workspace's set-up took 4 of a 7.6-minute start")
     g.add_argument("--trace", action="store_true",
                    help="log each request's prefetch timeline in the server (HICACHE_GDS_TRACE=1; trace_report.py)")
 
@@ -608,5 +661,7 @@ def main(a: argparse.Namespace) -> int:
           f"of KV per token in L3 ({kv / 1024:.0f} KiB); L3 of {a.prefixes} prompts "
           f"{lengths(a)[0]}-{lengths(a)[-1]} tokens = {sum(lengths(a)) * kv / 1e9:.1f} GB (gds), "
           f"{sum(lengths(a)[i] for i in single_set(a)) * kv / 1e9:.1f} GB (nixl)", flush=True)
+    if not a.fake:  # the fake server preallocates nothing
+        check_space(a)
     return Suite(a).run()
 
