@@ -6,8 +6,9 @@ up to L3 through ``gds`` is prefetched into the host tier under the ``compute_or
 byte for byte; a finished load's host pages survive SGLang's host eviction until the scheduler
 takes the request (host protection through ``inc_host_lock_ref``), then are SGLang's again; a
 queued request admission sent to the GPU is prefetched after a prefill batch is formed, once its
-hit loads before the GPU reaches it (late admission), and loads. And a split hit's tail
-(`kit_split_0523.py`) joins a real request where its chunks reach it.
+hit loads before the GPU reaches it (late admission), and loads. A split hit's tail
+(`kit_split_0523.py`) joins a real request where its chunks reach it, and a split request is held
+for its tail in SGLang's own ``PrefillAdder`` (`kit_park_0523.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
 KIT = os.path.join(os.path.dirname(__file__), "kit_0523.py")
 SPLIT_KIT = os.path.join(os.path.dirname(__file__), "kit_split_0523.py")
+HOLD_KIT = os.path.join(os.path.dirname(__file__), "kit_park_0523.py")
 
 
 def test_sglangs_storage_kit_runs_with_gds_in_place_of_file():
@@ -55,3 +58,37 @@ def test_a_split_hits_tail_joins_on_sglang_0523s_real_cache():
     assert out.returncode == 0, said[-6000:]
     for name in ("split-join", "split-overlap", "split-fault", "split-timeout"):
         assert f"KIT-OK {name}" in said, said[-6000:]
+
+
+def test_a_split_request_is_held_for_its_tail_in_sglang_0523s_real_adder():
+    """`kit_park_0523.py`: after its head's chunk is checkpointed, a split request whose tail still
+    reads is held by SGLang's real ``PrefillAdder`` (returned unadded, and no waiting request added:
+    no batch is formed), then joins its whole tail once read, byte for byte over a poisoned GPU
+    pool; a hold past its limit joins what is read and the head computes on; a tail failing while
+    held joins what was read; a request aborted while held frees its tail, its hold and its host
+    pages."""
+    try:
+        kit = importlib.util.find_spec("sglang.test.kits.unified_radix_cache")
+    except ImportError:
+        kit = None
+    if kit is None:
+        pytest.skip("this SGLang has no unified_radix_cache storage kit (0.5.17)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, HOLD_KIT], capture_output=True, text=True, timeout=480, env=env)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said[-6000:]
+    for name in ("hold-join", "hold-limit", "hold-fault", "hold-abort"):
+        assert f"KIT-OK {name}" in said, said[-6000:]
+
+
+def test_a_0523_pass_is_held_only_where_the_adder_caps_requests_and_the_last_chunk_is_checkpointed():
+    from hicache_gds_sglang import park_0523
+
+    def req(prefix, end):
+        return types.SimpleNamespace(prefix_len=prefix, extend_end=end)
+
+    adder = types.SimpleNamespace(prefill_max_requests=None, dllm_config=None)
+    assert park_0523.holdable(adder, req(8, 8)) and park_0523.holdable(adder, req(8, None))
+    assert not park_0523.holdable(adder, req(8, 16))  # a chunk not checkpointed: SGLang would stash it
+    assert not park_0523.holdable(types.SimpleNamespace(dllm_config=None), req(8, 8))  # no request cap
+    assert not park_0523.holdable(types.SimpleNamespace(prefill_max_requests=None, dllm_config=object()), req(8, 8))

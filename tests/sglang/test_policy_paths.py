@@ -24,10 +24,10 @@ EXPECTED = {
                "late admission": "active", "split": "active", "split hold": "active"},
     # 0.5.23 inserts a finished load in `_handle_prefetch_result` (host protection through
     # `inc_host_lock_ref`) and has `get_new_batch_prefill` (late admission); a split's tail joins
-    # after `stash_chunked_request` (its `checkpoint`); the hold for a tail is not ported there
+    # after `stash_chunked_request` (its `checkpoint`), and a split request is held for its tail at
+    # `PrefillAdder.add_chunked_req` (`park_0523`)
     "0.5.23": {"decision": "active", "agreement": "active", "host share": "active", "host protection": "active",
-               "late admission": "active", "split": "active",
-               "split hold": "fallback: " + plugin.GROUPS["park"].fallback},
+               "late admission": "active", "split": "active", "split hold": "active"},
 }
 
 
@@ -88,14 +88,46 @@ def test_registration_places_the_table_and_logs_what_falls_back(present, caplog)
     try:
         with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):
             plugin._register_policy(Registry, HookType, plugin.hooked_groups(present))
-        want = [(h.target, h.hook, h.kind) for h in plugin.HOOKS if h.group in plugin.hooked_groups(present)
+        want = [(h.target, h.hook.rsplit(".", 1)[-1], h.kind) for h in plugin.HOOKS  # the function's name
+                if h.group in plugin.hooked_groups(present)
                 and not h.group.startswith(("backend", "factory@", "draft", "idle"))]
         assert registered == want
         hooked = plugin.hooked_groups(present)
         assert split_policy.SPLIT_HOOKED[0] is (plugin._split_group(hooked) in hooked)
-        assert split_policy.PARK_HOOKED[0] is ("park" in plugin.hooked_groups(present))
-        if _release() == "0.5.23":  # split is on there, its hold off, with an INFO line
-            assert "policy_split does nothing" not in caplog.text
-            assert "never held for its tail" in caplog.text
+        assert split_policy.PARK_HOOKED[0] is (plugin._park_group(hooked) in hooked) is True
+        assert "policy_split does nothing" not in caplog.text  # split and its hold are on, on either release
+        assert "never held for its tail" not in caplog.text
+        hold = [t for t, fn, _ in registered if t.endswith("PrefillAdder.add_chunked_req")]
+        assert len(hold) == 1  # one release's hold, never both
+    finally:
+        split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0] = hooked_split, hooked_park
+
+
+def test_where_the_adder_cannot_be_hooked_the_hold_falls_back_and_says_so(present, caplog):
+    """A release without ``PrefillAdder.add_chunked_req`` (or whose split is not hooked): the
+    split runs without its hold, `policy_paths` reports the fallback and registration logs it."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    release = _release()
+    group = "park@0.5.23" if release == "0.5.23" else "park"
+    without = present - {group}
+    paths = plugin.policy_paths(without)
+    assert paths["split hold"] == "fallback: " + plugin.GROUPS[group].fallback
+    assert paths["split"] == "active"
+    assert {k: v for k, v in paths.items() if k != "split hold"} == \
+        {k: v for k, v in EXPECTED[release].items() if k != "split hold"}
+
+    class Registry:
+        @staticmethod
+        def register(target, fn, kind):
+            assert not target.endswith("PrefillAdder.add_chunked_req"), target
+
+    hooked_split, hooked_park = split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0]
+    try:
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):
+            plugin._register_policy(Registry, HookType, plugin.hooked_groups(without))
+        assert split_policy.SPLIT_HOOKED[0] is True and split_policy.PARK_HOOKED[0] is False
+        assert "PrefillAdder.add_chunked_req cannot be hooked here" in caplog.text
+        assert "never held for its tail" in caplog.text
     finally:
         split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0] = hooked_split, hooked_park

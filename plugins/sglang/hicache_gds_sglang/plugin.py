@@ -44,7 +44,8 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    ``HiRadixCache.cache_unfinished_req``, 0.5.23's ``Scheduler.stash_chunked_request`` (its
    ``checkpoint(req, up_to=...)``) (AFTER): a split hit's tail joins the request's prefix there
    (`split`, `split_0523`; ``policy_split``); 0.5.17's ``PrefillAdder.add_chunked_req`` (AROUND):
-   a split request held for its tail (``policy_split_park``; not on 0.5.23, `GROUPS`' ``park``).
+   a split request held for its tail (``policy_split_park``); 0.5.23's ``PrefillAdder.add_chunked_req``
+   (AROUND): the same hold, under 0.5.23's conditions (`park_0523`).
 
 9. ``Scheduler.on_idle`` (AFTER; both releases, every prefetch policy): a pass that ran nothing
    while this backend reads for waiting requests waits for the next get to return, a bounded
@@ -161,6 +162,10 @@ HOOKS: tuple[Hook, ...] = (
     # chunk there, and returns a chunk it parks without adding it (0.5.17 parks for hybrid SWA).
     Hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", "AROUND", "around_add_chunked_req",
          "0.5.17", "park"),
+    # 0.5.23's hold: the same adder method (``_get_new_batch_prefill_raw`` calls it for the chunked
+    # request first), with 0.5.23's own conditions (`park_0523`)
+    Hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", "AROUND",
+         "park_0523.around_add_chunked_req", "0.5.23", "park@0.5.23"),
     # 0.5.23's join point: the scheduler checkpoints a chunked request's chunks into the tree
     # (``checkpoint(req, up_to=extend_end)``) and sets where its next chunk starts, then forms it.
     Hook(f"{_SCHED}.stash_chunked_request", "AFTER", "after_stash_chunked", "0.5.23", "split@0.5.23"),
@@ -198,11 +203,13 @@ GROUPS: dict[str, Group] = {
     "split@0.5.23": Group(requires=(*_POLICY, "protect@0.5.23", "policy@0.5.23"),
                           fallback="policy_split does nothing (no join point for a split hit here)"),
     "idle": Group(requires=("backend",), fallback="an idle scheduler pass spins while requests wait on L3 reads"),
-    "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"),  # its parked-chunk path read in 0.5.17 only
+    "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"),
                   fallback="a split request is never held for its tail: what is read when its chunks reach it "
-                           "joins, the rest is computed (0.5.23's PrefillAdder.add_chunked_req has the "
-                           "parked-chunk return, and a pass that adds nothing forms no batch, but the hold is "
-                           "not ported there: untested on 0.5.23's adder)"),
+                           "joins, the rest is computed (no PrefillAdder.add_chunked_req to hold it at)"),
+    "park@0.5.23": Group(requires=(*_POLICY, "split@0.5.23", "policy@0.5.23"),
+                         fallback="a split request is never held for its tail: what is read when its chunks "
+                                  "reach it joins, the rest is computed (no PrefillAdder.add_chunked_req to hold "
+                                  "it at)"),
 }
 # Back-compatible names of single points (tests and `trace` resolve them)
 _JOIN = f"{_HIRADIX}.cache_unfinished_req"
@@ -341,13 +348,18 @@ def policy_paths(present: set[str] | None = None) -> dict[str, str]:
         "host protection": path(protect in hooked, protect),
         "late admission": path(protect in hooked, protect),
         "split": path(_split_group(hooked) in hooked, _split_group(hooked)),
-        "split hold": path("park" in hooked, "park"),
+        "split hold": path(_park_group(hooked) in hooked, _park_group(hooked)),
     }
 
 
 def _split_group(hooked: set[str]) -> str:
     """The split group (join point) of the release whose cache the policy hooked."""
     return "split@0.5.23" if "policy@0.5.23" in hooked else "split"
+
+
+def _park_group(hooked: set[str]) -> str:
+    """The split-hold group of the release whose cache the policy hooked."""
+    return "park@0.5.23" if "policy@0.5.23" in hooked else "park"
 
 
 def _protect_group(hooked: set[str]) -> str:
@@ -412,14 +424,14 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
                  "own prefetch policies run", POLICY)
         return
     groups = (*_POLICY_GROUPS, "settle@mamba", "settle@unified", "rate", "admitted", "timing", "protect",
-              "protect@0.5.23", "split", "split@0.5.23", "park")
+              "protect@0.5.23", "split", "split@0.5.23", "park", "park@0.5.23")
     for h in HOOKS:
         if h.group in _POLICY_GROUPS and h.group in hooked:
             policy_hooks.SUPPORTED.add(_resolve(h.target.rsplit(".", 1)[0]))
     _place(registry, hook_type, hooked, groups)
     split_policy.SPLIT_HOOKED[0] = _split_group(hooked) in hooked
-    split_policy.PARK_HOOKED[0] = "park" in hooked
-    for name in ("admitted", "timing", _protect_group(hooked), _split_group(hooked), "park"):
+    split_policy.PARK_HOOKED[0] = _park_group(hooked) in hooked
+    for name in ("admitted", "timing", _protect_group(hooked), _split_group(hooked), _park_group(hooked)):
         if name not in hooked:
             g = GROUPS[name]
             targets = ", ".join(".".join(h.target.rsplit(".", 2)[-2:]) for h in HOOKS if h.group == name)

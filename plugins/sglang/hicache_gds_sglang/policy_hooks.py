@@ -22,7 +22,8 @@ from .view import agree, agree_int, once
 
 __all__ = ["after_init", "around_attach", "around_admit", "around_can_terminate", "around_check_progress",
            "around_prefetch_result", "around_rate_limited", "around_prefetch_kvcache", "after_new_prefill_batch",
-           "around_forward", "after_cache_unfinished", "after_stash_chunked", "publish_metrics"]
+           "around_forward", "after_cache_unfinished", "after_stash_chunked", "around_add_chunked_req", "hold_or_add",
+           "publish_metrics"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -274,11 +275,17 @@ def around_add_chunked_req(original: Any, adder: Any, req: Any, *args: Any, **kw
     is held this pass where waiting for it finishes first (returned as SGLang returns a parked
     chunk: still the chunked request, nothing added, and no other request added this pass:
     `view.hold_batch`); otherwise its tail joins and it runs on (`LoadOrCompute.park`)."""
+    return hold_or_add(original, adder, req, view.can_hold_batch(adder), *args, **kwargs)
+
+
+def hold_or_add(original: Any, adder: Any, req: Any, can_hold: bool, *args: Any, **kwargs: Any) -> Any:
+    """The hold of `around_add_chunked_req` on any release: `can_hold` says whether this pass can
+    be kept from adding any request (0.5.17: `view.can_hold_batch`; 0.5.23: `park_0523.holdable`)."""
     cache = getattr(adder, "tree_cache", None)
     pol = view.attached(cache) if cache is not None else None
     if pol is not None and pol.parked:
         try:
-            if pol.park(cache, req, hold=view.can_hold_batch(adder)):
+            if pol.park(cache, req, hold=can_hold):
                 view.hold_batch(adder)
                 return req
         except Exception as exc:  # noqa: BLE001 -- the request computes on; its tail is dropped

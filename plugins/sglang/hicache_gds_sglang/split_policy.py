@@ -30,7 +30,7 @@ __all__ = ["SPLIT_HOOKED", "PARK_HOOKED", "may_split", "can_split", "can_park", 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
 SPLIT_HOOKED = [False]  # the join point of a split (0.5.17 ``cache_unfinished_req``, 0.5.23 ``stash_chunked_request``)
-PARK_HOOKED = [False]  # the point a chunked request is held at (``PrefillAdder.add_chunked_req``) is hooked
+PARK_HOOKED = [False]  # where a chunked request is held (``PrefillAdder.add_chunked_req``, both releases) is hooked
 PARK_LATE_FACTOR, PARK_SLACK_S = 1.5, 0.1  # a request is held at most this much past its tail's forecast
 PARK_CHECK_S = 0.002  # a held request's tail is looked at no more often
 
