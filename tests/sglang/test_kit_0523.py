@@ -26,7 +26,9 @@ SPLIT_KIT = os.path.join(os.path.dirname(__file__), "kit_split_0523.py")
 HOLD_KIT = os.path.join(os.path.dirname(__file__), "kit_park_0523.py")
 
 
-def test_sglangs_storage_kit_runs_with_gds_in_place_of_file():
+def _run_kit(path: str, names: tuple[str, ...]) -> None:
+    """Run one kit script in a subprocess (skipped where this SGLang has no storage kit) and check
+    it passed and printed ``KIT-OK <name>`` for each of `names`."""
     try:
         kit = importlib.util.find_spec("sglang.test.kits.unified_radix_cache")
     except ImportError:  # its parent package is missing too
@@ -34,11 +36,15 @@ def test_sglangs_storage_kit_runs_with_gds_in_place_of_file():
     if kit is None:
         pytest.skip("this SGLang has no unified_radix_cache storage kit (0.5.17)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, KIT], capture_output=True, text=True, timeout=480, env=env)
+    out = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=480, env=env)
     said = out.stdout + out.stderr
     assert out.returncode == 0, said[-6000:]
-    for name in ("round-trip", "protect", "late"):
+    for name in names:
         assert f"KIT-OK {name}" in said, said[-6000:]
+
+
+def test_sglangs_storage_kit_runs_with_gds_in_place_of_file():
+    _run_kit(KIT, ("round-trip", "protect", "late"))
 
 
 def test_a_split_hits_tail_joins_on_sglang_0523s_real_cache():
@@ -46,18 +52,7 @@ def test_a_split_hits_tail_joins_on_sglang_0523s_real_cache():
     request's KV row after SGLang's ``checkpoint``, byte for byte against the producer's KV over a
     poisoned GPU pool; a read failing midway joins only what was read (the rest computed); a read
     still stalled when the chunk reaches the tail joins nothing and gives back its host pages."""
-    try:
-        kit = importlib.util.find_spec("sglang.test.kits.unified_radix_cache")
-    except ImportError:
-        kit = None
-    if kit is None:
-        pytest.skip("this SGLang has no unified_radix_cache storage kit (0.5.17)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, SPLIT_KIT], capture_output=True, text=True, timeout=480, env=env)
-    said = out.stdout + out.stderr
-    assert out.returncode == 0, said[-6000:]
-    for name in ("split-join", "split-overlap", "split-fault", "split-timeout"):
-        assert f"KIT-OK {name}" in said, said[-6000:]
+    _run_kit(SPLIT_KIT, ("split-join", "split-overlap", "split-fault", "split-timeout"))
 
 
 def test_a_split_request_is_held_for_its_tail_in_sglang_0523s_real_adder():
@@ -67,18 +62,7 @@ def test_a_split_request_is_held_for_its_tail_in_sglang_0523s_real_adder():
     pool; a hold past its limit joins what is read and the head computes on; a tail failing while
     held joins what was read; a request aborted while held frees its tail, its hold and its host
     pages."""
-    try:
-        kit = importlib.util.find_spec("sglang.test.kits.unified_radix_cache")
-    except ImportError:
-        kit = None
-    if kit is None:
-        pytest.skip("this SGLang has no unified_radix_cache storage kit (0.5.17)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, HOLD_KIT], capture_output=True, text=True, timeout=480, env=env)
-    said = out.stdout + out.stderr
-    assert out.returncode == 0, said[-6000:]
-    for name in ("hold-join", "hold-limit", "hold-fault", "hold-abort"):
-        assert f"KIT-OK {name}" in said, said[-6000:]
+    _run_kit(HOLD_KIT, ("hold-join", "hold-limit", "hold-fault", "hold-abort"))
 
 
 def test_a_0523_pass_is_held_only_where_the_adder_caps_requests_and_the_last_chunk_is_checkpointed():

@@ -173,6 +173,9 @@ HOOKS: tuple[Hook, ...] = (
     # the next get to return (bounded) instead of spinning on the GIL the reads need (`idle`).
     Hook(f"{_SCHED}.on_idle", "AFTER", "idle.after_idle", "0.5.17, 0.5.23", "idle"),
 )
+# Both releases' split hold falls back alike
+_NO_HOLD = ("a split request is never held for its tail: what is read when its chunks reach it joins, the rest "
+            "is computed (no PrefillAdder.add_chunked_req to hold it at)")
 GROUPS: dict[str, Group] = {
     "backend": Group(requires=("backend",), requires_any=("factory@0.5.23", "factory@0.5.17"), level=logging.WARNING,
                      fallback="`--hicache-storage-backend gds` is not available; select the backend with the "
@@ -203,13 +206,8 @@ GROUPS: dict[str, Group] = {
     "split@0.5.23": Group(requires=(*_POLICY, "protect@0.5.23", "policy@0.5.23"),
                           fallback="policy_split does nothing (no join point for a split hit here)"),
     "idle": Group(requires=("backend",), fallback="an idle scheduler pass spins while requests wait on L3 reads"),
-    "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"),
-                  fallback="a split request is never held for its tail: what is read when its chunks reach it "
-                           "joins, the rest is computed (no PrefillAdder.add_chunked_req to hold it at)"),
-    "park@0.5.23": Group(requires=(*_POLICY, "split@0.5.23", "policy@0.5.23"),
-                         fallback="a split request is never held for its tail: what is read when its chunks "
-                                  "reach it joins, the rest is computed (no PrefillAdder.add_chunked_req to hold "
-                                  "it at)"),
+    "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"), fallback=_NO_HOLD),
+    "park@0.5.23": Group(requires=(*_POLICY, "split@0.5.23", "policy@0.5.23"), fallback=_NO_HOLD),
 }
 # Back-compatible names of single points (tests and `trace` resolve them)
 _JOIN = f"{_HIRADIX}.cache_unfinished_req"
