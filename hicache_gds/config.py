@@ -22,8 +22,9 @@ __all__ = ["Config", "parse_size", "parse_bool", "ENV_PREFIX", "describe_keys"]
 ENV_PREFIX = "HICACHE_GDS_"
 # Variables of the same prefix that an adapter reads, not the store: known, so not typos here.
 # Read elsewhere: the SGLang plugin's prefetch timeline (trace.py); the remote tier's cluster secret
-# itself (remote/trust.py: a secret is no config value, shown by `doctor` and kept in `sources`)
-ADAPTER_ENV = frozenset({ENV_PREFIX + "TRACE", ENV_PREFIX + "CLUSTER_SECRET"})
+# itself (remote/trust.py: a secret is no config value, shown by `doctor` and kept in `sources`);
+# the process-wide switch of the compiled checksum kernel (_checksum_jit.py: a diagnostic)
+ADAPTER_ENV = frozenset({ENV_PREFIX + "TRACE", ENV_PREFIX + "CLUSTER_SECRET", ENV_PREFIX + "CHECKSUM_JIT"})
 
 _SIZE_RE = re.compile(r"^\s*(?:(0[xX][0-9a-fA-F]+)|(\d+(?:\.\d+)?))\s*([A-Za-z%]*)\s*$")
 _SETTING_UNIT_RE = re.compile(r"([kmgtp]?)(i?b?)")

@@ -16,7 +16,7 @@ with it, see benchmarks/results/gpu-h200-fast-device-run14/NOTES.md). On the GPU
 kernel over every 4 KiB block, while xxh3 is sequential within its input. So each side writes the kind it computes fastest.
 
 A reader verifies the kind the page records, wherever the page landed: host pages of either kind
-on the host (hgc1 with numpy, slower); device pages of hgc1 on their GPU; device pages of xxh3 by
+on the host (hgc1 compiled with Numba, `_checksum_jit`, numpy until then); device pages of hgc1 on their GPU; device pages of xxh3 by
 copying them to host memory first (one copy over PCIe, then xxh3): correct, and rare (a page
 written by a host-pool server and read by a GPU-direct one). 63 bits remain of either checksum:
 it detects corruption and slot mix-ups, not an adversary.

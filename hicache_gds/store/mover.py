@@ -94,7 +94,7 @@ class PageMover(posting.ReadPacing):
         out.update(self.engine.info())
         out.update(self._posting())
         out.update(engine_reason=self.engine_reason, namespace=self.namespace, dirs=list(self.dirs),
-                   page_bytes=self.page_bytes, slot_bytes=self.slot_bytes)
+                   page_bytes=self.page_bytes, slot_bytes=self.slot_bytes, checksum_engine=checksum.host_engine())
         return out
 
     @property
