@@ -13,7 +13,8 @@ Per page size (64 KiB .. 8 MiB, a 64 MiB batch each, the batch one request as th
   NIXL GDS / GDS_MT where the probe passes -- cuFile compat mode without nvidia-fs -- else the
   bounce engine), get with verification on and off alternating; the kernel's time as a share of
   the IO's, and the measured cost of verified gets (on minus off, over off);
-* **host**: numpy's checksum and xxh3 on the same pages, one thread and the store's hashing pool.
+* **host**: hgc1 with numpy and compiled with Numba, and xxh3, on the same pages, one thread and the
+  store's hashing pool.
 
 Writes ``checksum.json`` and ``checksum.md`` under ``--out``. Without CUDA the GPU parts say why
 and the IO runs from host memory (the CPU machine's figures for verified gets).
@@ -55,11 +56,19 @@ def _median_s(fn, reps: int) -> tuple[float, float, float]:
 
 
 def host_rates(page: int, batch: int, reps: int) -> dict:
+    from hicache_gds import _checksum_jit
+
+    def numpy_only(p: np.ndarray) -> int:  # hgc1 without the compiled kernel
+        return checksum._finish(checksum._fold(checksum._block_sums(p, compiled=False)), p.size)
+
+    fns = [("numpy", numpy_only)]
+    if _checksum_jit.wait_ready():
+        fns.append(("numba", checksum.checksum))
     try:
         import xxhash
-        fns = (("numpy", checksum.checksum), ("xxh3", xxhash.xxh3_64_intdigest))
-    except ImportError:  # the baseline only
-        fns = (("numpy", checksum.checksum),)
+        fns.append(("xxh3", xxhash.xxh3_64_intdigest))
+    except ImportError:  # the baselines only
+        pass
     data = np.random.default_rng(page).integers(0, 256, page * batch, dtype=np.uint8)
     pages = [data[i * page:(i + 1) * page] for i in range(batch)]
     out = {}
@@ -162,8 +171,8 @@ def render(R: dict) -> str:
          f"size; {R['reps']} runs each (median; spreads in the JSON). " + R["note"] + "\n",
          "| page | GPU kernel (Triton) GB/s, us/page | 64 segments GB/s | torch GB/s | get from disk GB/s "
          "(engine) | kernel / get IO | verified get cost (on-off)/off | put s | host numpy 1 thr / pool GB/s | "
-         "host xxh3 1 thr / pool GB/s |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "host Numba 1 thr / pool GB/s | host xxh3 1 thr / pool GB/s |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in R["sizes"]:
         g, io, h = r.get("gpu", {}), r["io"], r["host"]
 
@@ -175,6 +184,8 @@ def render(R: dict) -> str:
                  + f" | {gb(g.get('triton_segments', {}))} | {gb(g.get('torch', {}))} | "
                  f"{io['get_gbps_noverify']:.2f} ({io['engine']}) | {share} | {io['get_verify_cost']:+.1%} | "
                  f"{io['put_s']:.3f} | {h['numpy']['gbps_1_thread']:.1f} / {h['numpy']['gbps_pool']:.1f} | "
+                 + (f"{h['numba']['gbps_1_thread']:.1f} / {h['numba']['gbps_pool']:.1f} | " if "numba" in h
+                    else "(no Numba) | ")
                  + (f"{h['xxh3']['gbps_1_thread']:.1f} / {h['xxh3']['gbps_pool']:.1f} |" if "xxh3" in h
                     else "(no xxhash) |"))
     L.append("")

@@ -96,14 +96,15 @@ def _finish(h: int, nbytes: int) -> int:
 
 # -- host (numpy) ----------------------------------------------------------------------------------
 
-def _block_sums(u8: np.ndarray) -> np.ndarray:
-    """s_b of every 4 KiB block of a contiguous uint8 array (its tail zero-padded)."""
+def _block_sums(u8: np.ndarray, compiled: bool = True) -> np.ndarray:
+    """s_b of every 4 KiB block of a contiguous uint8 array (its tail zero-padded); `compiled`:
+    with the Numba kernel where it is ready (False: numpy, for comparisons)."""
     n = int(u8.size)
     nfull = n // BLOCK
     out = np.empty(-(-n // BLOCK), dtype=np.uint64)
     if nfull:
         words = u8[:nfull * BLOCK].view("<u4").reshape(nfull, _WORDS)
-        fast = _checksum_jit.kernel() if _LITTLE else None
+        fast = _checksum_jit.kernel() if _LITTLE and compiled else None
         if fast is not None:  # compiled (Numba): ~5x numpy's rate, GIL released for the whole call
             fast(words, WEIGHTS, out[:nfull])
         else:
