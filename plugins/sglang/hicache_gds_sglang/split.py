@@ -33,13 +33,11 @@ function hands its cache to `split_0523`, the same contract on that release's tr
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from .records import TailLoad
-
-log = logging.getLogger("hicache_gds_sglang.policy")
+from .settle import Kept, cancel_reads
 
 __all__ = ["TailLoad", "HeadGuard", "supported", "tail_pages", "start", "join", "cancel", "progress", "guard_head",
            "settle_guard"]
@@ -146,44 +144,30 @@ def _settle(cache: Any, t: TailLoad, keep: int) -> tuple[int, Any, list]:
     ``keep`` leading tokens stay the caller's to insert; the other complete pages are freed, the
     rest released as SGLang releases a stopped prefetch. Returns (leading tokens complete, the
     host indices and hashes of those kept)."""
-    import torch
-
     cc = cache.cache_controller
     backend = getattr(cc, "storage_backend", None)
     ps = int(cache.page_size)
-    lead, contiguous, kept_hi, kept_hv = 0, True, [], []
+    kept = Kept(keep, ps)
     for op_key in t.keys:
         entry = cache.ongoing_prefetch.pop(op_key, None)
         if entry is None:  # revoked by SGLang (no hit, no host memory): nothing past it joins
-            contiguous = False
+            kept.broken()
             continue
         root, key, op = entry
         completed, _ = cc.terminate_prefetch(op)
         hi = getattr(op, "host_indices", None)
-        if hi is not None and backend is not None and callable(getattr(backend, "cancel_read", None)):
-            try:
-                backend.cancel_read(hi)  # reads not yet posted are skipped
-            except Exception as exc:  # noqa: BLE001 -- they are read, then released as below
-                log.warning("hicache-gds policy: cancelling a split tail's reads failed (%s: %s); they run to "
-                            "the end", type(exc).__name__, exc)
+        cancel_reads(backend, hi)
         usable = int(completed) // ps * ps
         if hi is None:
-            contiguous = False
+            kept.broken()
         else:
-            mine = min(usable, max(0, int(keep) - lead)) if contiguous else 0
-            if mine:
-                kept_hi.append(hi[:mine])
-                kept_hv.extend(list(op.hash_value)[:mine // ps])
+            mine = kept.take(hi, op.hash_value, usable, len(key))
             if usable > mine:
                 cc.mem_pool_host.free(hi[mine:usable])
             cc.append_host_mem_release(hi[usable:int(completed)])
-            if contiguous:
-                lead += usable
-                contiguous = usable >= len(key)
         root.release_host()
         cc.prefetch_tokens_occupied = max(0, cc.prefetch_tokens_occupied - len(key))
-    hi = torch.cat(kept_hi) if kept_hi else None
-    return lead, hi, kept_hv
+    return kept.result()
 
 
 def cancel(cache: Any, t: TailLoad) -> None:

@@ -31,12 +31,10 @@ EAGLE bigram keys).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from .records import TailLoad
-
-log = logging.getLogger("hicache_gds_sglang.policy")
+from .settle import Kept, cancel_reads
 
 __all__ = ["supported", "is_tail", "read_ended", "start", "progress", "cancel", "join"]
 
@@ -129,12 +127,10 @@ def start(cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any
 
 def _settle(cache: Any, t: TailLoad, keep: int) -> tuple[int, Any, list]:
     """`split._settle` on 0.5.23: take the tail's operations out of ``ongoing_prefetch``."""
-    import torch
-
     cc = cache.cache_controller
     backend = getattr(cc, "storage_backend", None)
     ps = int(cache.page_size)
-    lead, contiguous, kept_hi, kept_hv = 0, True, [], []
+    kept = Kept(keep, ps)
     retries = getattr(cache, "storage_prefetch_retries", None)
     for h in t.keys:
         entry = cache.ongoing_prefetch.pop(h, None)
@@ -143,35 +139,24 @@ def _settle(cache: Any, t: TailLoad, keep: int) -> tuple[int, Any, list]:
         if retries is not None and callable(getattr(retries, "cancel", None)):
             retries.cancel(h.rid)
         if entry is None:  # revoked by SGLang (no hit, no host memory): nothing past it joins
-            contiguous = False
+            kept.broken()
             continue
         op = entry.operation
         cc.terminate_prefetch(op)
         hi = entry.host_indices if entry.host_indices is not None else getattr(op, "host_indices", None)
-        if hi is not None and backend is not None and callable(getattr(backend, "cancel_read", None)):
-            try:
-                backend.cancel_read(hi)
-            except Exception as exc:  # noqa: BLE001 -- they are read, then released by SGLang's ack drain
-                log.warning("hicache-gds policy: cancelling a split tail's reads failed (%s: %s); they run to "
-                            "the end", type(exc).__name__, exc)
+        cancel_reads(backend, hi)  # those already posted are released by SGLang's ack drain
         completed = min(int(op.completed_tokens), len(entry.prefetch_key))  # ours; SGLang's drain frees the rest
         usable = completed // ps * ps
         if hi is None:
-            contiguous = False
+            kept.broken()
         else:
-            mine = min(usable, max(0, int(keep) - lead)) if contiguous else 0
-            if mine:
-                kept_hi.append(hi[:mine])
-                kept_hv.extend(list(op.hash_value)[:mine // ps])
+            mine = kept.take(hi, op.hash_value, usable, len(entry.prefetch_key))
             if completed > mine:
                 cc.mem_pool_host.free(hi[mine:completed])
-            if contiguous:
-                lead += usable
-                contiguous = usable >= len(entry.prefetch_key)
         if entry.anchor_lock_params is not None:
             cache.dec_host_lock_ref(entry.anchor_node_id, entry.anchor_lock_params)
         cc.prefetch_tokens_occupied = max(0, cc.prefetch_tokens_occupied - len(entry.prefetch_key))
-    return lead, (torch.cat(kept_hi) if kept_hi else None), kept_hv
+    return kept.result()
 
 
 def cancel(cache: Any, t: TailLoad) -> None:
