@@ -51,18 +51,28 @@ class ReadRate:
         self._obs: deque[tuple[float, float]] = deque(maxlen=window)
         self._prior: float | None = None
         self._prior_source = ""
+        self._prior_alone = False
         self._prior_weight = float(prior_weight)
         self.total_bytes = 0
         self.total_gets = 0
         if prior:
             self.seed(prior, source or "configured")
 
-    def seed(self, bytes_per_s: float, source: str) -> None:
-        """Set the estimate used before (and blended with) measured gets; `source` says where it came from."""
+    def seed(self, bytes_per_s: float, source: str, *, alone: bool = False) -> None:
+        """Set the estimate used before (and blended with) measured gets; `source` says where it
+        came from. `alone`: it was measured by this reader alone (a probe at open), so it
+        over-states what each of several readers of the same device gets while they read at once
+        (a configured rate, or one learnt from gets and persisted, is not)."""
         if not bytes_per_s or not math.isfinite(bytes_per_s) or bytes_per_s <= 0:
             raise ValueError(f"a read rate must be a positive number of bytes/s, got {bytes_per_s!r}")
         with self._lock:
-            self._prior, self._prior_source = float(bytes_per_s), source
+            self._prior, self._prior_source, self._prior_alone = float(bytes_per_s), source, bool(alone)
+
+    @property
+    def seed_alone(self) -> bool:
+        """The seed was measured by this reader alone (`seed`'s `alone`)."""
+        with self._lock:
+            return self._prior is not None and self._prior_alone
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """One get: `nbytes` read in `seconds` (gets of nothing are ignored)."""
@@ -364,7 +374,7 @@ def seed_read_rate(read: ReadRate, *, configured: float | None = None, key: str 
     got, why = probe_read_rate(dirs, nbytes=probe_bytes)
     if got is None:
         return f"no read rate known before the first get ({why})"
-    read.seed(got.bytes_per_s, got.source)
+    read.seed(got.bytes_per_s, got.source, alone=True)  # this process alone read the device
     return f"read rate {got.bytes_per_s / 1e9:.2f} GB/s, {got.source}, in {got.seconds:.2f} s"
 
 

@@ -338,13 +338,17 @@ def test_seed_read_rate_configured_then_persisted_then_probed(tmp_path):
     from hicache_gds.rates import _STATE_VERSION
     r = ReadRate()
     assert "configured (policy_read_gbps)" in seed_read_rate(r, configured=2e9, key="policy_read_gbps")
-    assert r.rate == pytest.approx(2e9)
+    assert r.rate == pytest.approx(2e9) and not r.seed_alone  # set for the rank as it serves
     st = {"version": _STATE_VERSION, "saved_at": _time.time(), "read_bytes_per_s": 1.5e9, "read_source": "measured"}
     r = ReadRate()
     assert "persisted" in seed_read_rate(r, state=st, dirs=[str(tmp_path)], probe_bytes=8 << 20) and r.rate == pytest.approx(1.5e9)
+    assert not r.seed_alone  # learnt from gets as they were served
     r = ReadRate()
     said = seed_read_rate(r, state={**st, "read_source": "configured"}, dirs=[str(tmp_path)], probe_bytes=8 << 20)
     assert "probed at open" in said and r.rate > 0 and os.listdir(tmp_path) == []  # the probe leaves no file
+    assert r.seed_alone  # read by this process alone: `hicache_gds_sglang.ranks.seed` shares it
+    r.seed(1e9, "agreed")
+    assert not r.seed_alone
     r = ReadRate()
     assert "read_probe is 0" in seed_read_rate(r, dirs=[str(tmp_path)]) and r.rate is None
 

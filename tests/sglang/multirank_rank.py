@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
+import shutil
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -285,22 +288,31 @@ def load_done_later(w_of, rank, n, log):
     log.append(["inserted", int(m.host_hit_length)])
 
 
-@scenario
-def late_any_release(w_of, rank, n, log):
-    """Late admission on the release installed (0.5.17's HiRadixCache or 0.5.23's
-    UnifiedRadixCache, `test_policy`'s harness): a request sent to the GPU behind 10 s of prefill
-    waits; the disk turns fast on rank 0 first (its own gets), then on every rank. It goes to
-    the disk at that second step, on every rank."""
+def _tp_cache(rank, n, d, ratio=None, **extra):
+    """`test_policy`'s harness on the release installed (0.5.17's HiRadixCache or 0.5.23's
+    UnifiedRadixCache) over this rank's own store in `d`, SGLang's TP fields on its cache.
+    `ratio`: the read rate configured, at which loading takes `ratio` x computing."""
     import test_policy as P
     hooks.SUPPORTED.add(P.CACHE)  # as test_policy's fixture (and plugin.register) does
-    d = os.path.join(BASE[0], f"late-rank{rank}")
+    if ratio is not None:
+        extra["policy_read_gbps"] = P.gbps_for(ratio)
     os.makedirs(d, exist_ok=True)
-    b, _ = P.open_backend(d, policy_read_gbps=P.gbps_for(8.0))  # loading takes 8x computing
+    b, _ = P.open_backend(d, **extra)
     made_backends.append(b)
     cache, _, pol = P.make_cache(b, queue_reqs=[P.req("q0", 60000)])
     cache.tp_world_size, cache.tp_group, cache.pp_rank, cache.pp_size, cache.pp_group = \
         n, dist.group.WORLD, 0, 1, None
     cache.attn_cp_group = cache.attn_tp_group = None
+    return P, b, cache, pol
+
+
+@scenario
+def late_any_release(w_of, rank, n, log):
+    """Late admission on the release installed (`_tp_cache`): a request sent to the GPU behind
+    10 s of prefill waits; the disk turns fast on rank 0 first (its own gets), then on every
+    rank. It goes to the disk at that second step, on every rank."""
+    P, b, cache, pol = _tp_cache(rank, n, os.path.join(BASE[0], f"late-rank{rank}"),
+                                 ratio=8.0)  # loading takes 8x computing
     sched, calls, r1 = cache._test_scheduler, [], P.req("r1", 18000)
     pol.current_req = r1
     P.admit(cache, "r1", 18000 - 64, calls)
@@ -315,6 +327,83 @@ def late_any_release(w_of, rank, n, log):
             b.read_rate.seed(P.gbps_for(0.5) * 1e9, "test: this rank's gets run faster")
         got = pol.late_admit(sched)
         log.append(["late", step, got, pol.decided["r1"].action, list(calls)])
+
+
+class _Removed:
+    """Removes a directory when closed (after the backends over it: `made_backends`' order)."""
+
+    def __init__(self, d):
+        self.d = d
+
+    def close(self):
+        shutil.rmtree(self.d, ignore_errors=True)
+
+
+def _seed_dir(rank, name, elsewhere=False):
+    """(this rank's store directory, whether it is where asked): under the test's, or
+    (`elsewhere`) on another filesystem, tmpfs, where there is one (else under the test's)."""
+    other = "/dev/shm"
+    if elsewhere and os.path.isdir(other) and os.access(other, os.W_OK) and \
+            os.stat(other).st_dev != os.stat(BASE[0]).st_dev:
+        return tempfile.mkdtemp(prefix=f"hgds-{name}-rank{rank}-", dir=other), True
+    return os.path.join(BASE[0], f"{name}-rank{rank}"), not elsewhere
+
+
+def _first_admission(P, b, cache, pol, log):
+    """The first admission, where the ranks agree the read rate seed: logs the rate agreed,
+    whether it is still a probe's, and what the policy's log line says of it."""
+    lines: list = []
+    h = logging.Handler(logging.INFO)
+    h.emit = lambda record: lines.append(record.getMessage())
+    logger = hooks.log
+    level = logger.level
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO)
+    try:
+        pol.seeded = False
+        pol.current_req = P.req("r1", 18000)
+        P.admit(cache, "r1", 18000 - 64, [])
+    finally:
+        pol.current_req = None
+        logger.removeHandler(h)
+        logger.setLevel(level)
+    said = [m for m in lines if "read rate seed agreed across ranks" in m]
+    line = said[0] if len(said) == 1 else f"{len(said)} seed lines"
+    n = dist.get_world_size()
+    log.append(["agreed", round(b.read_rate.rate), b.read_rate.seed_alone,
+                f"shared by {n} ranks on one device" in line, "not divided" in line])
+
+
+def _probed(rank, n, log, name, elsewhere=False):
+    d, placed = _seed_dir(rank, name, elsewhere)
+    P, b, cache, pol = _tp_cache(rank, n, d, read_probe="8M")  # no rate configured: each rank probes alone
+    made_backends.append(_Removed(d))  # (closed after the backend)
+    if not placed:
+        b.read_device = (1 << 40) + rank  # no other filesystem: each rank's store said to be on a device of its own
+    log.append(["probe", round(b.read_rate.rate), b.read_rate.seed_alone, b.read_device])
+    _first_admission(P, b, cache, pol, log)
+
+
+@scenario
+def seed_probed_one_device(w_of, rank, n, log):
+    """Every rank's store on one device, each rank's seed its probe, read alone: the ranks start
+    from the slowest probe divided by the ranks (serving, they read the device at once)."""
+    _probed(rank, n, log, "probed-one")
+
+
+@scenario
+def seed_probed_two_devices(w_of, rank, n, log):
+    """The odd ranks' stores on another device: each probe is what its rank reads, the slowest kept."""
+    _probed(rank, n, log, "probed-two", elsewhere=rank % 2 == 1)
+
+
+@scenario
+def seed_configured(w_of, rank, n, log):
+    """A configured read rate (here a different one per rank) on one device: the slowest, whole."""
+    P, b, cache, pol = _tp_cache(rank, n, os.path.join(BASE[0], f"configured-rank{rank}"),
+                                 ratio=RATIOS[rank], read_probe="8M")
+    log.append(["configured", round(b.read_rate.rate), b.read_rate.seed_alone, b.read_device])
+    _first_admission(P, b, cache, pol, log)
 
 
 BASE: list = [""]

@@ -33,7 +33,8 @@ needs_0517 = pytest.mark.skipif(HiRadixCache is None, reason="SGLang 0.5.17's Hi
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPLIT = ("load_done_later", "fresh_seed", "split_join", "split_slow_rank", "mixed_verdicts", "hold_until_all_read", "hold_read_fails",
          "hold_limit_passes", "late_admission")
-SCENARIOS = ("late_any_release", *(SPLIT if HiRadixCache is not None else ()))
+SEEDS = ("seed_probed_one_device", "seed_probed_two_devices", "seed_configured")
+SCENARIOS = ("late_any_release", *SEEDS, *(SPLIT if HiRadixCache is not None else ()))
 PAGES, PS, CHUNK = 16, 64, 256  # test_split's prompt
 BPT, A = 1024, 1 / 6000  # its KV bytes per token and prefill seconds per token
 RATIOS = [1.0, 1.3, 2.0, 1.6]  # multirank_rank's: each rank's read time against its prefill time
@@ -155,3 +156,37 @@ def test_a_load_finished_on_one_rank_waits_for_the_others_then_ends_on_every_ran
     assert log[0] == ["admit", "load", False]  # rank 0 has it all, the others half: every rank waits
     assert log[1] == ["done", True, True]  # then every rank ends it at the same pass
     assert log[2] == ["inserted", PAGES * PS]  # with the whole hit (SGLang keeps what every rank read)
+
+
+def _seeds(ranks, name) -> tuple[list, list]:
+    """(each rank's own seed: [how, bytes/s, probed alone, st_dev], the agreement every rank logged:
+    [bytes/s, still a lone probe's, divided: "shared by N ranks on one device", "not divided"])."""
+    logs = [r[name] for r in ranks]
+    for i, log in enumerate(logs):
+        assert not (isinstance(log, dict) and "error" in log), f"rank {i}: {log}"
+    agreed = [log[1] for log in logs]
+    assert all(a == agreed[0] for a in agreed), "ranks agreed differently:\n" + "\n".join(map(json.dumps, logs))
+    assert agreed[0][0] == "agreed"
+    return [log[0] for log in logs], agreed[0][1:]
+
+
+def test_ranks_probing_one_device_alone_start_from_the_slowest_probe_shared_by_every_rank(ranks):
+    own, agreed = _seeds(ranks, "seed_probed_one_device")
+    n = len(ranks)
+    assert all(o[0] == "probe" and o[2] is True for o in own) and len({o[3] for o in own}) == 1
+    assert abs(agreed[0] - min(o[1] for o in own) / n) <= 1  # serving, the ranks read the device at once
+    assert agreed[1:] == [False, True, False]  # no longer a lone probe's; the log says why it divided
+
+
+def test_ranks_probing_different_devices_keep_the_slowest_probe_whole(ranks):
+    own, agreed = _seeds(ranks, "seed_probed_two_devices")
+    assert all(o[0] == "probe" and o[2] is True for o in own) and len({o[3] for o in own}) == 2
+    assert abs(agreed[0] - min(o[1] for o in own)) <= 1
+    assert agreed[1:] == [False, False, True]
+
+
+def test_ranks_with_a_configured_rate_keep_the_slowest_whole_on_one_device(ranks):
+    own, agreed = _seeds(ranks, "seed_configured")
+    slowest = BPT / (A * max(RATIOS[:len(ranks)]))
+    assert all(o[0] == "configured" and o[2] is False for o in own) and len({o[3] for o in own}) == 1
+    assert abs(agreed[0] - slowest) <= 1 and agreed[1:] == [False, False, False]

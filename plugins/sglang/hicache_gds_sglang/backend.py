@@ -141,6 +141,7 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         self.read_rate = ReadRate()
         self._cost_path: str | None = None
         self._cost_saves = False  # MLA readers read the writer's estimates, and write none
+        self.read_device: int | None = None  # st_dev of the KV namespace's first directory (`ranks.seed`)
         self._reading: tuple[Any, int] | None = None  # (`_region` of the get in flight, pages read)
         self._read_returned = threading.Event()  # set as each get or existence query returns (`wait_for_reads`)
         self.idle_wait_s = self.policy_config.idle_wait_ms / 1e3
@@ -221,6 +222,7 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
             # namespace is the same on every rank: its readers seed as its writer does)
             self._cost_path = os.path.join(dirs[0], STATE_FILE) if dirs else None
             self._cost_saves = not kv.read_only
+            self.read_device = os.stat(dirs[0]).st_dev if dirs else None
             ident = dirs[0] if dirs else None
             with _RATES_LOCK:
                 known = _RATES.get(ident) if ident else None

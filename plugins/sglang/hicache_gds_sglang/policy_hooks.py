@@ -151,11 +151,13 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     tokens = args[2] if len(args) > 2 else kwargs.get("new_input_tokens", ())
     if not pol.seeded and ranks.multi(cache):  # the first admission: on every rank at this step
         pol.seeded = True
+        backend = model = None
         try:
-            model = pol.model(view.backend_of(cache))
+            backend = view.backend_of(cache)
+            model = pol.model(backend)
         except Exception:  # noqa: BLE001 -- this rank knows no rate; it still takes part
-            model = None
-        said = ranks.seed(cache, model)
+            pass
+        said = ranks.seed(cache, model, getattr(backend, "read_device", None))
         log.info("hicache-gds policy: read rate seed agreed across ranks: %s", said or "no rank knows one")
     try:
         request = args[0] if args else kwargs.get("request", kwargs.get("req_id"))

@@ -15,7 +15,9 @@ Agreed here (and where each is used):
 
 * `seed`: at a policy's first admission (``policy_hooks.around_admit``), the read rate its cost
   model starts from: the slowest of the rates the ranks were seeded with (configured, persisted
-  in each rank's namespace, or probed by each rank), so a fresh server's ranks start alike;
+  in each rank's namespace, or probed by each rank), so a fresh server's ranks start alike; a
+  rank's probe read the device alone, so where every rank's store is on one device it counts
+  divided by the ranks that read it at once;
 * `split_plan`: after admission's agreed "not a load" (``policy_hooks.around_admit``): whether the
   hit is split (every rank chose to), its head (the longest any rank chose: the tail every rank
   can read) and the tail tokens forecast read by the join (the fewest);
@@ -34,11 +36,12 @@ Agreed here (and where each is used):
 from __future__ import annotations
 
 import hashlib
+import socket
 from typing import Any, Sequence
 
 from . import view
 
-__all__ = ["multi", "reduce", "seed", "split_plan", "all_ok", "tail", "first_all", "JOIN", "WAIT", "HOLD"]
+__all__ = ["multi", "reduce", "readers", "seed", "split_plan", "all_ok", "tail", "first_all", "JOIN", "WAIT", "HOLD"]
 
 JOIN, WAIT, HOLD = 0, 1, 2  # a tail's verdicts, most cautious first (the agreed one is the minimum)
 
@@ -70,17 +73,53 @@ def reduce(cache: Any, mins: Sequence[int], maxs: Sequence[int] = ()) -> tuple[l
     return out[:n], [-x for x in out[n:]]
 
 
-def seed(cache: Any, model: Any) -> str | None:
+def readers(cache: Any) -> int:
+    """How many ranks `reduce` combines (SGLang's attention CP and TP groups, else its TP group):
+    the ranks that read at once, each its own shard (with MLA, each the one namespace)."""
+    n = 1
+    for name in ("attn_cp_group", "attn_tp_group"):
+        group = getattr(cache, name, None)
+        if group is not None:
+            try:
+                import torch
+                n *= max(1, torch.distributed.get_world_size(group=group))
+            except Exception:  # noqa: BLE001 -- unknown: count none (no seed is divided by it)
+                pass
+    return n if n > 1 else max(1, int(getattr(cache, "tp_world_size", 1) or 1))
+
+
+def _host() -> int:
+    return int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(), "little")
+
+
+def seed(cache: Any, model: Any, device: int | None = None) -> str | None:
     """Seed every rank's read rate (`model`: this rank's `CostModel`, or None) with the slowest
-    rate any rank starts from; returns what was seeded, for the log (None: no rank knows one)."""
+    rate any rank starts from; returns what was seeded, for the log (None: no rank knows one).
+
+    A seed a rank measured alone (`ReadRate.seed_alone`: its probe at open) over-states its rate
+    while every rank reads: where every rank's store is on one device (`device`: the st_dev of
+    this rank's first store directory, the same on every rank, on one host), such a seed counts
+    as its share, divided by the `readers` (a configured or persisted seed counts whole: it was
+    set or learnt for the rank as it serves). Ranks on different devices keep the slowest seed."""
     read = getattr(model, "read", None)
     rate = read.rate if read is not None and not read.total_gets else None
     known = round(rate) if rate and rate > 0 else 0
-    (low,), (high,) = reduce(cache, [known or 2 ** 62], [known])
+    n = readers(cache)
+    alone = bool(known) and read.seed_alone
+    share = max(1, round(known / n)) if alone else known
+    dev = device % (1 << 62) if device is not None else -1
+    (low, low_share, dev_lo, host_lo), (high, any_alone, dev_hi, host_hi) = reduce(
+        cache, [known or 2 ** 62, share or 2 ** 62, dev, _host()], [known, int(alone), dev, _host()])
     if not high or read is None:
         return None
+    mine = f"this rank's seed: {known / 1e9:.2f} GB/s{', probed alone' if alone else ''}"
+    if any_alone and n > 1 and dev_lo >= 0 and dev_lo == dev_hi and host_lo == host_hi and low_share < low:
+        read.seed(float(low_share), f"agreed across ranks (a rank's probe, shared by {n} ranks on one device)")
+        return (f"read rate {low_share / 1e9:.2f} GB/s, a rank's probe ({low_share * n / 1e9:.2f} GB/s alone) divided "
+                f"by {n}: shared by {n} ranks on one device ({mine})")
     read.seed(float(low), "agreed across ranks (the slowest rank's seed)")
-    return f"read rate {low / 1e9:.2f} GB/s (this rank's seed: {known / 1e9:.2f} GB/s)"
+    why = " (not divided: the ranks' stores are not on one device)" if any_alone and n > 1 and low_share < low else ""
+    return f"read rate {low / 1e9:.2f} GB/s ({mine}){why}"
 
 
 def split_plan(cache: Any, plan: Any) -> tuple[int, int] | None:
