@@ -97,10 +97,3 @@ def engine() -> str:
     why = {"unset": "not started", "compiling": "numba compiling", "off": f"{_ENV}=0"}.get(_state, _why)
     return f"numpy ({why})"
 
-
-def _reset_for_tests() -> None:
-    """Forget the outcome (tests switching the environment variable)."""
-    global _kernel, _state, _why
-    with _LOCK:
-        _kernel, _state, _why = None, "unset", ""
-        _READY.clear()

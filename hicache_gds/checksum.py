@@ -23,9 +23,9 @@ copy differ). It detects corruption and mix-ups, not an adversary.
 
 Cost: compiled with Numba (`_checksum_jit`) the block sums run at 20+ GB/s per core (numpy's einsum,
 the fallback while it compiles or without Numba, about 4-6; xxh3 did about 40-60); `PageStore`
-hashes on a thread pool, pipelined with the IO, so the disk stays the bound. On the GPU a Triton kernel sums every block of a request's pages in one launch (the
-pure-torch version is the fallback and the CPU reference); `benchmarks/bench_checksum.py`
-measures both against the IO.
+hashes on a thread pool, pipelined with the IO, so the disk stays the bound. On the GPU a Triton
+kernel sums every block of a request's pages in one launch (the pure-torch version is the fallback
+and the CPU reference); `benchmarks/bench_checksum.py` measures both against the IO.
 """
 
 from __future__ import annotations
