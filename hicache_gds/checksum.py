@@ -151,14 +151,14 @@ def _finish_all(sums: np.ndarray, nbytes: int) -> list[int]:
     return c.tolist()
 
 
-def checksum(data: Any, nbytes: int | None = None) -> int:
+def checksum(data: Any, nbytes: int | None = None, *, compiled: bool = True) -> int:
     """The checksum of a bytes-like page (`nbytes`: the stored page's length, >= len(data); the
-    rest is zeros)."""
+    rest is zeros). `compiled`: as `_block_sums` (False: numpy's sums, for comparisons)."""
     u8 = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
     n = int(u8.size) if nbytes is None else nbytes
     if n < u8.size:
         raise ValueError(f"nbytes {n} is shorter than the {u8.size} bytes given")
-    sums = _block_sums(u8)
+    sums = _block_sums(u8, compiled)
     return _finish(_fold(_pad_blocks(sums, n)), n)
 
 
