@@ -77,14 +77,8 @@ def readers(cache: Any) -> int:
     """How many ranks `reduce` combines (SGLang's attention CP and TP groups, else its TP group):
     the ranks that read at once, each its own shard (with MLA, each the one namespace)."""
     n = 1
-    for name in ("attn_cp_group", "attn_tp_group"):
-        group = getattr(cache, name, None)
-        if group is not None:
-            try:
-                import torch
-                n *= max(1, torch.distributed.get_world_size(group=group))
-            except Exception:  # noqa: BLE001 -- unknown: count none (no seed is divided by it)
-                pass
+    for size in view.attention_group_sizes(cache):
+        n *= max(1, size or 1)  # unknown: count none (no seed is divided by it)
     return n if n > 1 else max(1, int(getattr(cache, "tp_world_size", 1) or 1))
 
 
@@ -108,8 +102,9 @@ def seed(cache: Any, model: Any, device: int | None = None) -> str | None:
     alone = bool(known) and read.seed_alone
     share = max(1, round(known / n)) if alone else known
     dev = device % (1 << 62) if device is not None else -1
+    host = _host()
     (low, low_share, dev_lo, host_lo), (high, any_alone, dev_hi, host_hi) = reduce(
-        cache, [known or 2 ** 62, share or 2 ** 62, dev, _host()], [known, int(alone), dev, _host()])
+        cache, [known or 2 ** 62, share or 2 ** 62, dev, host], [known, int(alone), dev, host])
     if not high or read is None:
         return None
     mine = f"this rank's seed: {known / 1e9:.2f} GB/s{', probed alone' if alone else ''}"

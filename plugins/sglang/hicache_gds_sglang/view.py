@@ -337,20 +337,26 @@ def can_protect(cache_cls: Any) -> bool:
 
 
 # -- ranks ----------------------------------------------------------------------------------------
-def single_rank(cache: Any) -> bool:
-    """The cache serves one rank alone (no TP, PP or attention-group peers to agree with)."""
-    if int(getattr(cache, "tp_world_size", 1) or 1) > 1 or int(getattr(cache, "pp_size", 1) or 1) > 1:
-        return False
+def attention_group_sizes(cache: Any) -> list[int | None]:
+    """The sizes of the cache's attention CP and TP groups where it has them (None: unknown)."""
+    sizes: list[int | None] = []
     for name in ("attn_cp_group", "attn_tp_group"):
         group = getattr(cache, name, None)
         if group is not None:
             try:
                 import torch
-                if torch.distributed.get_world_size(group=group) > 1:
-                    return False
-            except Exception:  # noqa: BLE001 -- unknown: do not act alone
-                return False
-    return True
+                sizes.append(int(torch.distributed.get_world_size(group=group)))
+            except Exception:  # noqa: BLE001 -- the caller decides what an unknown size means
+                sizes.append(None)
+    return sizes
+
+
+def single_rank(cache: Any) -> bool:
+    """The cache serves one rank alone (no TP, PP or attention-group peers to agree with)."""
+    if int(getattr(cache, "tp_world_size", 1) or 1) > 1 or int(getattr(cache, "pp_size", 1) or 1) > 1:
+        return False
+    # an unknown group size: do not act alone
+    return all(n is not None and n <= 1 for n in attention_group_sizes(cache))
 
 
 def agree(cache: Any, flag: bool, op_name: str) -> bool:
