@@ -83,6 +83,13 @@ device (4 GB/s, 8B shape, chunks of 8192), a 26,624-token hit takes ``max(C(8192
 ~0.66 s against its 1.0 s load, where the unparked split's best (0.82 s of head, the rest
 computed) loses to the load.
 
+**Cut heads** (``split_cut``: the engine ends the chunk that crosses ``k`` at ``k``, so ``k`` is
+any whole number of pages, not only of chunks): the head's last chunk is ``k - j*chunk`` tokens
+(`last_chunk`) and ``s_k`` starts it. Whole chunks put the balance point of ``t_P`` on a grid of
+8,192 tokens: a 10,240-token hit could only compute 8,192 (``max(C(8192), L(2048))``, the GPU
+alone for most of it) or load all; cut at ~5k, the GPU and the disk each take about half
+(``open_loop_bound.py``: a burst of 8 at 0.30x recompute with any head, 0.44x with whole chunks).
+
 `breakeven_prefill_rate` says when a tier pays one request at a time: loading an ``n``-token
 prefix takes ``n*B/R``, recomputing about ``n/P``, so loading wins when the engine prefills
 slower than ``R/B`` tokens per second (and longer prefixes, through ``b``, move it further).
@@ -102,8 +109,30 @@ import numpy as np
 from .rates import (STATE_FILE, LoadPace, PrefillModel, ReadRate, estimates_state, load_state, save_state,
                     seed_from_state)
 
-__all__ = ["ReadRate", "PrefillModel", "LoadPace", "CostModel", "Decision", "breakeven_prefill_rate", "load_state",
-           "save_state", "STATE_FILE"]
+__all__ = ["ReadRate", "PrefillModel", "LoadPace", "CostModel", "Decision", "breakeven_prefill_rate", "split_heads",
+           "last_chunk", "load_state", "save_state", "STATE_FILE"]
+
+
+HEAD_CANDIDATES = 64  # cut heads weighed per split, spread over the hit (plus every whole-chunk head)
+
+
+def last_chunk(k: int, chunk: int) -> int:
+    """Tokens in the last chunk of a `k`-token head computed in chunks of `chunk`, where the chunk
+    that crosses `k` is cut there (a head of whole chunks ends with a whole one)."""
+    return k - (k - 1) // chunk * chunk
+
+
+def split_heads(hit: int, chunk: int, page: int, *, cut: bool = False) -> list[int]:
+    """The heads a split of a `hit`-token L3 hit may compute before its tail joins: whole chunks
+    (SGLang joins a tail where a chunk ends), or with `cut` any whole pages short of the hit (the
+    engine ends the chunk that crosses the head there), at most `HEAD_CANDIDATES` of those spread
+    evenly, besides the whole-chunk heads."""
+    whole = list(range(chunk, hit, chunk))
+    if not cut:
+        return whole
+    pages = (hit - 1) // page  # heads of 1..pages pages leave a tail of at least a page
+    step = max(1, -(-pages // HEAD_CANDIDATES))
+    return sorted(set(range(page * step, pages * page + 1, page * step)) | set(whole))
 
 
 def breakeven_prefill_rate(read_bytes_per_s: float, kv_bytes_per_token: float) -> float:
@@ -168,7 +197,7 @@ class CostModel:
                in_flight: bool = False, gpu_backlog: float = 0.0, disk_backlog: float = 0.0,
                smooth: bool = False, page: int = 1,
                split_chunk: int | None = None, split_grain: int | None = None,
-               split_park: bool = False) -> Decision:
+               split_park: bool = False, split_cut: bool = False) -> Decision:
         """Load or compute (admission), wait or stop (a load in flight); see the module docstring.
 
         new: tokens to prefill after `prefix`; hit: the leading ones in L3 (<= new); kept: tokens
@@ -177,9 +206,10 @@ class CostModel:
         loads ahead of this one on the disk; smooth: batches counted fractionally
         (`PrefillModel.predict`), for judging a few tokens at the margin; page: tokens per page
         (a split's tail is whole pages); split_chunk: at admission, weigh
-        computing a head of whole chunks of this many tokens while the disk loads the rest
+        computing a head in chunks of this many tokens while the disk loads the rest
         (`split`; None: never), whose tail is counted read in gets of split_grain tokens;
-        split_park: the request may be held after its head until its tail is read (`split`).
+        split_park: the request may be held after its head until its tail is read (`split`);
+        split_cut: the head may end at any page, the engine cutting its chunk there (`split`).
         Unknown rates: load (the engine's own behaviour)."""
         hit = max(0, min(int(hit), int(new)))
         kept = max(0, min(int(kept), hit))
@@ -196,7 +226,7 @@ class CostModel:
             best = min(t_load, t_compute)
             sp = self.split(new, prefix, hit, chunk=split_chunk, gpu_backlog=gpu_backlog,
                             disk_backlog=disk_backlog, page=page, grain=split_grain,
-                            park=split_park) if split_chunk else None
+                            park=split_park, cut=split_cut) if split_chunk else None
             if sp is not None and sp[1] * (1.0 + self.stop_margin) < best:
                 head, t_split, got = sp
                 how = "then waiting for them" if split_park and got == hit - head else "finishes first"
@@ -213,24 +243,26 @@ class CostModel:
 
     def split(self, new: int, prefix: int, hit: int, *, chunk: int, gpu_backlog: float = 0.0,
               disk_backlog: float = 0.0, page: int = 1, grain: int | None = None,
-              park: bool = False) -> tuple[int, float, int] | None:
+              park: bool = False, cut: bool = False) -> tuple[int, float, int] | None:
         """The best head for a split (module docstring): ``(k, t_S, f_k)`` -- the tokens the GPU
-        computes first (whole chunks), the forecast finish, and the tail tokens forecast to be
-        read when they are joined -- or None where no head of whole chunks leaves a tail to read
-        or the rates are unknown. grain: tokens an engine's get reads before any of them count
-        (SGLang counts a prefetch's pages a batch of gets at a time; None: page by page). park:
-        a head may also wait for its whole tail (``t_P``), whichever finishes first."""
+        computes first (whole chunks, or with `cut` any whole pages), the forecast finish, and
+        the tail tokens forecast to be read when they are joined -- or None where no head leaves
+        a tail to read or the rates are unknown. grain: tokens an engine's get reads before any
+        of them count (SGLang counts a prefetch's pages a batch of gets at a time; None: page by
+        page). park: a head may also wait for its whole tail (``t_P``), whichever finishes
+        first. cut: the engine ends the chunk that crosses the head at the head (`split_heads`)."""
         r = self.read.rate
         chunk = int(chunk)
         page = max(1, int(page))
         hit = max(0, min(int(hit), int(new)))
-        if r is None or chunk <= 0 or hit <= chunk:
+        if r is None or chunk <= 0 or hit <= (page if cut else chunk):
             return None
         per_token_s = self.bytes_per_token * self.pace.factor / r
+        heads = split_heads(hit, chunk, page, cut=cut)
         best: tuple[int, float, int] | None = None
-        for k in range(chunk, hit, chunk):
+        for k in heads:
             t_k = self.predict_compute(k, prefix)
-            s_k = self.predict_compute(k - chunk, prefix)
+            s_k = self.predict_compute(k - last_chunk(k, chunk), prefix)
             if t_k is None or s_k is None:
                 return None
             f = int(max(0.0, gpu_backlog + s_k - disk_backlog) / per_token_s) // page * page
@@ -247,7 +279,7 @@ class CostModel:
                 best = (k, t, f)
         if park:
             after = self.predict_compute(new - hit, prefix + hit)
-            for k in range(chunk, hit, chunk):
+            for k in heads:
                 t_k = self.predict_compute(k, prefix)
                 tail = (hit - k) // page * page
                 if t_k is None or after is None or tail <= 0:

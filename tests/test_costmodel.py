@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_gds.costmodel import (STATE_FILE, CostModel, LoadPace, PrefillModel, ReadRate, breakeven_prefill_rate, load_state,
-                                   save_state)
+from hicache_gds.costmodel import (HEAD_CANDIDATES, STATE_FILE, CostModel, LoadPace, PrefillModel, ReadRate,
+                                   breakeven_prefill_rate, last_chunk, load_state, save_state, split_heads)
 
 KIB = 1024
 # An H200-like 32B shape: ~6.2k tokens/s at 18k tokens, 256 KiB of KV per token, a 1.4 GB/s disk.
@@ -371,6 +371,53 @@ def test_a_parked_split_balances_the_head_against_the_tail_where_an_unparked_one
     slow = CostModel(128 * KIB, read=ReadRate(0.02e9, "test"), prefill=pm)
     assert slow.decide(new, 0, hit, page=64, split_chunk=8192, split_park=True).action == "compute"
     assert m.decide(new, 0, 8192, page=64, split_chunk=8192, split_park=True).action != "split"
+
+
+def test_cut_heads_are_whole_pages_spread_over_the_hit_with_every_whole_chunk_head():
+    assert split_heads(26624, 8192, 64) == [8192, 16384, 24576]
+    heads = split_heads(26624, 8192, 64, cut=True)
+    assert {8192, 16384, 24576} <= set(heads) and heads == sorted(set(heads))
+    assert all(k % 64 == 0 and 0 < k < 26624 for k in heads)
+    assert len(heads) <= HEAD_CANDIDATES + 3 and heads[0] <= 26624 // HEAD_CANDIDATES + 64
+    assert split_heads(640, 8192, 64, cut=True) == list(range(64, 640, 64))  # short hits: every page
+    assert split_heads(64, 8192, 64, cut=True) == []  # no tail left
+    assert [last_chunk(k, 8192) for k in (64, 8192, 13000, 16384, 16448)] == [64, 8192, 4808, 8192, 64]
+
+
+def test_a_cut_head_balances_a_short_hit_between_the_gpu_and_the_disk_where_whole_chunks_cannot():
+    # the fast device of the GPU machine (as above): a 10,240-token hit, one chunk and 2,048 tokens
+    pm = PrefillModel()
+    pm.seed_coefficients(1.66e-5, 4.11e-9, 0.0, "test")
+    m = CostModel(128 * KIB, read=ReadRate(3.66e9, "test"), prefill=pm)
+    new, hit = 10304, 10240
+    whole = m.decide(new, 0, hit, page=64, split_chunk=8192, split_park=True)
+    cut = m.decide(new, 0, hit, page=64, split_chunk=8192, split_park=True, split_cut=True)
+    assert cut.action == "split" and cut.tokens % 64 == 0 and 0 < cut.tokens < 8192
+    assert cut.t_load < 0.75 * min(whole.t_load, m.decide(new, 0, hit).t_load)
+    t_head, t_tail = m.predict_compute(cut.tokens), m.predict_load((hit - cut.tokens) * 128 * KIB)
+    assert cut.t_load == pytest.approx(max(t_head, t_tail) + m.predict_compute(new - hit, hit))
+    assert abs(t_head - t_tail) < 0.3 * max(t_head, t_tail)  # near the balance of the GPU and the disk
+    # unparked: the head's last (cut) chunk starts the join deadline
+    plain = m.split(new, 0, hit, chunk=8192, page=64, cut=True)
+    if plain is not None:
+        k, t, f = plain
+        s_k = m.predict_compute(k - last_chunk(k, 8192))
+        assert f <= int(s_k * 3.66e9 / (128 * KIB)) // 64 * 64 + 64
+    # a hit of one page leaves no tail; unknown rates: no split
+    assert m.split(128, 0, 64, chunk=8192, page=64, cut=True) is None
+    assert CostModel(128 * KIB, prefill=pm).split(new, 0, hit, chunk=8192, page=64, cut=True) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(2048, 40000), g=st.floats(0.0, 4.0), d=st.floats(0.0, 2.0), gbps=st.floats(0.3, 12.0))
+def test_cut_heads_never_forecast_later_than_whole_chunks(n, g, d, gbps):
+    m = model(gbps, chunk=4096)
+    h = (n - 1) // 64 * 64
+    kw = dict(gpu_backlog=g, disk_backlog=d, page=64, split_chunk=4096, split_park=True)
+    whole, cut = m.decide(n, 0, h, **kw), m.decide(n, 0, h, split_cut=True, **kw)
+    assert min(cut.t_load, cut.t_compute) <= min(whole.t_load, whole.t_compute) + 1e-9
+    if cut.action == "split":
+        assert cut.tokens % 64 == 0 and 0 < cut.tokens < h
 
 
 def test_both_adapters_seed_keys_are_the_cores_with_their_old_names_as_aliases(caplog):

@@ -38,19 +38,24 @@ HEAD, END = ks.HEAD, ks.END
 ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req"
 
 
-def _place_hold_hook() -> None:
-    """The 0.5.23 row of `plugin.HOOKS` on ``PrefillAdder.add_chunked_req``, placed as SGLang's
+def place_adder_hook(target: str, group: str) -> None:
+    """The row of `plugin.HOOKS` for `group` on a ``PrefillAdder`` method, placed as SGLang's
     HookRegistry places an AROUND hook (its group needs the scheduler, which imports only with a
     server's packages)."""
-    (h,) = [h for h in plugin.HOOKS if h.target == ADDER and h.group == "park@0.5.23"]
+    (h,) = [h for h in plugin.HOOKS if h.target == target and h.group == group]
     fn = plugin._hook_fn(h.hook)
-    original = PrefillAdder.add_chunked_req
+    name = target.rsplit(".", 1)[1]
+    original = getattr(PrefillAdder, name)
 
     def wrapper(self, *args, **kwargs):
         return fn(original, self, *args, **kwargs)
 
     wrapper.__wrapped__ = original
-    PrefillAdder.add_chunked_req = wrapper
+    setattr(PrefillAdder, name, wrapper)
+
+
+def _place_hold_hook() -> None:
+    place_adder_hook(ADDER, "park@0.5.23")
 
 
 class HoldOn0523(ks.SplitOn0523):

@@ -94,12 +94,12 @@ class SplitOn0523(k.GDSInPlaceOfFile):
         return types.SimpleNamespace(seq=seq, truth=truth, cons=cons, alloc=alloc, rtp=rtp, req=req, pol=pol,
                                      sched=sched)
 
-    def _start(self, w):
-        """Admission chose a split (the GPU computes HEAD tokens, the rest loads), through the
+    def _start(self, w, head=HEAD):
+        """Admission chose a split (the GPU computes `head` tokens, the rest loads), through the
         cache's ``prefetch_from_storage`` hook as the scheduler calls it on 0.5.23."""
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
-        w.pol.split_plans["s"] = SplitPlan(HEAD, len(w.seq) - HEAD, len(w.seq))
+        w.pol.split_plans["s"] = SplitPlan(head, len(w.seq) - head, len(w.seq))
         w.pol.admit = lambda *a, **kw: 0  # the decision (its cost model is test_policy's)
         w.pol.current_req = w.req
         fill = w.req.full_untruncated_fill_ids  # what the scheduler prefetches: up to its last token

@@ -8,7 +8,8 @@ takes the request (host protection through ``inc_host_lock_ref``), then are SGLa
 queued request admission sent to the GPU is prefetched after a prefill batch is formed, once its
 hit loads before the GPU reaches it (late admission), and loads. A split hit's tail
 (`kit_split_0523.py`) joins a real request where its chunks reach it, and a split request is held
-for its tail in SGLang's own ``PrefillAdder`` (`kit_park_0523.py`).
+for its tail in SGLang's own ``PrefillAdder`` (`kit_park_0523.py`), whose chunk ends at the split's
+head (`kit_cut_0523.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 KIT = os.path.join(os.path.dirname(__file__), "kit_0523.py")
 SPLIT_KIT = os.path.join(os.path.dirname(__file__), "kit_split_0523.py")
 HOLD_KIT = os.path.join(os.path.dirname(__file__), "kit_park_0523.py")
+CUT_KIT = os.path.join(os.path.dirname(__file__), "kit_cut_0523.py")
 
 
 def _run_kit(path: str, names: tuple[str, ...]) -> None:
@@ -63,6 +65,14 @@ def test_a_split_request_is_held_for_its_tail_in_sglang_0523s_real_adder():
     held joins what was read; a request aborted while held frees its tail, its hold and its host
     pages."""
     _run_kit(HOLD_KIT, ("hold-join", "hold-limit", "hold-fault", "hold-abort"))
+
+
+def test_a_split_head_is_cut_where_it_ends_in_sglang_0523s_real_adder():
+    """`kit_cut_0523.py`: a split head shorter than the pass's chunk budget ends SGLang's first
+    chunk (real ``add_one_req``; the budget stays spent), a head past the first chunk ends the next
+    one (real ``add_chunked_req``), and the tail joins there byte for byte over a poisoned GPU pool;
+    with ``policy_split_cut`` off the chunk keeps SGLang's size."""
+    _run_kit(CUT_KIT, ("cut-first", "cut-next", "cut-off"))
 
 
 def test_a_0523_pass_is_held_only_where_the_adder_caps_requests_and_the_last_chunk_is_checkpointed():

@@ -15,19 +15,21 @@ import re
 
 import pytest
 
-from hicache_gds_sglang import plugin, split_policy
+from hicache_gds_sglang import cut, plugin, split_policy
 
 SERVER_ONLY = ("sglang.srt.managers.scheduler.", "sglang.srt.managers.tp_worker.")
 
 EXPECTED = {
     "0.5.17": {"decision": "active", "agreement": "active", "host share": "active", "host protection": "active",
-               "late admission": "active", "split": "active", "split hold": "active"},
+               "late admission": "active", "split": "active", "split hold": "active",
+               "split cut": "active"},
     # 0.5.23 inserts a finished load in `_handle_prefetch_result` (host protection through
     # `inc_host_lock_ref`) and has `get_new_batch_prefill` (late admission); a split's tail joins
     # after `stash_chunked_request` (its `checkpoint`), and a split request is held for its tail at
     # `PrefillAdder.add_chunked_req` (`park_0523`)
     "0.5.23": {"decision": "active", "agreement": "active", "host share": "active", "host protection": "active",
-               "late admission": "active", "split": "active", "split hold": "active"},
+               "late admission": "active", "split": "active", "split hold": "active",
+               "split cut": "active"},
 }
 
 
@@ -84,7 +86,7 @@ def test_registration_places_the_table_and_logs_what_falls_back(present, caplog)
         def register(target, fn, kind):
             registered.append((target, fn.__name__, kind.name))
 
-    hooked_split, hooked_park = split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0]
+    hooked_split, hooked_park, hooked_cut = split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0], cut.CUT_HOOKED[0]
     try:
         with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):
             plugin._register_policy(Registry, HookType, plugin.hooked_groups(present))
@@ -99,8 +101,11 @@ def test_registration_places_the_table_and_logs_what_falls_back(present, caplog)
         assert "never held for its tail" not in caplog.text
         hold = [t for t, fn, _ in registered if t.endswith("PrefillAdder.add_chunked_req")]
         assert len(hold) == 1  # one release's hold, never both
+        cuts = [t for t, fn, _ in registered if t.endswith("PrefillAdder.add_one_req")]
+        assert len(cuts) == 1 and cut.CUT_HOOKED[0] is True  # one release's cut
+        assert "a split's head is whole chunks" not in caplog.text
     finally:
-        split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0] = hooked_split, hooked_park
+        split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0], cut.CUT_HOOKED[0] = hooked_split, hooked_park, hooked_cut
 
 
 def test_where_the_adder_cannot_be_hooked_the_hold_falls_back_and_says_so(present, caplog):
@@ -114,20 +119,25 @@ def test_where_the_adder_cannot_be_hooked_the_hold_falls_back_and_says_so(presen
     paths = plugin.policy_paths(without)
     assert paths["split hold"] == "fallback: " + plugin.GROUPS[group].fallback
     assert paths["split"] == "active"
-    assert {k: v for k, v in paths.items() if k != "split hold"} == \
-        {k: v for k, v in EXPECTED[release].items() if k != "split hold"}
+    # a head's next chunks are cut in the hold's hook: without it the head is whole chunks
+    cut_group = "cut@0.5.23" if release == "0.5.23" else "cut"
+    assert paths["split cut"] == "fallback: " + plugin.GROUPS[cut_group].fallback
+    assert {k: v for k, v in paths.items() if k not in ("split hold", "split cut")} == \
+        {k: v for k, v in EXPECTED[release].items() if k not in ("split hold", "split cut")}
 
     class Registry:
         @staticmethod
         def register(target, fn, kind):
-            assert not target.endswith("PrefillAdder.add_chunked_req"), target
+            assert not target.endswith(("PrefillAdder.add_chunked_req", "PrefillAdder.add_one_req")), target
 
-    hooked_split, hooked_park = split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0]
+    hooked_split, hooked_park, hooked_cut = split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0], cut.CUT_HOOKED[0]
     try:
         with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.plugin"):
             plugin._register_policy(Registry, HookType, plugin.hooked_groups(without))
         assert split_policy.SPLIT_HOOKED[0] is True and split_policy.PARK_HOOKED[0] is False
+        assert cut.CUT_HOOKED[0] is False
         assert "PrefillAdder.add_chunked_req cannot be hooked here" in caplog.text
         assert "never held for its tail" in caplog.text
+        assert "a split's head is whole chunks" in caplog.text
     finally:
-        split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0] = hooked_split, hooked_park
+        split_policy.SPLIT_HOOKED[0], split_policy.PARK_HOOKED[0], cut.CUT_HOOKED[0] = hooked_split, hooked_park, hooked_cut

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from array import array
 import types
 
@@ -783,3 +784,88 @@ def test_under_write_through_a_joined_tails_head_stays_locked_until_it_is_backed
     room[0] = True  # host memory comes back: the next pass backs the head up and lets it go
     hooks.after_new_prefill_batch(None, w.sched)
     assert not w.pol.guards and head.backuped and head.lock_ref == 1  # SGLang's write-through lock only
+
+
+@needs_0517
+def test_a_cut_head_ends_sglangs_first_chunk_in_its_real_adder_and_the_tail_joins_there_byte_exact(world, monkeypatch):
+    """0.5.17's real ``PrefillAdder.add_one_req`` with the plugin's cut around it (`cut`): a split
+    head of 3 pages, a chunk budget of 4, so SGLang's own chunk would run a page into the tail; the
+    chunk ends at the head, the pass's budget stays spent, and the tail joins there."""
+    import sglang.srt.managers.schedule_policy as sp
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from hicache_gds_sglang import cut
+    from hicache_gds_sglang.records import SplitPlan
+
+    w = world
+    monkeypatch.setattr(cut, "CUT_HOOKED", [True])
+    # the server's parallel settings the adder reads (published by a server's start): one rank, no DSA
+    monkeypatch.setattr(sp, "is_dsa_prefill_cp_in_seq_split", lambda: False)
+    monkeypatch.setattr(sp, "is_prefill_context_parallel_enabled", lambda: False)
+    head = 3 * PS
+    req = w.request()
+    req.sampling_params = types.SimpleNamespace(ignore_eos=False, max_new_tokens=1)
+    req.retracted_stain, req.swa_host_hit_length = False, 0
+    req.needs_host_load_back = lambda: False
+    req.set_extend_range = lambda a, b: setattr(req, "extend_range", (a, b))
+    w.pol.split_plans["r1"] = SplitPlan(head, PAGES * PS - head, PAGES * PS)
+    monkeypatch.setattr(w.pol, "admit", lambda *a, **kw: 0)  # the decision (its cost model is test_costmodel's)
+    w.admit(req)
+    tail = w.pol.tails["r1"].load
+    assert (tail.start, tail.end) == (head, PAGES * PS)
+    w.read_tail()
+    w.dev.available_size = lambda: len(w.dev.free_pages) * PS
+    adder = PrefillAdder(PS, w.cache, w.dev, None, 0.5, 1 << 20, CHUNK)
+    res = cut.around_add_one_req(PrefillAdder.add_one_req, adder, req, False, None)
+    assert adder.new_chunked_req is req and adder.can_run_list == [req]
+    assert req.extend_range == (0, head)  # cut at the head, not SGLang's 4-page chunk
+    assert adder.rem_chunk_tokens <= 0 and res != AddReqResult.CONTINUE
+    assert w.pol.counts["split_cut"] == 1
+    w.cache.dec_lock_ref(req.last_node)  # the adder's lock, as SGLang drops it after the batch
+    w.compute_chunk(req, head)
+    assert len(req.prefix_indices) == PAGES * PS, "the whole tail joined at the head"
+    w.check_prefix(req)
+    assert w.pol.counts["split_tokens"] == tail.tokens
+    w.release(req)
+
+
+def test_a_hold_counts_the_heads_last_chunk_the_gpu_still_runs():
+    """SGLang's overlapped scheduler reaches the join point as it launches the head's last chunk:
+    the hold weighs the tail's read against computing on after that chunk, not from now (a
+    balanced split's tail, read in about the head's compute, was dropped whole on the GPU machine)."""
+    from hicache_gds import CostModel, PrefillModel, ReadRate
+
+    pm = PrefillModel()
+    pm.seed_coefficients(1.66e-5, 4.11e-9, 0.0, "test")
+    model = CostModel(128 * 1024, read=ReadRate(2.0e9, "test"), prefill=pm)
+    head, end, n = 5952, 10240, 10304
+    tail = split_mod.TailLoad("r", ("r-t0",), None, head, end, end - head, since=time.monotonic())
+    req = types.SimpleNamespace(rid="r", origin_input_ids=[0] * n, output_ids=[], prefix_indices=[0] * head,
+                                host_hit_length=0)
+
+    class Clock:
+        def __init__(self, through, busy):
+            self.through, self.busy = through, busy
+
+        def launched_through(self, rid):
+            return self.through
+
+        def in_flight(self, now):
+            return self.busy
+
+    io_left = model.predict_load((end - head) * 128 * 1024)
+    now = model.predict_compute(n - head, head)
+    assert io_left > now  # from now, waiting for the tail loses to computing on
+    for clock, pays in [(None, False), (Clock(head, 0.2), True), (Clock(head - 64, 0.2), False),
+                        (Clock(head, 0.0), False)]:
+        pol = types.SimpleNamespace(cost_model=model, clock=clock)
+        assert split_policy._hold_pays(pol, req, tail, head, 0) is pays, clock and vars(clock)
+    # SGLang counts a tail's pages a get at a time: 0 read, but the disk has read since the tail started
+    pol = types.SimpleNamespace(cost_model=model, clock=None)
+    started = split_mod.TailLoad("r", ("r-t0",), None, head, end, end - head, since=time.monotonic() - io_left / 2)
+    assert split_policy._hold_pays(pol, req, started, head, 0)
+    left = split_policy._tail_costs(pol, req, started, head, 0)[0]
+    assert left == pytest.approx(io_left / 2, rel=0.05)
+    # never more than what the pages counted leave
+    assert split_policy._tail_costs(pol, req, tail, head, (end - head) // 2)[0] == \
+        pytest.approx(model.predict_load((end - head) // 2 * 128 * 1024), rel=1e-6)

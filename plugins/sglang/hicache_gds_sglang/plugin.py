@@ -45,7 +45,9 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    ``checkpoint(req, up_to=...)``) (AFTER): a split hit's tail joins the request's prefix there
    (`split`, `split_0523`; ``policy_split``); 0.5.17's ``PrefillAdder.add_chunked_req`` (AROUND):
    a split request held for its tail (``policy_split_park``); 0.5.23's ``PrefillAdder.add_chunked_req``
-   (AROUND): the same hold, under 0.5.23's conditions (`park_0523`).
+   (AROUND): the same hold, under 0.5.23's conditions (`park_0523`); ``PrefillAdder.add_one_req``
+   (AROUND; both releases) and the same ``add_chunked_req`` hooks: a split's head may end at any
+   page, the chunk that crosses it cut there (`cut`; ``policy_split_cut``).
 
 9. ``Scheduler.on_idle`` (AFTER; both releases, every prefetch policy): a pass that ran nothing
    while this backend reads for waiting requests waits for the next get to return, a bounded
@@ -169,6 +171,12 @@ HOOKS: tuple[Hook, ...] = (
     # 0.5.23's join point: the scheduler checkpoints a chunked request's chunks into the tree
     # (``checkpoint(req, up_to=extend_end)``) and sets where its next chunk starts, then forms it.
     Hook(f"{_SCHED}.stash_chunked_request", "AFTER", "after_stash_chunked", "0.5.23", "split@0.5.23"),
+    # Where a split request's first chunk is formed: it ends at the split's head (`cut`; its next
+    # chunks are cut inside the hold's hook on add_chunked_req)
+    Hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "AROUND", "cut.around_add_one_req",
+         "0.5.17", "cut"),
+    Hook("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", "AROUND", "cut.around_add_one_req",
+         "0.5.23", "cut@0.5.23"),
     # A scheduler pass that ran nothing while requests wait on L3 reads: the scheduler waits for
     # the next get to return (bounded) instead of spinning on the GIL the reads need (`idle`).
     Hook(f"{_SCHED}.on_idle", "AFTER", "idle.after_idle", "0.5.17, 0.5.23", "idle"),
@@ -176,6 +184,7 @@ HOOKS: tuple[Hook, ...] = (
 # Both releases' split hold falls back alike
 _NO_HOLD = ("a split request is never held for its tail: what is read when its chunks reach it joins, the rest "
             "is computed (no PrefillAdder.add_chunked_req to hold it at)")
+_WHOLE = "a split's head is whole chunks (no PrefillAdder.add_one_req to cut its chunk at, or no hold)"
 GROUPS: dict[str, Group] = {
     "backend": Group(requires=("backend",), requires_any=("factory@0.5.23", "factory@0.5.17"), level=logging.WARNING,
                      fallback="`--hicache-storage-backend gds` is not available; select the backend with the "
@@ -208,6 +217,10 @@ GROUPS: dict[str, Group] = {
     "idle": Group(requires=("backend",), fallback="an idle scheduler pass spins while requests wait on L3 reads"),
     "park": Group(requires=(*_POLICY, "split", "policy@0.5.17"), fallback=_NO_HOLD),
     "park@0.5.23": Group(requires=(*_POLICY, "split@0.5.23", "policy@0.5.23"), fallback=_NO_HOLD),
+    # `requires` is read against the groups present: the chain below the hold is named whole
+    "cut": Group(requires=(*_POLICY, "protect", "split", "park", "policy@0.5.17"), fallback=_WHOLE),
+    "cut@0.5.23": Group(requires=(*_POLICY, "protect@0.5.23", "split@0.5.23", "park@0.5.23", "policy@0.5.23"),
+                        fallback=_WHOLE),
 }
 # Back-compatible names of single points (tests and `trace` resolve them)
 _JOIN = f"{_HIRADIX}.cache_unfinished_req"
@@ -347,6 +360,7 @@ def policy_paths(present: set[str] | None = None) -> dict[str, str]:
         "late admission": path(protect in hooked, protect),
         "split": path(_split_group(hooked) in hooked, _split_group(hooked)),
         "split hold": path(_park_group(hooked) in hooked, _park_group(hooked)),
+        "split cut": path(_cut_group(hooked) in hooked, _cut_group(hooked)),
     }
 
 
@@ -358,6 +372,11 @@ def _split_group(hooked: set[str]) -> str:
 def _park_group(hooked: set[str]) -> str:
     """The split-hold group of the release whose cache the policy hooked."""
     return "park@0.5.23" if "policy@0.5.23" in hooked else "park"
+
+
+def _cut_group(hooked: set[str]) -> str:
+    """The group that cuts a split's head on the release whose cache the policy hooked."""
+    return "cut@0.5.23" if "policy@0.5.23" in hooked else "cut"
 
 
 def _protect_group(hooked: set[str]) -> str:
@@ -414,7 +433,7 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
     exist, and log once what falls back. Fails soft: without them nothing is hooked and SGLang's
     own policies are all there is."""
     global _policy_ready
-    from . import policy_hooks, split_policy
+    from . import cut, policy_hooks, split_policy
     from .policy_config import POLICY
     hooked = hooked_groups(present_groups()) if hooked is None else hooked
     if "rate" not in hooked:
@@ -422,14 +441,16 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
                  "own prefetch policies run", POLICY)
         return
     groups = (*_POLICY_GROUPS, "settle@mamba", "settle@unified", "rate", "admitted", "timing", "protect",
-              "protect@0.5.23", "split", "split@0.5.23", "park", "park@0.5.23")
+              "protect@0.5.23", "split", "split@0.5.23", "park", "park@0.5.23", "cut", "cut@0.5.23")
     for h in HOOKS:
         if h.group in _POLICY_GROUPS and h.group in hooked:
             policy_hooks.SUPPORTED.add(_resolve(h.target.rsplit(".", 1)[0]))
     _place(registry, hook_type, hooked, groups)
     split_policy.SPLIT_HOOKED[0] = _split_group(hooked) in hooked
     split_policy.PARK_HOOKED[0] = _park_group(hooked) in hooked
-    for name in ("admitted", "timing", _protect_group(hooked), _split_group(hooked), _park_group(hooked)):
+    cut.CUT_HOOKED[0] = _cut_group(hooked) in hooked
+    for name in ("admitted", "timing", _protect_group(hooked), _split_group(hooked), _park_group(hooked),
+                 _cut_group(hooked)):
         if name not in hooked:
             g = GROUPS[name]
             targets = ", ".join(".".join(h.target.rsplit(".", 2)[-2:]) for h in HOOKS if h.group == name)

@@ -64,7 +64,7 @@ from typing import Any
 
 from hicache_gds import CostModel, LoadPace, PrefillModel
 
-from . import backlog, host, ranks, split_policy, view
+from . import backlog, cut, host, ranks, split_policy, view
 from . import split as split_mod
 from .policy_config import FALLBACK, POLICY, POLICY_KEYS, SGLANG_POLICIES, PolicyConfig  # noqa: F401
 from .prefill import PrefillClock
@@ -233,6 +233,7 @@ class LoadOrCompute:
             (split == "always" or d <= 0) and split_policy.can_split(self, cache, backend) else None
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps,
                            split_chunk=chunk, split_park=bool(chunk) and split_policy.can_park(backend),
+                           split_cut=bool(chunk) and cut.can_cut(backend),
                            split_grain=(split_policy.tail_pages(cache, backend, model) or split_mod.batch_pages()) * ps
                            if chunk else None)
         if dec.action == "split":

@@ -18,7 +18,7 @@ FALLBACK = "timeout"  # SGLang's default: what our name turns into where the pol
 # prefill_tokens_per_s), as for every adapter; policy_read_gbps and policy_prefill_tokens_per_s are
 # their deprecated names here (`hicache_gds.SEED_ALIASES`), still accepted.
 POLICY_KEYS = ("policy", *SEED_KEYS, "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
-               "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park", "policy_idle_wait_ms")
+               "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park", "policy_split_cut", "policy_idle_wait_ms")
 # Keys of settings measured not to pay in a running server and removed (`benchmarks/RESULTS.md`,
 # runs 9-10): passing one is an error naming it, as an unknown key is.
 REMOVED_KEYS = {
@@ -82,7 +82,8 @@ class PolicyConfig:
     the rate of 1 GiB gets; an H200's 16 cores kept up with the forecast). split_park: a split
     request may be held after its head until its whole tail is read (the GPU runs whatever else
     waits meanwhile), where that finishes it first (`split_policy.park`; where the scheduler has
-    the point to hold it at). idle_wait_ms: on a scheduler pass that ran nothing while this
+    the point to hold it at). split_cut: a split's head may end at any page, SGLang's chunk that
+    crosses it cut there (`cut`); off, heads are whole chunks. idle_wait_ms: on a scheduler pass that ran nothing while this
     backend reads for waiting requests, the scheduler waits up to this long for the next read to
     return instead of spinning on the GIL the reads need (`idle`; every prefetch policy; 0: off)."""
 
@@ -94,6 +95,7 @@ class PolicyConfig:
     split: str = "idle"
     split_get: int = 128 << 20
     split_park: bool = True
+    split_cut: bool = True
     idle_wait_ms: float = 2.0
 
     @classmethod
@@ -130,6 +132,8 @@ class PolicyConfig:
             kw["split_get"] = parse_size(extra["policy_split_get"], key="policy_split_get")
         if "policy_split_park" in extra:
             kw["split_park"] = parse_bool(extra["policy_split_park"], "policy_split_park")
+        if "policy_split_cut" in extra:
+            kw["split_cut"] = parse_bool(extra["policy_split_cut"], "policy_split_cut")
         if "policy_idle_wait_ms" in extra:
             try:
                 w = float(extra["policy_idle_wait_ms"])

@@ -15,7 +15,7 @@ from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
-from . import ranks, split_0523, split_policy, view
+from . import cut, ranks, split_0523, split_policy, view
 from .policy import FALLBACK, POLICY, LoadOrCompute, policy_of, process_policies
 from .records import Decided, SplitPlan
 from .view import agree, agree_int, once
@@ -292,7 +292,7 @@ def hold_or_add(original: Any, adder: Any, req: Any, can_hold: bool, *args: Any,
                 return req
         except Exception as exc:  # noqa: BLE001 -- the request computes on; its tail is dropped
             _drop_tail_after(exc, "split-park", "a split request could not be held for its tail", pol, cache, req)
-    return original(adder, req, *args, **kwargs)
+    return cut.capped(original, adder, req, *args, **kwargs)  # its next chunk ends at its split head, if cut
 
 
 def around_can_terminate(original: Any, cache: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
