@@ -220,6 +220,16 @@ class GDSInPlaceOfFile(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         print("KIT-OK late")
 
 
+def run_own(cls: type, prefix: str) -> None:
+    """Run the tests of `cls` whose names start with `prefix` (a kit's own, not the ones it
+    inherits), then leave the process with their verdict (``os._exit``: SGLang's threads stay)."""
+    loader = unittest.TestLoader()
+    suite = unittest.TestSuite(cls(n) for n in loader.getTestCaseNames(cls) if n.startswith(prefix))
+    ok = unittest.TextTestRunner(verbosity=2).run(suite).wasSuccessful()
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)
+
+
 if __name__ == "__main__":
     assert UnifiedRadixCache is not None
     unittest.main(argv=[sys.argv[0], *sys.argv[1:]], verbosity=2)

@@ -14,10 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import unittest
 
 sys.path.insert(0, os.path.dirname(__file__))
-import kit_0523 as k  # noqa: E402,F401  (the CPU set-up and load_plugins())
+import kit_0523 as k  # noqa: E402  (the CPU set-up and load_plugins())
 import kit_park_0523 as kp  # noqa: E402
 
 from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402
@@ -136,9 +135,4 @@ class CutOn0523(kp.HoldOn0523):
 
 if __name__ == "__main__":
     logging.getLogger("hicache_gds_sglang.policy").setLevel(logging.INFO)
-    loader = unittest.TestLoader()
-    names = [n for n in loader.getTestCaseNames(CutOn0523) if n.startswith("test_cut")]
-    suite = unittest.TestSuite(CutOn0523(n) for n in names)
-    ok = unittest.TextTestRunner(verbosity=2).run(suite).wasSuccessful()
-    sys.stdout.flush()
-    os._exit(0 if ok else 1)
+    k.run_own(CutOn0523, "test_cut")

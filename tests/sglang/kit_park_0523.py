@@ -17,7 +17,6 @@ import os
 import sys
 import threading
 import time
-import unittest
 from array import array
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -267,9 +266,4 @@ class _Lines(logging.Handler):
 
 if __name__ == "__main__":
     logging.getLogger("hicache_gds_sglang.policy").setLevel(logging.INFO)
-    loader = unittest.TestLoader()
-    names = [n for n in loader.getTestCaseNames(HoldOn0523) if n.startswith("test_hold")]
-    suite = unittest.TestSuite(HoldOn0523(n) for n in names)
-    ok = unittest.TextTestRunner(verbosity=2).run(suite).wasSuccessful()
-    sys.stdout.flush()
-    os._exit(0 if ok else 1)
+    k.run_own(HoldOn0523, "test_hold")

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import types
-import unittest
 from array import array
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -265,9 +264,4 @@ class SplitOn0523(k.GDSInPlaceOfFile):
 
 
 if __name__ == "__main__":
-    loader = unittest.TestLoader()
-    names = [n for n in loader.getTestCaseNames(SplitOn0523) if n.startswith("test_split")]  # not kit_0523's
-    suite = unittest.TestSuite(SplitOn0523(n) for n in names)
-    ok = unittest.TextTestRunner(verbosity=2).run(suite).wasSuccessful()
-    sys.stdout.flush()
-    os._exit(0 if ok else 1)
+    k.run_own(SplitOn0523, "test_split")  # not kit_0523's
