@@ -25,7 +25,7 @@ import torch
 
 from hicache_gds import ConfigError
 from hicache_gds.costmodel import STATE_FILE
-from hicache_gds_sglang import HiCacheGDS, backlog, host, policy, view
+from hicache_gds_sglang import HiCacheGDS, backlog, host, policy, room, view
 from hicache_gds_sglang import policy_hooks as hooks
 from hicache_gds_sglang import backend as backend_mod
 from hicache_gds_sglang import prefill as prefill_mod
@@ -418,6 +418,103 @@ def test_host_room_counts_a_chain_of_host_only_nodes_as_evict_host_frees_it():
     b_.host_ref_counter = 1  # a protected node (a finished load) keeps itself and its ancestors
     assert view.host_evictable(cache) == 4096 + 1024 + 256
     assert h.value is not None
+
+
+def _check_progress(cache, rid: str, original=None) -> bool:
+    """The release's ``check_prefetch_progress`` hook for `rid` (`original`: SGLang's answer)."""
+    original = original or (lambda c, key, *a, **kw: True)
+    if V23:
+        return hooks.around_check_progress_0523(original, cache, handle(rid))
+    return hooks.around_check_progress(original, cache, rid)
+
+
+def test_a_load_turned_down_for_host_room_waits_for_room_then_loads(gds_dir, monkeypatch, caplog):
+    """A load admission turned down only because the host pool is full is held in the waiting
+    queue (the scheduler skips it, as a load in flight) while something gives room back, and
+    prefetched through SGLang's own path once the pool has room (an H200 burst of MLA prompts
+    recomputed 54k tokens, 10 s of GPU, while the loads ahead landed within a second). Past its
+    deadline (what loading was ahead by, `room.ROOM_SHARE` of it) it is computed as admission
+    said; with nothing in flight to give room back, or the knob off, it is computed at once."""
+    monkeypatch.setattr(room, "HOOKED", [True])
+    monkeypatch.setattr(policy, "LATE_EVERY_S", 60.0)
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.1))  # loading takes 0.1x computing
+    try:
+        cache, ctl, pol = make_cache(b)
+        free = [12288]
+        ctl.mem_pool_host.available_size = lambda: free[0]
+        sched = cache._test_scheduler
+        ahead, m = req("ahead", 8192 + 64), req("m", 18000)
+        in_flight(cache, b, "ahead", 8192, kept=0)  # a load ahead holds host pages: room comes back
+        calls: list = []
+
+        def prefetch_kvcache(r):  # Scheduler._prefetch_kvcache: match again, then the cache's prefetch
+            return hooks.around_prefetch_kvcache(lambda s, q: admit(cache, q.rid, 18000 - 64, calls), sched, r)
+
+        sched._prefetch_kvcache, sched.tree_cache = prefetch_kvcache, cache
+        pol.current_req = m
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
+            admit(cache, "m", 18000 - 64, calls)
+        assert pol.last["action"] == "compute" and calls == [] and "m" in pol.room_wait
+        assert "m waits for host room (needs 17920 tokens" in caplog.text
+        sched.waiting_queue = [ahead, m]
+        assert _check_progress(cache, "m", lambda *a, **kw: pytest.fail("held: SGLang is not asked")) is False
+        assert _check_progress(cache, "other") is True  # any other request: SGLang's answer
+        pol.late_look = 0.0
+        hooks.after_new_prefill_batch(None, sched)  # still no room: held, nothing prefetched
+        assert calls == [] and "m" in pol.room_wait and pol.counts["late"] == 0
+
+        free[0] = 30000  # the load ahead reached the GPU; its host pages are the tree's to evict
+        pol.late_look = 0.0
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
+            hooks.after_new_prefill_batch(None, sched)
+        assert calls == ["m"] and pol.decided["m"].action == "load" and "m" not in pol.room_wait
+        assert pol.counts["room_load"] == 1 and "m has host room after" in caplog.text
+        assert _check_progress(cache, "m", lambda *a, **kw: "sglang's") == "sglang's"  # a load in flight now
+
+        # past its deadline a held request is computed, as admission said
+        free[0] = 12288
+        pol.current_req = n = req("n", 18000)
+        admit(cache, "n", 18000 - 64, calls)
+        w = pol.room_wait["n"]
+        assert 0 < w.until - w.since <= room.ROOM_MAX_S
+        sched.waiting_queue = [ahead, n]
+        pol.room_wait["n"] = w._replace(until=w.since - 1)
+        assert _check_progress(cache, "n") is True and "n" not in pol.room_wait and pol.counts["room_timeout"] == 1
+        # asked again while held, the first deadline stands
+        pol.current_req = req("o", 18000)
+        admit(cache, "o", 18000 - 64, calls)
+        first = pol.room_wait["o"].until
+        admit(cache, "o", 18000 - 64, calls)
+        assert pol.room_wait["o"].until == first and pol.counts["room_wait"] == 3
+        # a request that left the queue is forgotten
+        pol.late_look = 0.0
+        hooks.after_new_prefill_batch(None, sched)
+        assert "o" not in pol.room_wait
+
+        # a hold that fails is no hold: computed, logged once
+        pol.current_req = req("p", 18000)
+        admit(cache, "p", 18000 - 64, calls)
+        monkeypatch.setattr(room, "holds", lambda *a: 1 / 0)
+        with caplog.at_level(logging.WARNING, logger="hicache_gds_sglang"):
+            assert _check_progress(cache, "p") is True and not pol.room_wait
+
+        # nothing in flight or protected gives room back: computed at once
+        cache.ongoing_prefetch.clear()
+        pol.current_req = req("q", 18000)
+        admit(cache, "q", 18000 - 64, calls)
+        assert pol.last["action"] == "compute" and "q" not in pol.room_wait
+    finally:
+        b.close()
+    b2, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.1), policy_room_wait=False)
+    try:
+        cache, ctl, pol = make_cache(b2)
+        ctl.mem_pool_host.available_size = lambda: 12288
+        in_flight(cache, b2, "ahead", 8192, kept=0)
+        pol.current_req = req("m", 18000)
+        admit(cache, "m", 18000 - 64, [])
+        assert pol.last["action"] == "compute" and not pol.room_wait  # the knob off: computed, as before
+    finally:
+        b2.close()
 
 
 def test_a_busy_gpu_sends_the_next_request_of_a_burst_to_the_disk(gds_dir):

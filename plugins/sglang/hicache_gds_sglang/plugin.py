@@ -39,7 +39,9 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    (AROUND: its host pages are protected from eviction once inserted) -- and
    ``Scheduler.get_new_batch_prefill`` (AFTER: the protection ends when the request leaves the
    waiting queue, and a waiting request sent to the GPU may be given to the disk: the policy's
-   late admission); both releases;
+   late admission); both releases. 0.5.17's same ``check_prefetch_progress`` hook and 0.5.23's
+   ``UnifiedRadixCache.check_prefetch_progress`` (AROUND) hold a request whose load the host pool
+   had no room for until it has (`room`; ``policy_room_wait``);
 8. where a chunked request's chunks are cached before its next chunk is formed -- 0.5.17's
    ``HiRadixCache.cache_unfinished_req``, 0.5.23's ``Scheduler.stash_chunked_request`` (its
    ``checkpoint(req, up_to=...)``) (AFTER): a split hit's tail joins the request's prefix there
@@ -157,6 +159,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook(f"{_UNIFIED}._handle_prefetch_result", "AROUND", "around_prefetch_result", "0.5.23", "protect@0.5.23",
          ("inc_host_lock_ref", "dec_host_lock_ref", "match_prefix", "is_root")),
     Hook(f"{_SCHED}.get_new_batch_prefill", "AFTER", "after_new_prefill_batch", "0.5.23", "protect@0.5.23"),
+    # A load turned down for host room waits for it (`room`): 0.5.17's hold is in the protect
+    # group's check_prefetch_progress hook above; 0.5.23's is its own.
+    Hook(f"{_UNIFIED}.check_prefetch_progress", "AROUND", "around_check_progress_0523", "0.5.23", "room@0.5.23"),
     # The join point of a split (0.5.17): SGLang caches a chunked request's chunks there before it
     # forms the next chunk (the tail's pages join the prefix right after).
     Hook(f"{_HIRADIX}.cache_unfinished_req", "AFTER", "after_cache_unfinished", "0.5.17", "split"),
@@ -208,6 +213,8 @@ GROUPS: dict[str, Group] = {
                      fallback="a finished load's host pages are SGLang's to evict; no late admission"),
     "protect@0.5.23": Group(requires=(*_POLICY, "policy@0.5.23"),
                             fallback="a finished load's host pages are SGLang's to evict; no late admission"),
+    "room@0.5.23": Group(requires=(*_POLICY, "protect@0.5.23", "policy@0.5.23"),
+                         fallback="a load the host pool has no room for is recomputed (nothing to hold it at)"),
     "split": Group(requires=(*_POLICY, "protect"), requires_any=_POLICY_GROUPS,
                    fallback="policy_split does nothing (no join point for a split hit here)"),
     # a tail's finished operation must not be inserted by SGLang under its anchor: protect@0.5.23's
@@ -433,7 +440,7 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
     exist, and log once what falls back. Fails soft: without them nothing is hooked and SGLang's
     own policies are all there is."""
     global _policy_ready
-    from . import cut, policy_hooks, split_policy
+    from . import cut, policy_hooks, room, split_policy
     from .policy_config import POLICY
     hooked = hooked_groups(present_groups()) if hooked is None else hooked
     if "rate" not in hooked:
@@ -441,7 +448,7 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
                  "own prefetch policies run", POLICY)
         return
     groups = (*_POLICY_GROUPS, "settle@mamba", "settle@unified", "rate", "admitted", "timing", "protect",
-              "protect@0.5.23", "split", "split@0.5.23", "park", "park@0.5.23", "cut", "cut@0.5.23")
+              "protect@0.5.23", "room@0.5.23", "split", "split@0.5.23", "park", "park@0.5.23", "cut", "cut@0.5.23")
     for h in HOOKS:
         if h.group in _POLICY_GROUPS and h.group in hooked:
             policy_hooks.SUPPORTED.add(_resolve(h.target.rsplit(".", 1)[0]))
@@ -449,6 +456,7 @@ def _register_policy(registry: Any, hook_type: Any, hooked: set[str] | None = No
     split_policy.SPLIT_HOOKED[0] = _split_group(hooked) in hooked
     split_policy.PARK_HOOKED[0] = _park_group(hooked) in hooked
     cut.CUT_HOOKED[0] = _cut_group(hooked) in hooked
+    room.HOOKED[0] = "protect" in hooked or "room@0.5.23" in hooked
     for name in ("admitted", "timing", _protect_group(hooked), _split_group(hooked), _park_group(hooked),
                  _cut_group(hooked)):
         if name not in hooked:

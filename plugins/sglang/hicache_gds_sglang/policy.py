@@ -64,11 +64,11 @@ from typing import Any
 
 from hicache_gds import CostModel, LoadPace, PrefillModel
 
-from . import backlog, cut, host, ranks, split_policy, view
+from . import backlog, cut, host, ranks, room, split_policy, view
 from . import split as split_mod
 from .policy_config import FALLBACK, POLICY, POLICY_KEYS, SGLANG_POLICIES, PolicyConfig  # noqa: F401
 from .prefill import PrefillClock
-from .records import Backlog, Decided, DiskSlot, LoadWatch, Protected, Queued, SplitPlan, Tail  # noqa: F401
+from .records import Backlog, Decided, DiskSlot, LoadWatch, Protected, Queued, RoomWait, SplitPlan, Tail  # noqa: F401
 
 __all__ = ["POLICY", "SGLANG_POLICIES", "FALLBACK", "POLICY_KEYS", "PolicyConfig", "LoadOrCompute", "policy_of",
            "process_policies", "admission_verdict"]
@@ -121,6 +121,7 @@ class LoadOrCompute:
         self.loads: dict[str, LoadWatch] = {}
         self.queued: dict[str, Queued] = {}  # decided requests seen in the waiting queue
         self.protected: dict[str, Protected] = {}
+        self.room_wait: dict[str, RoomWait] = {}  # loads turned down for host room, held for it (`room`)
         self.late: set[str] = set()  # rids `late_admit` gave the disk
         self.split_plans: dict[str, SplitPlan] = {}  # until the tail starts
         self.tails: dict[str, Tail] = {}
@@ -251,7 +252,9 @@ class LoadOrCompute:
             self.maybe_save(backend)
             return 0
         take = hit
-        dec = admission_verdict(dec, host.host_room(cache), take)
+        verdict = admission_verdict(dec, host.host_room(cache), take)
+        room.after_admission(self, cache, backend, rid, dec, verdict, take)
+        dec = verdict
         self.decided[rid] = Decided(dec.action, new, held, take)
         if dec.load:
             io = model.predict_load(take * model.bytes_per_token, d)
@@ -366,6 +369,10 @@ class LoadOrCompute:
         model = self.model(backend)
         if model is None:
             return None
+        if not multi and self.room_wait:
+            got = room.take(self, cache, scheduler)
+            if got is not None:
+                return got  # a held request got host room (`room`): one prefetch per pass
         if multi:  # forget the requests that left the queue now, at this step on every rank (not by a timer)
             self.backlog = None
             self.gpu_backlog(cache, model)
@@ -375,7 +382,7 @@ class LoadOrCompute:
         for req in view.waiting(scheduler):
             rid = view.rid(req)
             dec = self.decided.get(rid)
-            if dec is None or dec.action != "compute" or rid in self.late or rid in loading:
+            if dec is None or dec.action != "compute" or rid in self.late or rid in loading or rid in self.room_wait:
                 continue
             if dec.hit >= max(threshold, 1):
                 cands.append((req, rid, dec.hit))

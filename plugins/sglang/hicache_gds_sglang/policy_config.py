@@ -18,7 +18,8 @@ FALLBACK = "timeout"  # SGLang's default: what our name turns into where the pol
 # prefill_tokens_per_s), as for every adapter; policy_read_gbps and policy_prefill_tokens_per_s are
 # their deprecated names here (`hicache_gds.SEED_ALIASES`), still accepted.
 POLICY_KEYS = ("policy", *SEED_KEYS, "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
-               "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park", "policy_split_cut", "policy_idle_wait_ms")
+               "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park", "policy_split_cut", "policy_idle_wait_ms",
+               "policy_room_wait")
 # Keys of settings measured not to pay in a running server and removed (`benchmarks/RESULTS.md`,
 # runs 9-10): passing one is an error naming it, as an unknown key is.
 REMOVED_KEYS = {
@@ -85,7 +86,10 @@ class PolicyConfig:
     the point to hold it at). split_cut: a split's head may end at any page, SGLang's chunk that
     crosses it cut there (`cut`); off, heads are whole chunks. idle_wait_ms: on a scheduler pass that ran nothing while this
     backend reads for waiting requests, the scheduler waits up to this long for the next read to
-    return instead of spinning on the GIL the reads need (`idle`; every prefetch policy; 0: off)."""
+    return instead of spinning on the GIL the reads need (`idle`; every prefetch policy; 0: off).
+    room_wait: a load turned down only because the host pool is full waits for room, held in the
+    waiting queue while loading still finishes first, instead of being recomputed (`room`;
+    single-rank servers)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -97,6 +101,7 @@ class PolicyConfig:
     split_park: bool = True
     split_cut: bool = True
     idle_wait_ms: float = 2.0
+    room_wait: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -134,6 +139,8 @@ class PolicyConfig:
             kw["split_park"] = parse_bool(extra["policy_split_park"], "policy_split_park")
         if "policy_split_cut" in extra:
             kw["split_cut"] = parse_bool(extra["policy_split_cut"], "policy_split_cut")
+        if "policy_room_wait" in extra:
+            kw["room_wait"] = parse_bool(extra["policy_room_wait"], "policy_room_wait")
         if "policy_idle_wait_ms" in extra:
             try:
                 w = float(extra["policy_idle_wait_ms"])

@@ -15,7 +15,7 @@ from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
-from . import cut, ranks, split_0523, split_policy, view
+from . import cut, ranks, room, split_0523, split_policy, view
 from .policy import FALLBACK, POLICY, LoadOrCompute, policy_of, process_policies
 from .records import Decided, SplitPlan
 from .view import agree, agree_int, once
@@ -326,11 +326,31 @@ def around_check_progress(original: Any, cache: Any, req_id: Any, *args: Any, **
     tree) has its host pages protected until the request leaves the waiting queue
     (`LoadOrCompute.protect`)."""
     pol = policy_of(cache)
+    if pol is not None and pol.room_wait and _held(pol, cache, req_id):
+        return False
     entry = view.loading_entry(cache, req_id) if pol is not None else None
     done = original(cache, req_id, *args, **kwargs)
     if entry is not None and done:
         _protect_settled(pol, cache, req_id, entry)
     return done
+
+
+def around_check_progress_0523(original: Any, cache: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    """0.5.23's ``UnifiedRadixCache.check_prefetch_progress``: a request waiting for host room is
+    not ready (`room`), as on 0.5.17."""
+    pol = policy_of(cache)
+    if pol is not None and pol.room_wait and _held(pol, cache, request):
+        return False
+    return original(cache, request, *args, **kwargs)
+
+
+def _held(pol: Any, cache: Any, key: Any) -> bool:
+    try:
+        return room.holds(pol, cache, key)
+    except Exception as exc:  # noqa: BLE001 -- not held: computed, as admission said
+        once("room", "hicache-gds policy: a request waiting for host room released (%s: %s)", type(exc).__name__, exc)
+        pol.room_wait.clear()
+        return False
 
 
 def around_prefetch_result(original: Any, cache: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["Decided", "LoadWatch", "Queued", "Protected", "SplitPlan", "Tail", "DiskSlot", "Backlog", "TailLoad"]
+__all__ = ["Decided", "LoadWatch", "Queued", "Protected", "RoomWait", "SplitPlan", "Tail", "DiskSlot", "Backlog",
+           "TailLoad"]
 
 
 class Decided(NamedTuple):
@@ -59,6 +60,15 @@ class Protected(NamedTuple):
     node: Any
     since: float
     tokens: int
+
+
+class RoomWait(NamedTuple):
+    """A request held until the host pool has room for its load (`room`): until when at most,
+    the tokens its hit needs, and since when."""
+
+    until: float
+    hit: int
+    since: float
 
 
 class SplitPlan(NamedTuple):
