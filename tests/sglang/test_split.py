@@ -866,6 +866,9 @@ def test_a_hold_counts_the_heads_last_chunk_the_gpu_still_runs():
     assert split_policy._hold_pays(pol, req, started, head, 0)
     left = split_policy._tail_costs(pol, req, started, head, 0)[0]
     assert left == pytest.approx(io_left / 2, rel=0.05)
+    # ... once its reads are under way: a tail still waiting for its query has read nothing
+    assert split_policy._tail_costs(pol, req, started, head, 0, False)[0] == pytest.approx(io_left, rel=1e-6)
+    assert not split_policy._hold_pays(pol, req, started, head, 0, False)
     # never more than what the pages counted leave
     assert split_policy._tail_costs(pol, req, tail, head, (end - head) // 2)[0] == \
         pytest.approx(model.predict_load((end - head) // 2 * 128 * 1024), rel=1e-6)

@@ -198,6 +198,20 @@ def progress(cache: Any, t: TailLoad) -> tuple[int, bool, bool]:
     return done, True, False
 
 
+def reading(cache: Any, t: TailLoad) -> bool:
+    """Whether the tail's reads are under way: one of its operations has its L3 hit known and its
+    host pages allocated (the disk answered its query; its gets are posted). Before that the
+    tail has read nothing, however long it has been queued."""
+    for op_key in t.keys:
+        entry = cache.ongoing_prefetch.get(op_key)
+        if entry is None:
+            return False
+        owner = entry if _unified(cache) else entry[2]  # 0.5.23 keeps the pages on the entry
+        if getattr(owner, "host_indices", None) is not None:
+            return True
+    return False
+
+
 @dataclass
 class HeadGuard:
     """A split's head under its joined tail, locked until SGLang has backed it up to host.

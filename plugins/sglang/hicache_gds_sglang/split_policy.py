@@ -105,14 +105,15 @@ def join_tail(pol: Any, cache: Any, req: Any) -> int:
     multi = ranks.multi(cache)
     try:
         read, complete, alive = split_mod.progress(cache, tail)
+        started = split_mod.reading(cache, tail)
         verdict = ranks.JOIN
         if complete and multi:
             verdict = ranks.HOLD  # read whole here: the ranks still reading decide (the agreement's minimum)
         elif alive and not complete:
             backend = view.backend_of(cache)
-            if backend is not None and can_park(backend) and _hold_pays(pol, req, tail, cached, read):
+            if backend is not None and can_park(backend) and _hold_pays(pol, req, tail, cached, read, started):
                 verdict = ranks.HOLD  # held where SGLang adds the chunk (`park`), which joins the tail once read
-            elif _wait_for_tail(pol, req, tail, cached, read):
+            elif _wait_for_tail(pol, req, tail, cached, read, started):
                 verdict = ranks.WAIT
     except Exception as exc:  # noqa: BLE001 -- alone: the hook drops the tail; with peers: a vote to drop it
         if not multi:
@@ -152,12 +153,13 @@ def park(pol: Any, cache: Any, req: Any, *, hold: bool = True) -> bool:
     cached = view.cached_prefix(req)
     try:
         read, complete, alive = split_mod.progress(cache, tail)
+        started = split_mod.reading(cache, tail)
         if multi:  # a rank whose tail is read whole votes to hold on: the ranks still reading decide
             stay = bool(hold and cached >= tail.start and now < until and
-                        (complete or (alive and _hold_pays(pol, req, tail, cached, read))))
+                        (complete or (alive and _hold_pays(pol, req, tail, cached, read, started))))
         else:
             stay = bool(hold and alive and not complete and cached >= tail.start and now < until
-                        and _hold_pays(pol, req, tail, cached, read))
+                        and _hold_pays(pol, req, tail, cached, read, started))
     except Exception as exc:  # noqa: BLE001 -- alone: the hook drops the tail; with peers: a vote to end the hold
         if not multi:
             raise
@@ -183,11 +185,11 @@ def park(pol: Any, cache: Any, req: Any, *, hold: bool = True) -> bool:
     return False
 
 
-def _hold_pays(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> bool:
+def _hold_pays(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int, started: bool = True) -> bool:
     """Waiting for the rest of the tail, then computing what follows it, finishes before
     computing on from what is read now. Both wait for the chunk that ends at `cached` where the
     GPU still runs it (`_head_in_flight`), and the disk reads on meanwhile."""
-    costs = _tail_costs(pol, req, tail, cached, read)
+    costs = _tail_costs(pol, req, tail, cached, read, started)
     if costs is None:
         return False
     io_left, later, now = costs
@@ -213,14 +215,15 @@ def _head_in_flight(pol: Any, req: Any, cached: int) -> float:
 
 
 def _tail_costs(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int,
-                read: int) -> tuple[float, float, float] | None:
+                read: int, started: bool = True) -> tuple[float, float, float] | None:
     """Seconds to read the rest of the tail, to compute what follows the whole tail, and to
     compute on from what is read now (None where a rate is unknown).
 
     SGLang counts a tail's pages a get at a time, so `read` stays 0 until the first get returns
     while the disk has been reading since the tail started: the time left is at most the whole
     tail's forecast less the time since then (a virtio run's 6,464-token tail, one get, was
-    judged 0.57 s from its end 0.26 s into its read, and dropped)."""
+    judged 0.57 s from its end 0.26 s into its read, and dropped). Only once its reads are under
+    way (`started`: `split.reading`): a tail the disk has not queried yet has read nothing."""
     model = pol.cost_model
     if model is None:
         return None
@@ -228,7 +231,7 @@ def _tail_costs(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int,
     frontier = max(cached, tail.start + read)
     io_left = model.predict_load((tail.end - tail.start - read) * model.bytes_per_token)
     whole = model.predict_load((tail.end - tail.start) * model.bytes_per_token)
-    if io_left is not None and whole is not None:
+    if io_left is not None and whole is not None and started:
         io_left = min(io_left, max(0.0, whole - (time.monotonic() - tail.since)))
     later = model.predict_compute(n - tail.end, tail.end)
     now = model.predict_compute(n - frontier, frontier)
@@ -264,14 +267,15 @@ def _join(pol: Any, cache: Any, req: Any, tail: "split_mod.TailLoad", cached: in
     return grown
 
 
-def _wait_for_tail(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int) -> bool:
+def _wait_for_tail(pol: Any, req: Any, tail: "split_mod.TailLoad", cached: int, read: int,
+                   started: bool = True) -> bool:
     """Whether to compute one more chunk before joining: the disk reads the rest of the tail
     before the GPU computes that chunk, and that finishes the request first."""
     chunk = pol.prefill.chunk
     model = pol.cost_model
     if not chunk or model is None or cached + chunk >= tail.end:
         return False
-    costs = _tail_costs(pol, req, tail, cached, read)
+    costs = _tail_costs(pol, req, tail, cached, read, started)
     c_chunk = model.predict_compute(chunk, cached)
     if costs is None or c_chunk is None:
         return False
