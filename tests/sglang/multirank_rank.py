@@ -31,6 +31,7 @@ import sglang.srt.mem_cache.hicache_storage as hs_mod  # noqa: E402
 import test_split as T  # noqa: E402
 from hicache_gds_sglang import policy_hooks as hooks  # noqa: E402
 from hicache_gds_sglang import split_policy  # noqa: E402
+from hicache_gds_sglang import room  # noqa: E402
 
 SCENARIOS = {}
 
@@ -327,6 +328,47 @@ def late_any_release(w_of, rank, n, log):
             b.read_rate.seed(P.gbps_for(0.5) * 1e9, "test: this rank's gets run faster")
         got = pol.late_admit(sched)
         log.append(["late", step, got, pol.decided["r1"].action, list(calls)])
+
+
+@scenario
+def room_any_release(w_of, rank, n, log):
+    """A load turned down for host room on rank 0 only (the others have room and would load): held
+    on every rank. Room comes back on rank 0 first but not on the last rank (a shared step where
+    not every rank has room: still held), then on every rank: prefetched on every rank at that
+    step. A second request held the same way: the ranks that had room defer to rank 0's deadline
+    (theirs passes at once), so it is held on every rank until rank 0's passes too, then released
+    to the GPU on every rank."""
+    P, b, cache, pol = _tp_cache(rank, n, os.path.join(BASE[0], f"room-rank{rank}"), ratio=0.1)
+    room.HOOKED[0] = True
+    sched, calls = cache._test_scheduler, []
+    free = [12288 if rank == 0 else 40000]
+    cache.cache_controller.mem_pool_host.available_size = lambda: free[0]
+    P.in_flight(cache, b, "ahead", 8192, kept=0)  # a load in flight gives room back
+    sched.waiting_queue = [P.req("ahead", 8192 + 64)]
+    sched.tree_cache = cache
+    sched._prefetch_kvcache = lambda r: hooks.around_prefetch_kvcache(
+        lambda s, q: P.admit(cache, q.rid, 18000 - 64, calls), sched, r)
+
+    def check(rid):  # the release's check_prefetch_progress hook, SGLang answering "ready"
+        if P.V23:
+            return hooks.around_check_progress_0523(lambda *a, **kw: True, cache, P.handle(rid))
+        return hooks.around_check_progress(lambda *a, **kw: True, cache, rid)
+
+    for rid in ("m", "n"):
+        r = P.req(rid, 18000)
+        pol.current_req = r
+        P.admit(cache, rid, 18000 - 64, calls)
+        pol.current_req = None
+        sched.waiting_queue.append(r)
+        log.append(["admit", rid, pol.decided[rid].action, rid in pol.room_wait, list(calls)])
+    log.append(["check", check("m"), check("n")])
+    for step, has_room in enumerate([[True] + [False] * (n - 1), [True] * n]):
+        free[0] = 40000 if has_room[rank] else 12288
+        got = pol.late_admit(sched)
+        log.append(["take", step, got, "m" in pol.room_wait, list(calls)])
+    log.append(["deadline", check("n"), "n" in pol.room_wait])  # rank 0's has not passed
+    pol.room_wait["n"] = pol.room_wait["n"]._replace(until=0.0)
+    log.append(["deadline", check("n"), "n" in pol.room_wait, pol.counts["room_timeout"]])
 
 
 class _Removed:

@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SPLIT = ("load_done_later", "fresh_seed", "split_join", "split_slow_rank", "mixed_verdicts", "hold_until_all_read", "hold_read_fails",
          "hold_limit_passes", "late_admission")
 SEEDS = ("seed_probed_one_device", "seed_probed_two_devices", "seed_configured")
-SCENARIOS = ("late_any_release", *SEEDS, *(SPLIT if HiRadixCache is not None else ()))
+SCENARIOS = ("late_any_release", "room_any_release", *SEEDS, *(SPLIT if HiRadixCache is not None else ()))
 PAGES, PS, CHUNK = 16, 64, 256  # test_split's prompt
 BPT, A = 1024, 1 / 6000  # its KV bytes per token and prefill seconds per token
 RATIOS = [1.0, 1.3, 2.0, 1.6]  # multirank_rank's: each rank's read time against its prefill time
@@ -148,6 +148,17 @@ def test_late_admission_on_either_release_waits_until_every_ranks_disk_is_in_tim
     assert log[0] == ["admit", "compute", []]
     assert [e[2] for e in log[1:]] == [None, None, "r1", None]  # once, at the step every rank is fast
     assert log[3][3:] == ["load", ["r1"]] and log[4][4] == ["r1"]  # admitted again: loaded on every rank
+
+
+def test_a_load_held_for_host_room_is_held_prefetched_and_released_on_every_rank_at_once(ranks):
+    log = _same(ranks, "room_any_release")
+    # rank 0 turned both down for room, the others would have loaded them: held on every rank
+    assert log[0] == ["admit", "m", "compute", True, []] and log[1] == ["admit", "n", "compute", True, []]
+    assert log[2] == ["check", False, False]  # the scheduler skips both, on every rank
+    assert log[3] == ["take", 0, None, True, []]  # room on rank 0 only: still held
+    assert log[4] == ["take", 1, "m", False, ["m"]]  # room on every rank: prefetched on every rank
+    assert log[5] == ["deadline", False, True]  # the others defer to rank 0's deadline: held
+    assert log[6] == ["deadline", True, False, 1]  # every rank's: released to the GPU on every rank
 
 
 @needs_0517

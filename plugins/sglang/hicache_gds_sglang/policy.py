@@ -369,7 +369,7 @@ class LoadOrCompute:
         model = self.model(backend)
         if model is None:
             return None
-        if not multi and self.room_wait:
+        if self.room_wait:  # the same on every rank (`room.agree`)
             got = room.take(self, cache, scheduler)
             if got is not None:
                 return got  # a held request got host room (`room`): one prefetch per pass

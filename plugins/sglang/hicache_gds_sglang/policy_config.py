@@ -88,8 +88,8 @@ class PolicyConfig:
     backend reads for waiting requests, the scheduler waits up to this long for the next read to
     return instead of spinning on the GIL the reads need (`idle`; every prefetch policy; 0: off).
     room_wait: a load turned down only because the host pool is full waits for room, held in the
-    waiting queue while loading still finishes first, instead of being recomputed (`room`;
-    single-rank servers)."""
+    waiting queue while loading still finishes first, instead of being recomputed (`room`; agreed
+    across ranks)."""
 
     policy: str | None = None
     read_gbps: float | None = None

@@ -167,10 +167,11 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
         once("admit", "hicache-gds policy: admission failed (%s: %s); loading as SGLang would", type(exc).__name__,
               exc)
         take = len(tokens)
+    mine = take
     take = agree_int(cache, int(take), "MIN")
     if ranks.multi(cache):
         if take <= 0:
-            _agree_not_loaded(pol, cache, args, kwargs, tokens)
+            _agree_not_loaded(pol, cache, args, kwargs, tokens, mine > 0)
             return None
     elif take <= 0:
         if pol.split_plans:
@@ -184,11 +185,12 @@ def around_admit(original: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     return original(cache, *args, **kwargs)
 
 
-def _agree_not_loaded(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: Any) -> None:
+def _agree_not_loaded(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: Any, would_load: bool) -> None:
     """Every rank agreed not to load the whole hit (a multi-rank server): split it where every
     rank chose to, at the head and forecast the ranks agree (`ranks.split_plan`), with a tail
     every rank started (`ranks.all_ok`); otherwise it is recomputed, and every rank records it
-    so (late admission looks at the requests decided "compute": the same on every rank)."""
+    so (late admission looks at the requests decided "compute": the same on every rank), or held
+    for host room where every rank agrees (`room.agree`; `would_load`: this rank's own answer)."""
     request = args[0] if args else kwargs.get("request", kwargs.get("req_id"))
     rid = view.rid(request)
     hit = len(tokens) // view.page_size(cache) * view.page_size(cache)
@@ -220,6 +222,7 @@ def _agree_not_loaded(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: A
     pol.split_plans.pop(rid, None)
     pol.loads.pop(rid, None)
     pol.decided[rid] = Decided("compute", new, held, hit)
+    room.agree(pol, cache, view.backend_of(cache), rid, hit, would_load)
 
 
 def _start_tail(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: Any) -> bool:

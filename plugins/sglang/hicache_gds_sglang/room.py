@@ -16,8 +16,13 @@ which asks admission again, now with room; one per scheduler pass), or until its
 it is computed as admission said. The deadline is `ROOM_SHARE` of what loading was ahead by at
 admission, at most `ROOM_MAX_S`: a hold never costs more than the load saves. A request is held
 only where something in flight or protected will give room back (a load, or a finished load the
-GPU has not taken yet), and only on a single-rank server (ranks would have to agree on every
-held request at every pass; there the request is computed, as before).
+GPU has not taken yet).
+
+On a multi-rank server every rank holds the same requests at the same step: a request is held
+where every rank either turned its load down for room or would have loaded it (`agree`, in the
+admission's own collectives); each check of a held request is agreed (held while any rank's
+deadline has not passed), and a held request is prefetched when every rank has room
+(`ranks.first_all`, as late admission).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 from . import host, ranks, view
 from .records import RoomWait
 
-__all__ = ["ROOM_SHARE", "ROOM_MAX_S", "HOOKED", "after_admission", "holds", "take", "can_wait"]
+__all__ = ["ROOM_SHARE", "ROOM_MAX_S", "HOOKED", "after_admission", "agree", "holds", "take", "can_wait"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -41,8 +46,8 @@ HOOKED = [False]  # a check_prefetch_progress hook is in place (`plugin`)
 
 
 def can_wait(pol: Any, cache: Any, backend: Any) -> bool:
-    """Holds are on, this release has the point to hold at, and the server has one rank."""
-    return bool(getattr(backend.policy_config, "room_wait", False) and HOOKED[0] and not ranks.multi(cache))
+    """Holds are on and this release has the point to hold at (the same on every rank)."""
+    return bool(getattr(getattr(backend, "policy_config", None), "room_wait", False) and HOOKED[0])
 
 
 def _gives_room(pol: Any, cache: Any) -> bool:
@@ -69,15 +74,35 @@ def after_admission(pol: Any, cache: Any, backend: Any, rid: str, dec: Any, verd
              "most %.3f s more, then computed", rid, hit, gain, max(0.0, w.until - now))
 
 
+def agree(pol: Any, cache: Any, backend: Any, rid: str, hit: int, would_load: bool) -> None:
+    """A multi-rank server agreed not to load `rid` (`policy_hooks._agree_not_loaded`, on every
+    rank at this step): it is held on every rank where each rank turned it down for room or would
+    have loaded it (`would_load`: this rank's own admission), else on none."""
+    if not can_wait(pol, cache, backend):
+        return
+    ok = ranks.all_ok(cache, rid in pol.room_wait or would_load)
+    if not ok:
+        pol.room_wait.pop(rid, None)
+    elif rid not in pol.room_wait:  # this rank had room: the others' deadlines decide (`holds`)
+        now = time.monotonic()
+        pol.room_wait[rid] = RoomWait(now, hit, now)
+        pol.counts["room_wait"] += 1
+
+
 def holds(pol: Any, cache: Any, key: Any) -> bool:
     """``check_prefetch_progress`` for the request `key`: True while it waits for host room (the
-    scheduler skips it, as a load in flight); past its deadline it is released to the GPU."""
+    scheduler skips it, as a load in flight); past its deadline it is released to the GPU. On a
+    multi-rank server held while any rank's deadline has not passed (every rank checks the same
+    held requests at the same step, as SGLang's own progress check)."""
     rid = view.rid(key)
     w = pol.room_wait.get(rid)
     if w is None or view.loading_entry(cache, key) is not None:
         return False
     now = time.monotonic()
-    if now < w.until:
+    held = now < w.until
+    if ranks.multi(cache):
+        held = not ranks.all_ok(cache, not held)
+    if held:
         return True
     del pol.room_wait[rid]
     pol.counts["room_timeout"] += 1
@@ -97,17 +122,23 @@ def take(pol: Any, cache: Any, scheduler: Any) -> str | None:
     for rid in [r for r in pol.room_wait if r not in queued]:
         del pol.room_wait[rid]
     loading = view.loading_rids(cache)
-    for req in queue:
-        rid = view.rid(req)
-        w = pol.room_wait.get(rid)
-        if w is None or rid in loading:
-            continue
-        room = host.host_room(cache)
-        if room is None or room < w.hit:
-            return None  # in queue order: the first held request gets the room first
-        log.info("hicache-gds policy: %s has host room after %.3f s (%d tokens; needs %d): prefetched",
-                 rid, time.monotonic() - w.since, room, w.hit)
-        pol.counts["room_load"] += 1
-        view.prefetch_again(scheduler, req)  # admission decides again, and ends the hold unless turned down again
-        return rid
-    return None
+    held = [r for r in queue if view.rid(r) in pol.room_wait and view.rid(r) not in loading]
+    if not held:
+        return None
+    room = host.host_room(cache)
+    # in queue order: the first held request gets the room first
+    votes = [room is not None and room >= pol.room_wait[view.rid(r)].hit for r in held]
+    if ranks.multi(cache):
+        pick = ranks.first_all(cache, [view.rid(r) for r in held], votes)
+    else:
+        pick = 0 if votes[0] else None
+    if pick is None:
+        return None
+    req = held[pick]
+    rid = view.rid(req)
+    w = pol.room_wait[rid]
+    log.info("hicache-gds policy: %s has host room after %.3f s (%s tokens; needs %d): prefetched",
+             rid, time.monotonic() - w.since, room, w.hit)
+    pol.counts["room_load"] += 1
+    view.prefetch_again(scheduler, req)  # admission decides again, and ends the hold unless turned down again
+    return rid
