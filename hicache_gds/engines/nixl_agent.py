@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .._nixl import new_agent, nixl_api
-from ..errors import EngineUnavailable, PeerDisconnected, TransferError
+from ..errors import EngineUnavailable, PeerDisconnected, TransferError, TransferTimeout
 from .base import Capabilities, EngineOptions, MemKind, Op, Transfer, TransferEngine
 
 __all__ = ["NixlAgentEngine", "NixlTransfer", "NIXL_MODULES"]
@@ -66,14 +66,15 @@ class NixlTransfer(Transfer):
         with self._lock:
             if self._handle is None:
                 return True
+            posted = self._posted
             try:
                 agent = self._agent
-                state = agent.check_xfer_state(self._handle) if self._posted else agent.transfer(self._handle)
+                state = agent.check_xfer_state(self._handle) if posted else agent.transfer(self._handle)
                 self._posted = True
             except Exception as exc:
                 self._posted = True
                 self._finish()
-                err = self._nixl_error(exc)
+                err = self._nixl_error(exc, posted)
                 if err is exc:
                     raise
                 raise err from exc
@@ -85,13 +86,23 @@ class NixlTransfer(Transfer):
                 return True
             return False
 
-    def _nixl_error(self, exc: Exception) -> BaseException:
-        """The typed error for what NIXL raised (`_fail` wraps the rest in a `TransferError`)."""
-        if type(exc).__name__ == "nixlRemoteDisconnectError":
-            err = PeerDisconnected(f"{self.engine}: {self.op.value} of {self.what}: peer {self._peer} disconnected")
-            err.__cause__ = exc
-            return err
-        return exc
+    def _nixl_error(self, exc: Exception, posted: bool = False) -> BaseException:
+        """The typed error for what NIXL raised (`_fail` wraps the rest in a `TransferError`).
+
+        A posted request whose remote agent this process removed meanwhile (NIXL: not found) is
+        a `TransferTimeout`, not a failure: its bytes may still land (removing the agent does not
+        cancel what the old connection carries), so its memory and remote slot stay held."""
+        name = type(exc).__name__
+        if name == "nixlRemoteDisconnectError":
+            err: TransferError = PeerDisconnected(f"{self.engine}: {self.op.value} of {self.what}: peer {self._peer} "
+                                                  "disconnected")
+        elif name == "nixlNotFoundError" and posted and self._peer:
+            err = TransferTimeout(f"{self.engine}: {self.op.value} of {self.what}: peer {self._peer} was reconnected "
+                                  "while the request was in flight; it may still land")
+        else:
+            return exc
+        err.__cause__ = exc
+        return err
 
     def _finish(self) -> None:
         if self._handle is not None:

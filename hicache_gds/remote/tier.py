@@ -22,16 +22,13 @@ and never a wait without a timeout. Server records are reloaded when the directo
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-import xxhash
 
 from .. import checksum
 from ..config import Config
@@ -41,9 +38,10 @@ from ..errors import RegionError, TransferError, TransferTimeout
 from ..layout import Pages, namespace_id
 from ..stats import StoreStats
 from .batch import tagged_sums, wait_each
-from .directory import FULL, LOST, PRESENT, Directory, DirectoryUnavailable, Reservation, ServerInfo, parse_entry
+from .directory import FULL, LOST, PRESENT, Directory, DirectoryUnavailable, Reservation, parse_entry
 from .options import REMOTE_KEYS, RemoteOptions
-from .ucx import NixlUcxEngine, PeerDisconnected
+from .peers import Peer, PeerBook
+from .ucx import NixlUcxEngine
 
 __all__ = ["RemoteTier", "RemoteOptions", "REMOTE_KEYS"]
 
@@ -52,18 +50,7 @@ MAX_KEY_BYTES = 1024
 _EXTRA = ("redis_errors", "peer_errors", "stale_reads", "lost_races", "no_server", "peers_set_aside")
 
 
-@dataclass
-class _Peer:
-    info: ServerInfo
-    peer_id: int  # 0: not loaded (failed; retried after down_until)
-    down_until: float = 0.0  # until then its pages are misses and no key is placed on it
-    strikes: int = 0  # timeouts in a row: a server that heartbeats but does not answer is set aside
-
-
-_HOLD_MAX_S = 300.0  # the longest a server that keeps timing out is set aside before one more try
-
-
-class RemoteTier:
+class RemoteTier(PeerBook):
     """Fixed-size pages under string keys in remote DRAM pools.
 
     Parameters
@@ -100,7 +87,7 @@ class RemoteTier:
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
         self._pool = ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="hicache-gds-ucx")
         self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout, **self.opts.directory_kwargs())
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
         self._agents: dict[str, int] = {}  # agent name -> peer id
         self._lock = threading.RLock()
         self._refreshed = self._loaded = -1e9
@@ -124,80 +111,6 @@ class RemoteTier:
     def _redis_failed(self, exc: DirectoryUnavailable) -> None:
         self._stats.add(redis_errors=1)
         self._warn("redis", f"hicache-gds remote: {exc}; treated as misses")
-
-    def _refresh(self, force: bool = False) -> None:
-        """Reload the live server list (at most every `opts.refresh` s unless forced)."""
-        now = time.monotonic()
-        if now - self._refreshed < (0.1 if force else self.opts.refresh):
-            return  # forced refreshes too are spaced, so a dead server costs one read per 0.1 s at most
-        self._refreshed = now
-        if not self.dir.changed() and not force and now - self._loaded < 30:
-            return  # no server (un)registered and no failover: the records we hold are current
-        infos, self._loaded = self.dir.servers(), now
-        with self._lock:
-            seen = set()
-            for info in infos:
-                seen.add(info.sid)
-                old = self._peers.get(info.sid)
-                pid = self._agents.get(info.agent, 0)
-                restarted = old is not None and old.info.agent != info.agent
-                if not pid and (old is None or restarted or now >= old.down_until):
-                    try:
-                        pid = self.engine.add_peer(info.metadata)
-                        self._agents[info.agent] = pid
-                    except TransferError as exc:
-                        self._warn(f"peer:{info.sid}", f"hicache-gds remote: server {info.sid}: {exc}")
-                        pid = 0
-                if restarted:
-                    self._drop_agent(old.info.agent)  # the server restarted: a new agent
-                kept = old is not None and not restarted
-                self._peers[info.sid] = _Peer(info, pid, old.down_until if kept else 0.0, old.strikes if kept else 0)
-            for sid in [s for s in self._peers if s not in seen]:
-                self._drop_agent(self._peers.pop(sid).info.agent)
-
-    def _drop_agent(self, agent: str) -> None:
-        pid = self._agents.pop(agent, 0)
-        if pid:
-            self.engine.remove_peer(pid)
-
-    def _peer_failed(self, sid: str, exc: Exception) -> None:
-        self._stats.add(peer_errors=1)
-        self._warn(f"peer:{sid}", f"hicache-gds remote: server {sid}: {exc}; its pages are misses")
-        if isinstance(exc, PeerDisconnected):
-            with self._lock:
-                p = self._peers.get(sid)
-                if p is not None:
-                    self._drop_agent(p.info.agent)
-                    p.peer_id, p.down_until = 0, time.monotonic() + max(self.opts.refresh, 1.0)
-
-    def _peer_timed_out(self, sid: str) -> None:
-        """A request to `sid` outlived `io_timeout`: its server still heartbeats but does not
-        answer, so every batch hashed to it would wait as long. Set it aside (its pages are misses,
-        new keys go to the others) for `io_timeout`, doubling with each timeout in a row."""
-        with self._lock:
-            p = self._peers.get(sid)
-            if p is None:
-                return
-            p.strikes += 1
-            hold = min(self.opts.io_timeout * 2 ** (p.strikes - 1), _HOLD_MAX_S)
-            p.down_until = max(p.down_until, time.monotonic() + hold)
-        self._stats.add(peers_set_aside=1)
-        self._warn(f"aside:{sid}", f"hicache-gds remote: server {sid} timed out ({p.strikes} in a row): misses for {hold:.0f} s")
-
-    def _live(self) -> list[_Peer]:
-        now = time.monotonic()
-        with self._lock:
-            return [p for p in self._peers.values()
-                    if p.peer_id and now >= p.down_until and p.info.slot_bytes >= self.page_bytes]
-
-    @staticmethod
-    def _pick(key: str, live: list[_Peer]) -> _Peer:
-        """Weighted rendezvous hashing: every client maps a key to the same server of the same live
-        set, servers get keys in proportion to their slots, and a server leaving moves only its keys."""
-        def score(p: _Peer) -> float:
-            u = (xxhash.xxh64_intdigest(f"{p.info.sid}\x00{key}".encode()) + 1) / (2.0 ** 64 + 2)
-            return -p.info.nslots / math.log(u)
-        return max(live, key=score)
 
     # -- validation ------------------------------------------------------------------------------
     def _check(self, keys: Sequence[str], pages: Pages | None = None) -> list[str]:
@@ -330,7 +243,7 @@ class RemoteTier:
                     parsed[i] = parse_entry(e)
             if any(self._peer_of(p[0], p[1]) is None for p in parsed.values()):
                 self._refresh(force=True)  # a server we have not loaded yet, or a new epoch
-            peers: dict[str, _Peer] = {}
+            peers: dict[str, Peer] = {}
             for i, (sid, epoch, slot, _gen, length, csum) in parsed.items():
                 p = self._peer_of(sid, epoch)
                 if p is None or length != self.page_bytes:
@@ -374,19 +287,12 @@ class RemoteTier:
         self._stats.batch(False, time.perf_counter_ns() - t0)
         return result
 
-    def _peer_of(self, sid: str, epoch: str) -> _Peer | None:
-        with self._lock:
-            p = self._peers.get(sid)
-        if p is None or p.info.epoch != epoch or not p.peer_id or time.monotonic() < p.down_until:
-            return None
-        return p
-
     def _sums(self, pages: Pages, idx: list[int], parallel: bool = True, like: Sequence[int] | None = None) -> list[int]:
         """Tagged checksums of pages `idx` (`batch.tagged_sums`)."""
         return tagged_sums(pages, idx, self.page_bytes, threads=self.opts.threads if parallel else 1, pool=self._pool,
                            device_sums=self._device_sums, like=like)
 
-    def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[_Peer, list[tuple[int, int]]]],
+    def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[Peer, list[tuple[int, int]]]],
               during: Callable[[], Any] | None = None) -> dict[str, list[str]]:
         """Move pages[i] <-> slot on each server; per server and item "ok", "fail" or "timeout".
 
