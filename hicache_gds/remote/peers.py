@@ -76,12 +76,7 @@ class PeerBook:
                 pid = self._agents.get(info.agent, 0)
                 restarted = old is not None and old.info.agent != info.agent
                 if not pid and (old is None or restarted or now >= old.down_until):
-                    try:
-                        pid = self.engine.add_peer(info.metadata)
-                        self._agents[info.agent] = pid
-                    except TransferError as exc:
-                        self._warn(f"peer:{info.sid}", f"hicache-gds remote: server {info.sid}: {exc}")
-                        pid = 0
+                    pid = self._connect(info)
                 if restarted:
                     self._drop_agent(old.info.agent)  # the server restarted: a new agent
                 kept = old is not None and not restarted
@@ -89,6 +84,16 @@ class PeerBook:
                                              kept and old.reconnect and pid == old.peer_id)
             for sid in [s for s in self._peers if s not in seen]:
                 self._drop_agent(self._peers.pop(sid).info.agent)
+
+    def _connect(self, info: ServerInfo) -> int:
+        """Load `info`'s agent: its peer id, or 0 (warned) where it cannot be loaded now."""
+        try:
+            pid = self.engine.add_peer(info.metadata)
+        except TransferError as exc:
+            self._warn(f"peer:{info.sid}", f"hicache-gds remote: server {info.sid}: {exc}")
+            return 0
+        self._agents[info.agent] = pid
+        return pid
 
     def _drop_agent(self, agent: str) -> None:
         pid = self._agents.pop(agent, 0)
@@ -129,13 +134,8 @@ class PeerBook:
         if p.reconnect:
             p.reconnect = False
             self._drop_agent(p.info.agent)
-            try:
-                p.peer_id = self.engine.add_peer(p.info.metadata)
-                self._agents[p.info.agent] = p.peer_id
-            except TransferError as exc:
-                p.peer_id = 0  # loaded again by the next refresh
-                self._warn(f"peer:{p.info.sid}", f"hicache-gds remote: server {p.info.sid}: {exc}")
-                return False
+            p.peer_id = self._connect(p.info)  # 0: loaded again by the next refresh
+            return bool(p.peer_id)
         return True
 
     def _live(self) -> list[Peer]:
