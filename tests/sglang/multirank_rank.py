@@ -334,10 +334,10 @@ def late_any_release(w_of, rank, n, log):
 def room_any_release(w_of, rank, n, log):
     """A load turned down for host room on rank 0 only (the others have room and would load): held
     on every rank. Room comes back on rank 0 first but not on the last rank (a shared step where
-    not every rank has room: still held), then on every rank: prefetched on every rank at that
-    step. A second request held the same way: the ranks that had room defer to rank 0's deadline
-    (theirs passes at once), so it is held on every rank until rank 0's passes too, then released
-    to the GPU on every rank."""
+    not every rank has room: still held), then on every rank, for one of the two: the first is
+    prefetched on every rank at that step. The second, held the same way: the ranks that had room
+    defer to rank 0's deadline (theirs passes at once), so it is held on every rank until rank 0's
+    passes too, then released to the GPU on every rank."""
     P, b, cache, pol = _tp_cache(rank, n, os.path.join(BASE[0], f"room-rank{rank}"), ratio=0.1)
     room.HOOKED[0] = True
     sched, calls = cache._test_scheduler, []
@@ -363,7 +363,7 @@ def room_any_release(w_of, rank, n, log):
         log.append(["admit", rid, pol.decided[rid].action, rid in pol.room_wait, list(calls)])
     log.append(["check", check("m"), check("n")])
     for step, has_room in enumerate([[True] + [False] * (n - 1), [True] * n]):
-        free[0] = 40000 if has_room[rank] else 12288
+        free[0] = 30000 if has_room[rank] else 12288  # room for one of the two
         got = pol.late_admit(sched)
         log.append(["take", step, got, "m" in pol.room_wait, list(calls)])
     log.append(["deadline", check("n"), "n" in pol.room_wait])  # rank 0's has not passed

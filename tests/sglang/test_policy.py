@@ -517,6 +517,69 @@ def test_a_load_turned_down_for_host_room_waits_for_room_then_loads(gds_dir, mon
         b2.close()
 
 
+def test_a_load_past_the_prefetches_share_of_the_host_pool_waits_for_it_then_loads(gds_dir, monkeypatch, caplog):
+    """SGLang asks its prefetch limit after admission and drops a load started past it without a
+    word (an H200 burst of 8 MLA prompts recomputed three admitted loads so, with half the host
+    pool free). Admission heeds the limit: such a load is held as one short of host room, and
+    prefetched once the loads ahead give their share back: every held request that fits, in one
+    pass; a hold whose deadline passed during a long forward pass but that fits now stays held
+    for that prefetch, never past `room.ROOM_MAX_S`."""
+    monkeypatch.setattr(room, "HOOKED", [True])
+    monkeypatch.setattr(policy, "LATE_EVERY_S", 60.0)
+    b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(0.1))
+    try:
+        cache, ctl, pol = make_cache(b)  # 98,304 host tokens: a share of 73,728 (policy_host_fraction 0.75)
+        ctl.mem_pool_host.available_size = lambda: 90000  # room: the share is what turns loads down
+        sched = cache._test_scheduler
+        ahead = req("ahead", 8192 + 64)
+        in_flight(cache, b, "ahead", 8192, kept=0)
+        ctl.prefetch_tokens_occupied = 75000
+        calls: list = []
+
+        def prefetch_kvcache(r):
+            return hooks.around_prefetch_kvcache(lambda s, q: admit(cache, q.rid, 18000 - 64, calls), sched, r)
+
+        sched._prefetch_kvcache, sched.tree_cache = prefetch_kvcache, cache
+        held = {}
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
+            for rid in ("m", "n", "o"):
+                pol.current_req = held[rid] = req(rid, 18000)
+                admit(cache, rid, 18000 - 64, calls)
+                assert pol.last["action"] == "compute" and rid in pol.room_wait
+                assert "prefetches hold 75000 tokens, their share of the host pool is 73728" in pol.last["reason"]
+        assert calls == [] and "m waits for host room (needs 17920 tokens; prefetches hold 75000" in caplog.text
+        if not V23:
+            assert ctl.prefetch_queue.empty()  # SGLang was never asked: nothing to drop
+        sched.waiting_queue = [ahead, *held.values()]
+        assert _check_progress(cache, "m", lambda *a, **kw: pytest.fail("held: SGLang is not asked")) is False
+        pol.late_look = 0.0
+        hooks.after_new_prefill_batch(None, sched)  # still past the share: nothing prefetched
+        assert calls == [] and set(pol.room_wait) == {"m", "n", "o"}
+
+        # the loads ahead were taken: the share has room again. "m"'s deadline passed meanwhile
+        ctl.prefetch_tokens_occupied = 0
+        w = pol.room_wait["m"]
+        pol.room_wait["m"] = w._replace(until=w.since - 1)
+        assert _check_progress(cache, "m") is False  # past its deadline, but it fits: held for the prefetch
+        pol.late_look = 0.0
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
+            hooks.after_new_prefill_batch(None, sched)
+        assert calls == ["m", "n", "o"] and not pol.room_wait and pol.counts["room_load"] == 3
+        assert all(pol.decided[r].action == "load" for r in ("m", "n", "o"))
+
+        # never held past ROOM_MAX_S, even where it fits
+        ctl.prefetch_tokens_occupied = 75000
+        pol.current_req = p_ = req("p", 18000)
+        admit(cache, "p", 18000 - 64, calls)
+        sched.waiting_queue = [ahead, p_]
+        ctl.prefetch_tokens_occupied = 0
+        w = pol.room_wait["p"]
+        pol.room_wait["p"] = w._replace(until=w.since - 1, since=w.since - room.ROOM_MAX_S - 1)
+        assert _check_progress(cache, "p") is True and "p" not in pol.room_wait
+    finally:
+        b.close()
+
+
 def test_a_busy_gpu_sends_the_next_request_of_a_burst_to_the_disk(gds_dir):
     b, _ = open_backend(gds_dir, policy_read_gbps=gbps_for(1.3))
     try:

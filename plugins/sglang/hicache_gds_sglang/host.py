@@ -24,7 +24,7 @@ from typing import Any
 from . import view
 from .records import Protected
 
-__all__ = ["PROTECT_MAX_S", "host_room", "protect", "release_protected", "rate_limited"]
+__all__ = ["PROTECT_MAX_S", "host_room", "protect", "release_protected", "rate_limited", "share_full"]
 
 log = logging.getLogger("hicache_gds_sglang.policy")
 
@@ -87,3 +87,16 @@ def rate_limited(controller: Any, host_fraction: float) -> bool:
     own limit where that is larger): admit no more."""
     held, limit = view.host_limit(controller, host_fraction)
     return held >= limit
+
+
+def share_full(cache: Any, host_fraction: float) -> tuple[int, int] | None:
+    """(tokens prefetches hold, their share) where `rate_limited` turns the next prefetch away,
+    else None. SGLang asks it after admission, and drops a load admission chose without a word
+    (an H200 burst of MLA prompts recomputed three loads so, with the host pool half free): a
+    load is admitted only where it would also pass this limit. 0.5.23's buffer mode parks such
+    a load rather than dropping it: no limit to heed there."""
+    cc = getattr(cache, "cache_controller", None)
+    if cc is None or not hasattr(cc, "prefetch_tokens_occupied") or view.buffer_only(cc):
+        return None
+    held, limit = view.host_limit(cc, host_fraction)
+    return (held, limit) if held >= limit else None

@@ -95,13 +95,18 @@ def policy_of(cache: Any) -> "LoadOrCompute | None":
     return pol if view.backend_of(cache) is not None else None
 
 
-def admission_verdict(dec: Any, room: int | None, hit: int) -> Any:
+def admission_verdict(dec: Any, room: int | None, hit: int, full: tuple[int, int] | None = None) -> Any:
     """The cost model's admission decision `dec`, vetoed where the host pool cannot keep the hit
     (pure): SGLang would shorten or revoke such a load once the hit is known, so the disk would
-    read what the host pool cannot keep and the request be recomputed after waiting for it."""
+    read what the host pool cannot keep and the request be recomputed after waiting for it; or
+    where prefetches already hold their share of it (`full`: `host.share_full`), as SGLang would
+    then not start the load at all."""
     if dec.load and room is not None and hit > room:
         return replace(dec, action="compute", reason=f"the host pool has room for {max(0, room)} tokens",
                        tokens=None)
+    if dec.load and full is not None:
+        return replace(dec, action="compute", tokens=None,
+                       reason=f"prefetches hold {full[0]} tokens, their share of the host pool is {full[1]}")
     return dec
 
 
@@ -238,6 +243,7 @@ class LoadOrCompute:
                            split_grain=(split_policy.tail_pages(cache, backend, model) or split_mod.batch_pages()) * ps
                            if chunk else None)
         if dec.action == "split":
+            self.room_wait.pop(rid, None)  # a held request prefetched (`room.take`) may split: no longer held
             self.decided[rid] = Decided("split", new, held, int(dec.tokens or 0))
             self.split_plans[rid] = SplitPlan(int(dec.tokens or 0), int(dec.tail or 0), hit)
             self.counts["split"] += 1
@@ -252,8 +258,9 @@ class LoadOrCompute:
             self.maybe_save(backend)
             return 0
         take = hit
-        verdict = admission_verdict(dec, host.host_room(cache), take)
-        room.after_admission(self, cache, backend, rid, dec, verdict, take)
+        verdict = admission_verdict(dec, host.host_room(cache), take,
+                                    host.share_full(cache, backend.policy_config.host_fraction))
+        room.after_admission(self, cache, backend, rid, dec, verdict, take, g)
         dec = verdict
         self.decided[rid] = Decided(dec.action, new, held, take)
         if dec.load:
