@@ -14,7 +14,10 @@ from ..engines.base import MemKind
 from ..errors import TransferError, TransferTimeout
 from ..layout import Pages
 
-__all__ = ["tagged_sums", "wait_each"]
+__all__ = ["tagged_sums", "wait_each", "LateRequest", "UNKNOWN_HOLD_S"]
+
+UNKNOWN_HOLD_S = 120.0
+"""Seconds the staging of a request whose fate is unknown (`LateRequest`) stays out of use."""
 
 
 def tagged_sums(pages: Pages, idx: list[int], page_bytes: int, *, threads: int, pool: Executor | None,
@@ -75,3 +78,28 @@ def wait_each(requests: Sequence[Any], deadline: float) -> list[BaseException | 
         # The agent has no progress thread: its requests advance only when polled, so stay close.
         time.sleep(0 if spins < 64 else 5e-5)
     return out
+
+
+class LateRequest:
+    """A request that was still running at its batch's deadline, as `store.staging.Staging.hold`
+    sees it: finished once it completed or failed. One whose peer's agent this process replaced
+    while it was in flight ends in `TransferTimeout` (NIXL no longer knows it, and the old
+    connection may still carry its bytes): finished only `hold_s` after that, when a TCP
+    connection's retransmissions have long given up."""
+
+    def __init__(self, request: Any, hold_s: float | None = None) -> None:
+        self.request = request
+        self.hold_s = UNKNOWN_HOLD_S if hold_s is None else hold_s
+        self.until: float | None = None
+
+    def done(self) -> bool:
+        if self.until is None:
+            try:
+                if not self.request.done():
+                    return False
+                return True
+            except TransferTimeout:
+                self.until = time.monotonic() + self.hold_s
+            except TransferError:
+                return True
+        return time.monotonic() >= self.until

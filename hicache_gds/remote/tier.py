@@ -13,6 +13,10 @@ script; a key published meanwhile by someone else keeps that copy and our slot g
 look up, READ one-sided, then validate that each entry is unchanged (a slot evicted and reused
 during the read fails validation: a miss, never wrong bytes) and the page's checksum: xxh3 for
 pages written from host memory, hgc1 for pages written from GPU memory, each checked wherever it lands.
+Host pages are read into the tier's own registered staging and copied out only once served: a READ
+still running at the batch's deadline is a miss, and its staging stays out of use until it finishes
+(neither a timeout nor dropping the peer's agent stops what a connection still carries), so its bytes
+never land in memory the caller was told holds no page.
 
 Failure contract: an unreachable Redis, a dead or unreachable server, a timeout -- each is a miss
 (False) and a rate-limited log line, never an exception out of exists/prefix/get/put/delete/clear,
@@ -37,7 +41,8 @@ from ..gil import shorten_switch_interval
 from ..errors import RegionError, TransferError, TransferTimeout
 from ..layout import Pages, namespace_id
 from ..stats import StoreStats
-from .batch import tagged_sums, wait_each
+from ..store.staging import MAX_HELD_STAGING, ORPHANED, Staging, scatter
+from .batch import LateRequest, tagged_sums, wait_each
 from .directory import FULL, LOST, PRESENT, Directory, DirectoryUnavailable, Reservation, parse_entry
 from .options import REMOTE_KEYS, RemoteOptions
 from .peers import Peer, PeerBook
@@ -86,6 +91,7 @@ class RemoteTier(PeerBook):
         self.engine = NixlUcxEngine()
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
         self._pool = ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="hicache-gds-ucx")
+        self._staging = Staging(self.engine)  # gets of host pages read here first (see the module's docstring)
         self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout, **self.opts.directory_kwargs())
         self._peers: dict[str, Peer] = {}
         self._agents: dict[str, int] = {}  # agent name -> peer id
@@ -254,25 +260,55 @@ class RemoteTier(PeerBook):
             self._redis_failed(exc)
             self._stats.add(misses=len(keys))
             return result
-        done = self._move(Op.READ, pages, {s: (peers[s], [(i, slot) for i, _, slot, _ in h]) for s, h in hits.items()})
-        read = [(i, e, c) for s, h in hits.items() for (i, e, _, c), st in zip(h, done[s]) if st == "ok"]
+        order = [i for h in hits.values() for i, *_ in h]
+        buf = None
+        if pages.kind is MemKind.DRAM and order:
+            if self._staging.held_bytes() > MAX_HELD_STAGING:
+                self._warn("staging", "hicache-gds remote: staging held by reads that timed out is past its cap; "
+                                      "gets are misses until those reads finish")
+                self._stats.add(misses=len(keys), get_failed=len(order))
+                return result
+            buf = self._staging.acquire(len(order) * self.page_bytes)
+        at = {i: j for j, i in enumerate(order)} if buf is not None else {i: i for i in order}
+        src = Pages.contiguous(buf.addr, self.page_bytes, range(len(order))) if buf is not None else pages
+        late: list[LateRequest] = []
+        finished = False
         try:
-            valid = self.dir.validate(self.namespace, [(keys[i], e) for i, e, _ in read])
-        except DirectoryUnavailable as exc:
-            self._redis_failed(exc)
-            valid = [False] * len(read)
-        recorded = {i: c for i, _, c in read}
-        # an entry of an older directory epoch is served only once its checksum verifies (scripts.py)
-        check = [i for (i, e, c), v in zip(read, valid) if v and c and (self.opts.verify or self.dir.is_stale(e))]
-        actual = dict(zip(check, self._sums(pages, check, like=[recorded[i] for i in check])))
-        bad, stale = [], 0
-        for (i, e, csum), v in zip(read, valid):
-            if not v or (not csum and self.dir.is_stale(e)):
-                stale += 1
-            elif i in actual and actual[i] != csum:
-                bad.append(keys[i])
-            else:
-                result[i] = True
+            done = self._move(Op.READ, src, {s: (peers[s], [(at[i], slot) for i, _, slot, _ in h])
+                                             for s, h in hits.items()}, late=late)
+            read = [(i, e, c) for s, h in hits.items() for (i, e, _, c), st in zip(h, done[s]) if st == "ok"]
+            try:
+                valid = self.dir.validate(self.namespace, [(keys[i], e) for i, e, _ in read])
+            except DirectoryUnavailable as exc:
+                self._redis_failed(exc)
+                valid = [False] * len(read)
+            recorded = {i: c for i, _, c in read}
+            # an entry of an older directory epoch is served only once its checksum verifies (scripts.py)
+            check = [i for (i, e, c), v in zip(read, valid) if v and c and (self.opts.verify or self.dir.is_stale(e))]
+            actual = dict(zip(check, self._sums(src, [at[i] for i in check], like=[recorded[i] for i in check])))
+            bad, stale = [], 0
+            for (i, e, csum), v in zip(read, valid):
+                if not v or (not csum and self.dir.is_stale(e)):
+                    stale += 1
+                elif i in actual and actual[i] != csum:
+                    bad.append(keys[i])
+                else:
+                    result[i] = True
+            if buf is not None:  # only served pages reach the caller's memory
+                dst = pages.select(order)
+                for i in order:
+                    if result[i]:
+                        scatter(dst, buf, at[i], at[i] + 1, self.page_bytes, self.page_bytes)
+                self._stats.add(staged_pages=sum(result))
+            finished = True
+        finally:
+            if buf is not None:
+                if late:
+                    self._staging.hold(buf, late)
+                elif finished:
+                    self._staging.release(buf)
+                else:  # an unexpected error with requests maybe in flight: never lent again
+                    ORPHANED.append(buf)
         if bad:
             log.warning("hicache-gds remote: %d page(s) failed their checksum in %s and were dropped", len(bad),
                         self.namespace)
@@ -293,11 +329,12 @@ class RemoteTier(PeerBook):
                            device_sums=self._device_sums, like=like)
 
     def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[Peer, list[tuple[int, int]]]],
-              during: Callable[[], Any] | None = None) -> dict[str, list[str]]:
+              during: Callable[[], Any] | None = None, late: list[LateRequest] | None = None) -> dict[str, list[str]]:
         """Move pages[i] <-> slot on each server; per server and item "ok", "fail" or "timeout".
 
         Requests are polled by one transfer thread; `during` runs in the caller meanwhile. Nothing here
-        waits past `io_timeout` (a request still running then is a timeout, and is left to finish).
+        waits past `io_timeout` (a request still running then is a timeout, and is left to finish;
+        `late` collects such requests, for whoever must keep their memory out of use).
         """
         # Per server and item, the worst outcome of the requests holding its rows (an item may span
         # several: more segments than one request takes): 0 ok, 1 failed, 2 timed out.
@@ -333,11 +370,13 @@ class RemoteTier(PeerBook):
             errors = waiting.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0) if waiting else []
         except FutureTimeout as exc:
             errors = [exc] * len(posted)
-        for (sid, a, b, _), err in zip(posted, errors):
+        for (sid, a, b, t), err in zip(posted, errors):
             try:
                 if err is not None:
                     raise err
             except (TransferTimeout, FutureTimeout) as exc:
+                if late is not None:
+                    late.append(LateRequest(t))
                 self._stats.add(timeouts=1)
                 worst[sid][a:b] = 2
                 self._warn(f"peer:{sid}", f"hicache-gds remote: server {sid}: {exc or 'transfer timed out'}")
@@ -388,6 +427,7 @@ class RemoteTier(PeerBook):
         self._closed = True
         self._pool.shutdown(wait=False)
         try:
+            self._staging.close()
             self.engine.close()
         finally:
             self.dir.close()

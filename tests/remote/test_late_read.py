@@ -1,0 +1,155 @@
+"""A get's READ that lands after its batch's deadline never reaches the caller's memory.
+
+A READ still running at `io_timeout` is reported a miss and left to finish, and neither the
+timeout nor dropping the peer's agent stops what the connection still carries. Here such a READ
+is modelled by holding the real NIXL request back (never polled, so never posted) until the get
+has returned, then letting it run to completion: its bytes land wherever the get pointed it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from hicache_gds.engines.base import Op, Transfer
+from hicache_gds.errors import TransferError, TransferTimeout
+from hicache_gds.remote import batch as batch_mod
+from hicache_gds.remote import tier as tier_mod
+from hicache_gds.remote.batch import LateRequest
+from remote_helpers import POISON, Bufs, page_data, tier
+from remote_procs import PAGE
+
+
+class _HeldBack(Transfer):
+    """The real request, not polled (so not posted, and its bytes not moved) until `gate` is set."""
+
+    def __init__(self, real, gate: threading.Event) -> None:  # noqa: ANN001
+        super().__init__(real.engine, real.op, real.nbytes, real.what)
+        self.real, self.gate = real, gate
+
+    def _poll(self) -> bool:
+        return self.gate.is_set() and self.real.done()
+
+
+def _hold_reads_back(t, gate: threading.Event, dests: list):  # noqa: ANN001, ANN201
+    """Hold back the READs submitted from now on (their local addresses into `dests`); returns
+    the engine's own submit, to put back."""
+    real = t.engine.submit
+
+    def submit(op, kind, mem, rem):  # noqa: ANN001, ANN202
+        r = real(op, kind, mem, rem)
+        if op is Op.READ and not gate.is_set():
+            dests.extend(int(a) for a in mem[:, 0])
+            return _HeldBack(r, gate)
+        return r
+
+    t.engine.submit = submit
+    return real
+
+
+def test_a_read_landing_after_the_timeout_leaves_the_callers_memory_untouched(cluster):
+    io_timeout = 0.3
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex, io_timeout=io_timeout)
+    gate, dests = threading.Event(), []
+    try:
+        keys = [f"late-{i}" for i in range(12)]
+        b = Bufs(t, 12, PAGE)
+        assert t.put(keys, b.fill(keys)) == [True] * 12
+        real_submit = _hold_reads_back(t, gate, dests)
+        # the servers stay in use on the same connections (no set-aside, no reconnect: those are
+        # `test_reconnect.py`'s), so the held-back READs can still complete on them
+        t._peer_timed_out = lambda sid: None
+        t0 = time.monotonic()
+        assert t.get(keys, b.poisoned(12)) == [False] * 12  # every READ still running at the deadline
+        assert time.monotonic() - t0 < io_timeout + 10  # returned at the deadline, not when they finish
+        caller = range(b.dst.addr, b.dst.addr + b.dst.nbytes)
+        assert dests and not any(a in caller for a in dests)  # the READs were pointed at the tier's staging
+        held = t._staging.held_bytes()
+        assert held >= 12 * PAGE and t.stats()["timeouts"] >= 1
+
+        # while they may still land, their staging is lent to no one: a get of other pages now
+        # uses other memory, and is served byte-exact
+        more = [f"late-more-{i}" for i in range(12)]
+        b2 = Bufs(t, 12, PAGE)
+        assert t.put(more, b2.fill(more)) == [True] * 12
+        lent = []
+        acquire = t._staging.acquire
+        t._staging.acquire = lambda n: lent.append(acquire(n)) or lent[-1]
+        held_addrs = {buf.addr for buf, _ in t._staging.held}
+        t.engine.submit = real_submit  # new READs are not held back; the first ones stay held
+        assert t.get(more, b2.poisoned(12)) == [True] * 12
+        b2.check(more, [True] * 12)
+        assert lent and all(buf.addr not in held_addrs for buf in lent)
+        assert t._staging.held_bytes() == held  # still held: the first READs have not finished
+
+        # now the first READs land: in the staging, not in the caller's poisoned pages
+        gate.set()
+        deadline = time.monotonic() + 10
+        while any(not r.done() for _, late in t._staging.held for r in late) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert np.all(b.dst.numpy() == POISON)
+        assert t.get(keys, b.poisoned(12)) == [True] * 12  # and the staging was handed back
+        b.check(keys, [True] * 12)
+        assert t._staging.held_bytes() == 0
+        for i, k in enumerate(keys):
+            assert np.array_equal(b.got(i), page_data(k, PAGE))
+    finally:
+        gate.set()
+        t.close()
+
+
+def test_staging_held_past_its_cap_makes_gets_misses_at_once(cluster, monkeypatch):
+    io_timeout = 0.2
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex, io_timeout=io_timeout)
+    t._peer_timed_out = lambda sid: None
+    gate, dests = threading.Event(), []
+    try:
+        keys = [f"cap-{i}" for i in range(4)]
+        b = Bufs(t, 4, PAGE)
+        assert t.put(keys, b.fill(keys)) == [True] * 4
+        _hold_reads_back(t, gate, dests)
+        assert t.get(keys, b.poisoned(4)) == [False] * 4
+        monkeypatch.setattr(tier_mod, "MAX_HELD_STAGING", 0)
+        before, posted = t.stats(), len(dests)
+        assert t.get(keys, b.poisoned(4)) == [False] * 4
+        assert len(dests) == posted  # nothing posted: no READ, no wait
+        assert np.all(b.dst.numpy() == POISON)
+        assert t.stats()["get_failed"] - before["get_failed"] == 4
+    finally:
+        gate.set()
+        t.close()
+
+
+class _Fake:
+    def __init__(self, outcomes: list) -> None:
+        self.outcomes = outcomes
+
+    def done(self) -> bool:
+        o = self.outcomes.pop(0) if self.outcomes else True
+        if isinstance(o, BaseException):
+            raise o
+        return o
+
+
+def test_a_request_whose_fate_is_unknown_keeps_its_memory_for_the_hold(monkeypatch):
+    """A request NIXL no longer knows (its peer's agent replaced while it ran: `TransferTimeout`)
+    may still move bytes: finished only `hold_s` later. A completed or failed one is finished."""
+    assert LateRequest(_Fake([False, True])).done() is False
+    assert LateRequest(_Fake([True])).done() is True
+    assert LateRequest(_Fake([TransferError("failed")])).done() is True
+    clock = [100.0]
+    monkeypatch.setattr(batch_mod.time, "monotonic", lambda: clock[0])
+    r = LateRequest(_Fake([TransferTimeout("reconnected while in flight")]), hold_s=30.0)
+    assert r.done() is False
+    clock[0] += 29.0
+    assert r.done() is False
+    clock[0] += 2.0
+    assert r.done() is True
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q"])
