@@ -295,11 +295,7 @@ class RemoteTier(PeerBook):
                 else:
                     result[i] = True
             if buf is not None:  # only served pages reach the caller's memory
-                dst = pages.select(order)
-                for i in order:
-                    if result[i]:
-                        scatter(dst, buf, at[i], at[i] + 1, self.page_bytes, self.page_bytes)
-                self._stats.add(staged_pages=sum(result))
+                self._copy_out(pages.select(order), buf, [at[i] for i in order if result[i]])
             finished = True
         finally:
             if buf is not None:
@@ -322,6 +318,20 @@ class RemoteTier(PeerBook):
                         get_failed=nh - nr - len(bad), checksum_mismatches=len(bad), stale_reads=stale)
         self._stats.batch(False, time.perf_counter_ns() - t0)
         return result
+
+    def _copy_out(self, dst: Pages, buf: Any, js: list[int]) -> None:
+        """Copy staged pages `js` (slot j of `buf`) to dst[j], on the hashing threads: a batch of
+        64 x 2 MiB copied by the caller alone held gets to 0.83x the unstaged tier's (veth TCP)."""
+        def part(lo: int, hi: int) -> None:
+            for j in js[lo:hi]:
+                scatter(dst, buf, j, j + 1, self.page_bytes, self.page_bytes)
+
+        step = -(-len(js) // max(1, self.opts.threads))
+        if self.opts.threads < 2 or len(js) < 4:
+            part(0, len(js))
+        else:
+            list(self._pool.map(lambda lo: part(lo, lo + step), range(0, len(js), step)))
+        self._stats.add(staged_pages=len(js))
 
     def _sums(self, pages: Pages, idx: list[int], parallel: bool = True, like: Sequence[int] | None = None) -> list[int]:
         """Tagged checksums of pages `idx` (`batch.tagged_sums`)."""
