@@ -43,7 +43,8 @@ def tagged_sums(pages: Pages, idx: list[int], page_bytes: int, *, threads: int, 
     return [c for part in pool.map(lambda lo: chunk(lo, lo + step), range(0, len(idx), step)) for c in part]
 
 
-def wait_each(requests: Sequence[Any], deadline: float) -> list[BaseException | None]:
+def wait_each(requests: Sequence[Any], deadline: float,
+              on_done: Callable[[int], Any] | None = None) -> list[BaseException | None]:
     """Wait for every transfer request until `deadline` (monotonic): None where it completed, else
     its `TransferError` (a timeout too: `TransferTimeout`, the request left to finish).
 
@@ -53,7 +54,7 @@ def wait_each(requests: Sequence[Any], deadline: float) -> list[BaseException | 
     and the pending ones are polled in turn: NIXL requests are posted at their first poll, so
     waiting for them one after the other kept a batch's second server idle until the first one's
     request had finished (a 64-page put over veth TCP took 141 ms where both servers at once took
-    89, same run)."""
+    89, same run). `on_done(i)` runs (in this thread) as each request i completes."""
     out: list[BaseException | None] = [None] * len(requests)
     pending = list(range(len(requests)))
     spins = 0
@@ -63,6 +64,8 @@ def wait_each(requests: Sequence[Any], deadline: float) -> list[BaseException | 
             try:
                 if not requests[i].done():
                     still.append(i)
+                elif on_done is not None:
+                    on_done(i)
             except TransferError as exc:
                 out[i] = exc
         pending = still
