@@ -35,16 +35,36 @@ class _HeldBack(Transfer):
         return self.gate.is_set() and self.real.done()
 
 
-def _hold_reads_back(t, gate: threading.Event, dests: list):  # noqa: ANN001, ANN201
-    """Hold back the READs submitted from now on (their local addresses into `dests`); returns
-    the engine's own submit, to put back."""
+HELD: list[_HeldBack] = []  # every request held back, to drive to completion once the gate opens
+
+
+def _land_all() -> None:
+    """Run every held-back request to completion (the gate open): their bytes land now."""
+    deadline = time.monotonic() + 10
+    while HELD and time.monotonic() < deadline:
+        HELD[:] = [r for r in HELD if not _finished(r)]
+        time.sleep(0.005)
+    assert not HELD, "held-back READs did not complete"
+
+
+def _finished(r: _HeldBack) -> bool:
+    try:
+        return r.done()
+    except TransferError:
+        return True
+
+
+def _hold_reads_back(t, gate: threading.Event, dests: list, peer: int | None = None):  # noqa: ANN001, ANN201
+    """Hold back the READs submitted from now on (from `peer` alone where given; their local
+    addresses into `dests`); returns the engine's own submit, to put back."""
     real = t.engine.submit
 
     def submit(op, kind, mem, rem):  # noqa: ANN001, ANN202
         r = real(op, kind, mem, rem)
-        if op is Op.READ and not gate.is_set():
+        if op is Op.READ and not gate.is_set() and peer in (None, int(rem[0, 0])):
             dests.extend(int(a) for a in mem[:, 0])
-            return _HeldBack(r, gate)
+            HELD.append(_HeldBack(r, gate))
+            return HELD[-1]
         return r
 
     t.engine.submit = submit
@@ -88,9 +108,7 @@ def test_a_read_landing_after_the_timeout_leaves_the_callers_memory_untouched(cl
 
         # now the first READs land: in the staging, not in the caller's poisoned pages
         gate.set()
-        deadline = time.monotonic() + 10
-        while any(not r.done() for _, late in t._staging.held for r in late) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _land_all()
         assert np.all(b.dst.numpy() == POISON)
         assert t.get(keys, b.poisoned(12)) == [True] * 12  # and the staging was handed back
         b.check(keys, [True] * 12)
@@ -99,6 +117,38 @@ def test_a_read_landing_after_the_timeout_leaves_the_callers_memory_untouched(cl
             assert np.array_equal(b.got(i), page_data(k, PAGE))
     finally:
         gate.set()
+        HELD.clear()
+        t.close()
+
+
+def test_a_batch_with_one_server_late_serves_the_others_and_leaves_the_late_pages_untouched(cluster):
+    """Each request's pages reach the caller as it completes; a server whose READs run past the
+    deadline leaves its pages poisoned, during the get and after its READs land."""
+    from hicache_gds.remote.directory import Directory
+
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex, io_timeout=0.3)
+    t._peer_timed_out = lambda sid: None
+    gate, dests = threading.Event(), []
+    try:
+        keys = [f"half-{i}" for i in range(24)]
+        b = Bufs(t, 24, PAGE)
+        assert t.put(keys, b.fill(keys)) == [True] * 24
+        sids = [e.split("|")[0] for e in Directory(t.opts.url, t.opts.prefix).lookup(t.namespace, keys)]
+        late_sid = sids[0]
+        on_late = [s == late_sid for s in sids]
+        assert 0 < sum(on_late) < 24
+        _hold_reads_back(t, gate, dests, peer=t._peers[late_sid].peer_id)
+        ok = t.get(keys, b.poisoned(24))
+        assert ok == [not x for x in on_late]
+        b.check(keys, ok)
+        gate.set()
+        _land_all()
+        for i, late in enumerate(on_late):
+            if late:
+                assert np.all(b.got(i) == POISON), f"page {keys[i]} was written after the get returned"
+    finally:
+        gate.set()
+        HELD.clear()
         t.close()
 
 
@@ -121,6 +171,7 @@ def test_staging_held_past_its_cap_makes_gets_misses_at_once(cluster, monkeypatc
         assert t.stats()["get_failed"] - before["get_failed"] == 4
     finally:
         gate.set()
+        HELD.clear()
         t.close()
 
 
