@@ -55,7 +55,7 @@ log = logging.getLogger("hicache_gds.remote")
 MAX_KEY_BYTES = 1024
 # Staged gets are cut into requests of at most this many bytes, so a server's first pages are
 # copied out while its later ones are still on the wire (copying the whole batch after its last
-# byte held gets to 0.83-0.94x the unstaged tier's over veth TCP; 8 MiB: 0.96x, 4 or 16: less)
+# byte held gets to 0.83-0.96x the unstaged tier's over veth TCP; 8 MiB: 0.95-0.96x, 4 or 16: less)
 STAGED_REQUEST_BYTES = 8 << 20
 _EXTRA = ("redis_errors", "peer_errors", "stale_reads", "lost_races", "no_server", "peers_set_aside")
 
