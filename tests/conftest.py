@@ -7,8 +7,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture
-def gds_dir(tmp_path):
-    """A directory on a real (O_DIRECT-capable) file system for GDS_PATH."""
+def gds_dir(tmp_path, monkeypatch):
+    """A directory on a real (O_DIRECT-capable) file system for GDS_PATH. The disk it is on is
+    shared and may already be fuller than the default `max_fill` (90 %), which would make each
+    new namespace weigh removing the test's idle ones: the ceiling is 1 here (this process and the
+    ones it starts), and is tested on tmpfs mounts sized for it (`test_budget`, `test_capacity`)."""
+    monkeypatch.setenv("HICACHE_GDS_MAX_FILL", "1")
     d = tmp_path / "gds"
     d.mkdir()
     return str(d)

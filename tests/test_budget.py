@@ -166,6 +166,40 @@ def test_least_recently_used_idle_namespaces_go_first(tmpfs, caplog):
     assert _below_ceiling(tmpfs)
 
 
+def test_a_disk_filled_past_max_fill_by_other_data_removes_no_idle_namespace_for_nothing(tmpfs, caplog):
+    """The disk is 92 % full with data that is not ours: removing the small idle namespaces cannot
+    bring it under max_fill, so none is removed; their pages stay readable, and the log says why."""
+    caplog.set_level(logging.INFO, logger="hicache_gds")
+    _fill_to(tmpfs, 0.92)
+    names, data = [], []
+    for i, model in enumerate(("kept-a", "kept-b")):
+        with _open(tmpfs, model, capacity="1M") as st:
+            names.append(st.namespace)
+            _roundtrip(st, 40 + i)
+    caplog.clear()
+    with _open(tmpfs, "new", capacity="1M") as st:
+        assert "removed" not in st.sizing.how
+        _roundtrip(st, 42)
+    assert set(names) <= _names(tmpfs)
+    assert not [r for r in caplog.records if "removed idle namespace" in r.getMessage()]
+    (line,) = [r.getMessage() for r in caplog.records if "no idle namespace removed" in r.getMessage()]
+    assert "needs" in line and "max_fill 90%" in line and "2 idle namespace(s) there hold" in line, line
+    # What the idle namespaces acknowledged is still there, byte for byte
+    for i, model in enumerate(("kept-a", "kept-b")):
+        with _open(tmpfs, model, capacity="1M") as st:
+            assert st.namespace == names[i]
+            rng = np.random.default_rng(40 + i)
+            want = rng.integers(0, 256, 4 * PAGE, dtype=np.uint8)
+            buf = HostBuffer(4 * PAGE, pinned=False)
+            buf.numpy()[:] = 0xEE
+            st.register_memory(buf.addr, buf.nbytes)
+            keys = [f"{st.namespace}-{40 + i}-{j}" for j in range(4)]
+            assert st.get(keys, Pages.contiguous(buf.addr, PAGE, range(4))) == [True] * 4
+            assert bytes(buf.numpy()) == bytes(want)
+            st.deregister_memory(buf.addr)
+            buf.close()
+
+
 @pytest.mark.slow
 def test_last_use_is_recorded_durably_and_ls_shows_idle_namespaces_and_since_when(tmpfs, capsys):
     # A closed namespace, an open one, and one whose process was killed with SIGKILL after a write.

@@ -16,7 +16,8 @@ A namespace's slots are chosen, first rule that applies:
 (no slab files yet, however sized) that would take a file system past ``max_fill`` first makes
 room: the *idle* namespaces there -- no process has them open (`owners`) -- are removed whole,
 least recently used first, with the removal ``hicache-gds clear`` uses (`removal.remove`), each
-logged at INFO with what, since when idle, and why. So namespaces opened one after another each
+logged at INFO with what, since when idle, and why -- but none where removing them all would
+still leave it past ``max_fill`` (a disk filled by other data). So namespaces opened one after another each
 get their default size while the disk stays at most ``max_fill`` full, and `StoreFullError` comes
 only when namespaces that are open hold the space. The default rule counts idle namespaces' bytes
 as room (`DirSpace.idle`), so what `default_budget` promises is what the open then gets.
@@ -327,15 +328,31 @@ def _removed(gone: Sequence[str]) -> str:
 def _make_room(roots: Sequence[str], need: Sequence[int], max_fill: float, name: str) -> list[str]:
     """Remove idle namespaces under `roots`, least recently used first, until each directory has
     `need` bytes (for namespace `name`) available above the `max_fill` reserve, or none is left.
-    Returns the names removed."""
+    Returns the names removed.
+
+    Nothing is removed where removing every idle namespace would still not make that room -- a
+    file system filled past `max_fill` by other data: their pages would be lost for nothing (logged
+    once, with the sizes)."""
     gone: list[str] = []
     tried: set[str] = set()
+    first = True
     while True:
         short = [(r, n, *_fs(r)) for r, n in zip(roots, need)]
         short = [(r, n, t, a) for r, n, t, a in short if a - n < (1.0 - max_fill) * t]
         if not short:  # the common case costs one statvfs per directory: no namespace is looked at
             return gone
         real = [os.path.realpath(r) for r, *_ in short]
+        if first:
+            first = False
+            idle = evictable(roots, scan(roots, name))
+            for (r, n, t, a), rr in zip(short, real):
+                short_by, could_free = int((1.0 - max_fill) * t - (a - n)), sum(_ns_bytes(ns, rr) for ns in idle)
+                if could_free < short_by:
+                    log.info("hicache-gds: no idle namespace removed for new namespace %s: it needs %s in %s, which "
+                             "is %.0f%% full with %s available; staying under max_fill %.0f%% needs %s more, and "
+                             "the %d idle namespace(s) there hold %s", name, gib(n), r, 100 * (1 - a / t) if t else 100,
+                             gib(a), 100 * max_fill, gib(short_by), len(idle), gib(could_free))
+                    return gone
         pick = next((ns for ns in evictable(roots, scan(roots, name)) if ns.name not in tried
                      and any(_ns_bytes(ns, r) for r in real)), None)
         if pick is None:

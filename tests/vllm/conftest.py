@@ -55,9 +55,11 @@ if VLLM_MISSING:
 
 
 @pytest.fixture
-def gds_dir(tmp_path):
+def gds_dir(tmp_path, monkeypatch):
     """A GDS_PATH on the real disk (tmp_path is, on these machines; O_DIRECT needs a real filesystem).
-    Under the test's tmp_path, so it goes when the test passes (tmp_path_retention_policy)."""
+    Under the test's tmp_path, so it goes when the test passes (tmp_path_retention_policy). max_fill
+    is 1, as in ``tests/conftest.py``: the shared disk may already be fuller than 90 %."""
+    monkeypatch.setenv("HICACHE_GDS_MAX_FILL", "1")
     d = tmp_path / "gds"
     d.mkdir()
     return str(d)
