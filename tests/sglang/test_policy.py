@@ -856,6 +856,40 @@ def test_without_the_policy_a_finished_load_is_left_to_sglangs_eviction(gds_dir)
         b.close()
 
 
+def test_a_load_is_paced_by_when_its_last_get_returned_not_by_when_the_scheduler_saw_it(gds_dir, caplog):
+    """In a burst the scheduler sees a finished load only between forward passes, seconds after its
+    last get returned: paced by that, every forecast doubled (the bound) and loads that would win
+    were computed. The backend stamps each whole get's end; the pace is the real read's overrun."""
+    b, pool = open_backend(gds_dir, policy_read_gbps=gbps_for(0.5))
+    try:
+        cache, ctl, pol = make_cache(b)
+        stop = getattr(CACHE, STOP)
+        for i in range(3):
+            rid = f"p{i}"
+            pol.current_req = req(rid, 8256)
+            admit(cache, rid, 8192, [])
+            assert pol.last["action"] == "load"
+            w = pol.loads[rid]
+            op = in_flight(cache, b, rid, 8192, kept=8192)
+            op.hash_value = keys(8192 // PS, tag=rid)
+            last = op.hash_value[-2:]  # the load's last get: real pages, read back byte for byte
+            assert b.batch_set_v1(last, indices([4 + i, 5 + i], PS)) == [True, True]
+            poison(pool, [40, 41])
+            w.since = time.monotonic() - 1.25 * w.io_s  # admitted so long before the get returned
+            assert b.batch_get_v1(last, indices([40, 41], PS)) == [True, True]
+            assert page_bytes(pool, 40) == page_bytes(pool, 4 + i) and page_bytes(pool, 41) == page_bytes(pool, 5 + i)
+            time.sleep(0.4 * w.io_s)  # the pass that was running when the get returned
+            with caplog.at_level(logging.INFO, logger="hicache_gds_sglang"):
+                hooks.around_can_terminate(stop, cache, op)
+            cache.ongoing_prefetch.clear()
+        # seen by the scheduler alone, the overrun would read 1.65x or more
+        assert pol.pace.factor == pytest.approx(1.25, abs=0.1), pol.pace.factor
+        lines = [r.getMessage() for r in caplog.records if "load done" in r.getMessage()]
+        assert len(lines) == 3 and all("s later)" in x for x in lines), lines
+    finally:
+        b.close()
+
+
 def test_finished_loads_pace_the_forecasts_and_loads_ended_by_sglang_are_logged(gds_dir, caplog):
     """Loads in a running server took 1.1-1.5x what the read rate forecast (gaps between gets):
     each finished load's overrun paces the forecasts after it. A load SGLang ends itself (a short

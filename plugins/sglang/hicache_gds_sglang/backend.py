@@ -35,7 +35,7 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Dict, List
 
 import torch
@@ -53,6 +53,7 @@ from .pools import PoolBinding, describe_pool
 __all__ = ["HiCacheGDS"]
 
 log = logging.getLogger("hicache_gds_sglang")
+GET_ENDS_KEPT = 4096  # gets whose end `get_ended` remembers: far more than loads in flight at once
 
 
 # Read rates by KV namespace directory, for the life of the process: a backend attached again (a
@@ -144,6 +145,8 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         self.read_device: int | None = None  # st_dev of the KV namespace's first directory (`ranks.seed`)
         self._reading: tuple[Any, int] | None = None  # (`_region` of the get in flight, pages read)
         self._read_returned = threading.Event()  # set as each get or existence query returns (`wait_for_reads`)
+        # last key of each whole get -> when it returned (`get_ended`), the most recent GET_ENDS_KEPT
+        self._get_ended: OrderedDict[str, float] = OrderedDict()
         self.idle_wait_s = self.policy_config.idle_wait_ms / 1e3
         # cancelled prefetches: (their host_indices, held weakly, and its `_region`)
         self._cancelled: list[tuple[weakref.ref, tuple[Any, int, int]]] = []
@@ -304,6 +307,10 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
                 return [False] * n
             t0 = time.perf_counter()
             res = binding.put(keys, host_indices) if write else binding.get(keys, host_indices)
+            if not write and n and all(res):
+                self._get_ended[keys[-1]] = time.monotonic()
+                if len(self._get_ended) > GET_ENDS_KEPT:
+                    self._get_ended.popitem(last=False)
             if binding.name == "kv" and record:
                 self._metrics.record(write, sum(res), sum(res) * binding.geo.page_bytes, time.perf_counter() - t0)
             return res
@@ -352,6 +359,12 @@ class HiCacheGDS(CopyAndPoolPaths, HiCacheStorage):
         if got and len(out) == n and all(out):
             self.read_rate.observe(got * kv.geo.page_bytes, secs)  # whole gets only: a cut one is no rate
         return out + [False] * (n - len(out))
+
+    def get_ended(self, key: str) -> float | None:
+        """`time.monotonic()` when the latest whole get ending with page `key` returned, if recent.
+        A load's last page is read when that get returns, which the policy sees only at its next
+        check, between forward passes: seconds later inside a long prefill."""
+        return self._get_ended.get(key)
 
     def wait_for_reads(self, timeout_s: float) -> bool:
         """Block the caller (the scheduler, on an idle pass: `idle`) until one of this backend's

@@ -85,8 +85,12 @@ def release_protected(pol: Any, waiting: Any) -> None:
 def rate_limited(controller: Any, host_fraction: float) -> bool:
     """Prefetches hold their share of the host pool (`PolicyConfig.host_fraction`, or SGLang's
     own limit where that is larger): admit no more."""
+    return _past_share(controller, host_fraction) is not None
+
+
+def _past_share(controller: Any, host_fraction: float) -> tuple[int, int] | None:
     held, limit = view.host_limit(controller, host_fraction)
-    return held >= limit
+    return (held, limit) if held >= limit else None
 
 
 def share_full(cache: Any, host_fraction: float) -> tuple[int, int] | None:
@@ -98,5 +102,4 @@ def share_full(cache: Any, host_fraction: float) -> tuple[int, int] | None:
     cc = getattr(cache, "cache_controller", None)
     if cc is None or not hasattr(cc, "prefetch_tokens_occupied") or view.buffer_only(cc):
         return None
-    held, limit = view.host_limit(cc, host_fraction)
-    return (held, limit) if held >= limit else None
+    return _past_share(cc, host_fraction)

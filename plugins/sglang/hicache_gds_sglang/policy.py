@@ -290,12 +290,15 @@ class LoadOrCompute:
         if view.loaded_done(cache, operation):
             w = self.loads.pop(rid, None)  # once: 0.5.23 asks again until the load is acknowledged
             if w is not None:
-                took = time.monotonic() - w.since
+                now = time.monotonic()
+                end = view.load_ended(backend, operation)  # when its last get returned, if known
+                end = now if end is None or not w.since <= end <= now else end
+                took = end - w.since
                 self.pace.observe(w.io_s, took, w.pace)
                 host_free = view.host_free(cache)
-                log.info("hicache-gds policy: %s load done: %d tokens in %.3f s (forecast %.3f s; pace now %.2f); host "
-                         "pool %s tokens free", rid, view.kept(operation), took, w.io_s, self.pace.factor,
-                         "?" if host_free is None else host_free)
+                log.info("hicache-gds policy: %s load done: %d tokens in %.3f s (forecast %.3f s; pace now %.2f; seen "
+                         "%.3f s later); host pool %s tokens free", rid, view.kept(operation), took, w.io_s,
+                         self.pace.factor, now - end, "?" if host_free is None else host_free)
             # 0.5.23 settles a finished load through its acknowledgements (as for wait_complete);
             # 0.5.17 finishes it here, and its pages are then protected (`protect`).
             return not view.settles_by_ack(cache)

@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from . import host, ranks, view
+from .policy_config import PolicyConfig
 from .records import RoomWait
 
 __all__ = ["ROOM_SHARE", "ROOM_MAX_S", "HOOKED", "after_admission", "agree", "holds", "take", "can_wait"]
@@ -59,7 +60,7 @@ def _fits(cache: Any, backend: Any, hit: int) -> bool:
     """A load of `hit` tokens would be admitted now: the host pool has room and prefetches are
     within their share."""
     r = host.host_room(cache)
-    fraction = getattr(getattr(backend, "policy_config", None), "host_fraction", 1.0)
+    fraction = getattr(getattr(backend, "policy_config", None), "host_fraction", PolicyConfig.host_fraction)
     return (r is None or r >= hit) and host.share_full(cache, fraction) is None  # None: the release does not say
 
 

@@ -164,6 +164,13 @@ def loaded_done(cache: Any, op: Any) -> bool:
     return bool(hv) and allocated(op) and kept(op) >= len(hv) * page_size(cache)
 
 
+def load_ended(backend: Any, op: Any) -> float | None:
+    """When the get that read the load's last page returned (the backend's clock), if known."""
+    hv = getattr(op, "hash_value", None) or []
+    ended = getattr(backend, "get_ended", None)
+    return ended(hv[-1]) if hv and ended is not None else None
+
+
 def op_tokens(cache: Any, op: Any) -> int:
     """Tokens of the load's hit, once known (its hash values)."""
     return len(getattr(op, "hash_value", None) or []) * page_size(cache)
