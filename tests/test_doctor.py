@@ -48,6 +48,7 @@ def test_json_report(capsys, monkeypatch, gds_dir):
     monkeypatch.setenv("GDS_PATH", gds_dir)
     monkeypatch.setenv("HICACHE_GDS_CAPACITY", "64M")  # sized: the default depends on how full the disk is
     monkeypatch.delenv("HICACHE_GDS_READ_PROBE")  # set for the adapters' tests (conftest): here only what this test sets
+    monkeypatch.delenv("HICACHE_GDS_MAX_FILL")  # set with gds_dir (conftest)
     rc, out, _ = doctor(capsys, "--json")
     rep = json.loads(out)
     assert rc == 0 and rep["ok"] is True and rep["problems"] == []
