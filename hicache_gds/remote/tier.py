@@ -14,9 +14,10 @@ look up, READ one-sided, then validate that each entry is unchanged (a slot evic
 during the read fails validation: a miss, never wrong bytes) and the page's checksum: xxh3 for
 pages written from host memory, hgc1 for pages written from GPU memory, each checked wherever it lands.
 Host pages are read into the tier's own registered staging, and each request's pages are copied out
-as it completes, before get returns: a READ still running at the batch's deadline is a miss, and its
-staging stays out of use until it finishes (neither a timeout nor dropping the peer's agent stops what
-a connection still carries), so its bytes never land in memory the caller was told holds no page.
+(and checksummed) as it completes, while the rest still move, before get returns: a READ still
+running at the batch's deadline is a miss, and its staging stays out of use until it finishes
+(neither a timeout nor dropping the peer's agent stops what a connection still carries), so its
+bytes never land in memory the caller was told holds no page.
 
 Failure contract: an unreachable Redis, a dead or unreachable server, a timeout -- each is a miss
 (False) and a rate-limited log line, never an exception out of exists/prefix/get/put/delete/clear,
@@ -280,12 +281,18 @@ class RemoteTier(PeerBook):
         finished = False
         plan = {s: (peers[s], [(at[i], slot) for i, _, slot, _ in h]) for s, h in hits.items()}
         copied: set[int] = set()
+        # checksums to check, by page: taken as each request's pages are copied out, while the rest
+        # still move (their bytes are final then: the request completed, the buffer is this get's)
+        want = {i: c for h in hits.values() for i, e, _, c in h if c and (self.opts.verify or self.dir.is_stale(e))}
+        early: dict[int, int] = {}
 
         def arrived(sid: str, a: int, b: int) -> None:  # a request's pages, staged whole: to the caller now
             js = [j for j, _ in plan[sid][1][a:b]]
             for j in js:
                 scatter(dst, buf, j, j + 1, self.page_bytes, self.page_bytes)
             copied.update(js)
+            idx = [order[j] for j in js if order[j] in want]
+            early.update(zip(idx, self._sums(pages, idx, parallel=False, like=[want[i] for i in idx])))
 
         try:
             dst = pages.select(order) if buf is not None else None
@@ -304,7 +311,9 @@ class RemoteTier(PeerBook):
             recorded = {i: c for i, _, c in read}
             # an entry of an older directory epoch is served only once its checksum verifies (scripts.py)
             check = [i for (i, e, c), v in zip(read, valid) if v and c and (self.opts.verify or self.dir.is_stale(e))]
-            actual = dict(zip(check, self._sums(pages, check, like=[recorded[i] for i in check])))
+            rest = [i for i in check if i not in early]
+            actual = dict(zip(rest, self._sums(pages, rest, like=[recorded[i] for i in rest])))
+            actual.update((i, early[i]) for i in check if i in early)
             bad, stale = [], 0
             for (i, e, csum), v in zip(read, valid):
                 if not v or (not csum and self.dir.is_stale(e)):

@@ -323,6 +323,34 @@ def test_every_page_carries_a_checksum_that_any_memory_checks(rt):
     assert rt._sums(dev, [0], like=from_host[:1]) != from_host[:1]
 
 
+def test_a_page_whose_bytes_changed_on_its_server_is_a_miss_and_the_rest_are_served(rt):
+    """Two pages' slots are overwritten one-sided behind the directory's back (what a late write
+    of a lost history would do): a get checks every page's checksum as its request's pages are
+    copied out of staging, so those two are misses (their entries dropped, counted), the other 22
+    are served byte for byte, and a second get misses them without a transfer."""
+    from hicache_gds.engines.base import Op
+    from hicache_gds.remote.directory import parse_entry
+    keys = keys_of(24)
+    b = Bufs(rt, 24, PAGE)
+    assert rt.put(keys, b.fill(keys)) == [True] * 24
+    entries = Directory(rt.opts.url, rt.opts.prefix).lookup(rt.namespace, keys)
+    peers = {p.info.sid: p for p in rt._live()}
+    for i in (3, 17):
+        sid, _epoch, slot, *_ = parse_entry(entries[i])
+        other = b.fill([f"other-{i}"], salt="x")
+        assert rt._move(Op.WRITE, other, {sid: (peers[sid], [(0, slot)])}) == {sid: ["ok"]}
+    before = rt.stats()
+    ok = rt.get(keys, b.poisoned(24))
+    assert ok == [i not in (3, 17) for i in range(24)]
+    b.check(keys, ok)
+    st = rt.stats()
+    assert st["checksum_mismatches"] - before["checksum_mismatches"] == 2
+    assert st["staged_pages"] - before["staged_pages"] == 24
+    ok = rt.get(keys, b.poisoned(24))
+    assert ok == [i not in (3, 17) for i in range(24)]
+    assert rt.stats()["checksum_mismatches"] == st["checksum_mismatches"]  # dropped: not read again
+
+
 def test_a_server_that_stops_answering_is_set_aside_then_tried_again(cluster):
     """A server that still heartbeats but whose transfers hang costs one `io_timeout`, not one
     per batch: it is set aside (its pages are misses at once, new keys go to the others), for
