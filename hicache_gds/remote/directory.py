@@ -40,6 +40,7 @@ class ServerInfo:
     nslots: int
     host: str = ""
     pid: int = 0
+    tcp_tx: int = 0  # its UCX TCP send segment (bytes); 0: not published (earlier releases: <= 64 KiB)
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,8 @@ class Directory:
         fields = {"md": info.metadata, "agent": info.agent, "base": str(info.base),
                   "slot_bytes": str(info.slot_bytes), "nslots": str(info.nslots), "host": info.host,
                   "pid": str(info.pid), "ts": f"{time.time():.3f}"}
+        if info.tcp_tx:
+            fields["tcp_tx"] = str(info.tcp_tx)
         if self.secret is not None:
             fields["mac"] = trust.sign(self.secret, {**fields, "sid": info.sid, "epoch": info.epoch})
         argv: list[Any] = [info.sid, info.epoch, int(ttl * 1000), info.nslots]
@@ -271,7 +274,8 @@ class Directory:
                 continue
             out.append(ServerInfo(sid=sid, epoch=f["epoch"].decode(), agent=f["agent"].decode(), metadata=f["md"],
                                   base=int(f["base"]), slot_bytes=int(f["slot_bytes"]), nslots=int(f["nslots"]),
-                                  host=f.get("host", b"").decode(), pid=int(f.get("pid", b"0"))))
+                                  host=f.get("host", b"").decode(), pid=int(f.get("pid", b"0")),
+                                  tcp_tx=int(f.get("tcp_tx", b"0"))))
         if gone:  # SREM only if still absent: a server may have registered between the reads
             for sid in gone:
                 try:

@@ -20,7 +20,7 @@ import xxhash
 
 from ..errors import TransferError
 from .directory import ServerInfo
-from .ucx import PeerDisconnected
+from .ucx import PeerDisconnected, tcp_possible
 
 if TYPE_CHECKING:
     import threading
@@ -86,7 +86,17 @@ class PeerBook:
                 self._drop_agent(self._peers.pop(sid).info.agent)
 
     def _connect(self, info: ServerInfo) -> int:
-        """Load `info`'s agent: its peer id, or 0 (warned) where it cannot be loaded now."""
+        """Load `info`'s agent: its peer id, or 0 (warned) where it cannot be loaded now, or where
+        its replies over TCP would not fit this process's receive segment (`ucx.TCP_DEFAULTS`:
+        the connection would drop at the first get)."""
+        rx = self.engine.tcp_rx
+        if rx is not None and info.tcp_tx > rx and tcp_possible():
+            self._warn(f"seg:{info.sid}", f"hicache-gds remote: server {info.sid} sends TCP segments of {info.tcp_tx} "
+                                          f"bytes (UCX_TCP_TX_SEG_SIZE) and this process receives at most {rx} "
+                                          f"(UCX_TCP_RX_SEG_SIZE): its replies would drop the connection, so it is "
+                                          f"not used; set UCX_TCP_RX_SEG_SIZE={info.tcp_tx} here, or "
+                                          f"UCX_TCP_TX_SEG_SIZE={rx} on that server")
+            return 0
         try:
             pid = self.engine.add_peer(info.metadata)
         except TransferError as exc:

@@ -51,7 +51,7 @@ class PageServer:
         from .._nixl import new_agent
         from ..memory import HostBuffer, align_up
         from .directory import SID_RE, Directory
-        from .ucx import tcp_defaults
+        from .ucx import tcp_defaults, tcp_segments
 
         self.slot_bytes = align_up(page_bytes)
         self.nslots = size // self.slot_bytes
@@ -70,6 +70,7 @@ class PageServer:
             self.buf.numpy()[::4096] = 0
         tcp_defaults()  # gets over TCP are sent back from here in copy-out segments (`ucx.TCP_DEFAULTS`)
         self.agent = new_agent("serve", backends=["UCX"], enable_prog_thread=False)
+        self.tcp_tx = tcp_segments()[0] or 0  # published: clients check they can take its replies
         self.reg = self.agent.register_memory([(self.buf.addr, self.buf.nbytes, 0, "")], "DRAM")
         self.metadata = self.agent.get_agent_metadata()
         self.epoch = ""
@@ -85,7 +86,7 @@ class PageServer:
         from .directory import ServerInfo
         return ServerInfo(sid=self.name, epoch=self.epoch, agent=self.agent.name, metadata=self.metadata,
                           base=self.buf.addr, slot_bytes=self.slot_bytes, nslots=self.nslots,
-                          host=socket.gethostname(), pid=os.getpid())
+                          host=socket.gethostname(), pid=os.getpid(), tcp_tx=self.tcp_tx)
 
     def register(self) -> None:
         """Publish the pool under a new epoch (every slot free). One cut short (Redis failed while

@@ -28,6 +28,7 @@ __all__ = ["load_secret", "sign", "verify", "SECRET_ENV", "SECRET_FILE_ENV"]
 SECRET_ENV = "HICACHE_GDS_CLUSTER_SECRET"
 SECRET_FILE_ENV = "HICACHE_GDS_CLUSTER_SECRET_FILE"
 SIGNED = ("sid", "epoch", "agent", "md", "base", "slot_bytes", "nslots", "host", "ts")
+SIGNED_IF_PRESENT = ("tcp_tx",)  # fields later releases added: signed where a record has them
 
 
 def load_secret(path: str = "", env: Mapping[str, str] | None = None) -> bytes | None:
@@ -51,7 +52,7 @@ def load_secret(path: str = "", env: Mapping[str, str] | None = None) -> bytes |
 
 def _message(fields: Mapping[str, str | bytes]) -> bytes:
     parts = []
-    for name in SIGNED:
+    for name in SIGNED + tuple(n for n in SIGNED_IF_PRESENT if n in fields):
         v = fields.get(name, b"")
         v = v if isinstance(v, bytes) else str(v).encode()
         if name == "md":

@@ -15,6 +15,7 @@ died makes the transfer fail with `PeerDisconnected` at once.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
@@ -22,25 +23,69 @@ from ..engines.base import Capabilities, EngineOptions, MemKind, Op, Traits, Tra
 from ..engines.nixl_agent import NIXL_MODULES, NixlAgentEngine, NixlTransfer
 from ..errors import PeerDisconnected, TransferError
 
-__all__ = ["NixlUcxEngine", "PeerDisconnected", "ucx_path", "TCP_DEFAULTS", "tcp_defaults"]
+__all__ = ["NixlUcxEngine", "PeerDisconnected", "ucx_path", "TCP_DEFAULTS", "tcp_defaults", "tcp_segments", "ucx_size",
+           "tcp_possible"]
 
 _GiB = 1 << 30
 
-TCP_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "64k"}
+TCP_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
 """UCX settings the tier's agents are created with where the environment does not set them.
 
 Over TCP, UCX has no native one-sided GET: a get is served by the page server's worker, which
-sends the bytes back as active messages of at most one send copy-out segment each. UCX's default
-segment (8 KiB) cut every 2 MiB page into 256 messages and held gets over veth TCP to about half
-of what puts (zero-copy) moved; 64 KiB segments (the size of UCX's default receive segment, so a
-peer with UCX's defaults still takes them) doubled gets there (benchmarks/RESULTS.md, remote tier).
-Only the TCP transport reads it: RDMA and shared-memory paths are unchanged."""
+sends the bytes back as active messages of at most one send segment each, copied into a bounce
+buffer and out of the receiver's receive segment. UCX's defaults (8 KiB send, 64 KiB receive)
+cut every 2 MiB page into 256 messages; 1 MiB segments on both sides cut it into two and moved
+gets over veth TCP from 2.04 to 2.22 GB/s in one run (64 KiB: 2.04, 256 KiB 2.10, 512 KiB 2.13;
+benchmarks/results/cpu-run23). Only the TCP transport reads them: RDMA and shared-memory paths
+are unchanged.
+
+A receiver drops the connection on a message larger than its receive segment, so a page server's
+send segment must not exceed its clients' receive segment: servers publish theirs (`tcp_tx` in
+their record) and a client skips a server whose replies it could not take (`peers`), saying which
+setting to change. Clients of earlier releases receive 64 KiB and do not check: upgrade clients
+before page servers, or run servers with ``UCX_TCP_TX_SEG_SIZE=64k`` until every client is new."""
+
+# UCX's own defaults, where neither the environment nor `TCP_DEFAULTS` set a size
+_UCX_TX, _UCX_RX = 8 << 10, 64 << 10
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
 def tcp_defaults() -> None:
-    """Set `TCP_DEFAULTS` in this process's environment where unset (before a UCX agent is made)."""
-    for k, v in TCP_DEFAULTS.items():
-        os.environ.setdefault(k, v)
+    """Set `TCP_DEFAULTS` in this process's environment where unset (before a UCX agent is made).
+    UCX refuses a send segment larger than the receive segment (no TCP interface opens), so a
+    size the environment sets bounds the other's default."""
+    tx, rx = (ucx_size(os.environ.get(k)) for k in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"))
+    want = ucx_size(TCP_DEFAULTS["UCX_TCP_TX_SEG_SIZE"]) or 0
+    if "UCX_TCP_TX_SEG_SIZE" not in os.environ:
+        os.environ["UCX_TCP_TX_SEG_SIZE"] = str(min(want, rx)) if rx is not None and rx < want else \
+            TCP_DEFAULTS["UCX_TCP_TX_SEG_SIZE"]
+    if "UCX_TCP_RX_SEG_SIZE" not in os.environ:
+        os.environ["UCX_TCP_RX_SEG_SIZE"] = str(tx) if tx is not None and tx > want else \
+            TCP_DEFAULTS["UCX_TCP_RX_SEG_SIZE"]
+
+
+def ucx_size(value: str | None) -> int | None:
+    """Bytes of a UCX memory-units setting (``65536``, ``64k``, ``1M``, ``1mb``); None for ``auto``,
+    ``inf`` or anything else UCX might take that is not a plain size."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)b?\s*", value or "", re.IGNORECASE)
+    return int(m.group(1)) * _UNITS[m.group(2).lower()] if m else None
+
+
+def tcp_segments() -> tuple[int | None, int | None]:
+    """(send, receive) segment bytes this process's UCX agents use over TCP (None: not a plain size)."""
+    tx, rx = os.environ.get("UCX_TCP_TX_SEG_SIZE"), os.environ.get("UCX_TCP_RX_SEG_SIZE")
+    return (_UCX_TX if tx is None else ucx_size(tx)), (_UCX_RX if rx is None else ucx_size(rx))
+
+
+def tcp_possible() -> bool:
+    """Whether UCX may move this process's bytes over TCP (``UCX_TLS`` unset, ``all``, or naming tcp
+    and not excluding it)."""
+    tls = os.environ.get("UCX_TLS", "").strip().lower()
+    if not tls or tls == "all":
+        return True
+    if tls.startswith("^"):
+        return "tcp" not in tls[1:].split(",")
+    return "tcp" in tls.split(",")
 
 
 def ucx_path() -> str:
@@ -62,6 +107,7 @@ class NixlUcxEngine(NixlAgentEngine):
     def __init__(self, options: EngineOptions | None = None) -> None:
         tcp_defaults()
         super().__init__(options or EngineOptions(direct_io=False))
+        self.tcp_tx, self.tcp_rx = tcp_segments()  # as UCX read them when the agent was made
         kinds = {MemKind.DRAM}
         try:
             if "VRAM_SEG" in self.agent.get_backend_mem_types("UCX"):

@@ -407,13 +407,87 @@ def wait_for_true(fn, timeout: float) -> bool:  # noqa: ANN001
     return False
 
 
-def test_tcp_send_segment_default_respects_the_environment(monkeypatch):
-    """Agents are made with 64 KiB UCX TCP send segments (gets over TCP come back one segment a
-    message), unless the environment names a size."""
-    from hicache_gds.remote.ucx import TCP_DEFAULTS, tcp_defaults
+def test_tcp_segment_defaults_respect_the_environment(monkeypatch):
+    """Agents are made with 1 MiB UCX TCP send and receive segments (gets over TCP come back one
+    segment a message), unless the environment names a size; sizes read as UCX reads them."""
+    from hicache_gds.remote.ucx import TCP_DEFAULTS, tcp_defaults, tcp_segments, ucx_size
     monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE", raising=False)
+    assert tcp_segments() == (8 << 10, 64 << 10)  # UCX's own
     tcp_defaults()
-    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == TCP_DEFAULTS["UCX_TCP_TX_SEG_SIZE"] == "64k"
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == TCP_DEFAULTS["UCX_TCP_TX_SEG_SIZE"] == "1m"
+    assert os.environ["UCX_TCP_RX_SEG_SIZE"] == TCP_DEFAULTS["UCX_TCP_RX_SEG_SIZE"] == "1m"
+    assert tcp_segments() == (1 << 20, 1 << 20)
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "auto")
     tcp_defaults()
-    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "8k"
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "8k" and tcp_segments() == (8 << 10, None)
+    # UCX opens no TCP interface whose send segment exceeds its receive segment: one size set
+    # bounds the other's default
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE")
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64k")
+    tcp_defaults()
+    assert tcp_segments() == (64 << 10, 64 << 10)
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "4m")
+    monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE")
+    tcp_defaults()
+    assert tcp_segments() == (4 << 20, 4 << 20)
+    assert [ucx_size(v) for v in ("65536", "64K", "1mb", "2G", "inf", "")] == [65536, 65536, 1 << 20, 2 << 30, None,
+                                                                                None]
+
+
+def test_servers_publish_their_send_segment_and_a_client_that_cannot_take_it_skips_them(cluster, monkeypatch,
+                                                                                          caplog):
+    """A receiver drops the connection on a message larger than its receive segment (tried: every
+    page of the batch a miss). Page servers publish their send segment; a client receiving less
+    uses none of them and says which setting to change, and one that can take it is served."""
+    import logging
+
+    from hicache_gds.remote.directory import ServerInfo
+    infos = Directory(cluster["url"], cluster["prefix"]).servers()
+    assert len(infos) == 3 and {i.tcp_tx for i in infos} == {1 << 20}
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "64k")  # a client of an earlier release
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64k")
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    caplog.set_level(logging.WARNING, logger="hicache_gds")
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex)
+    try:
+        assert t.engine.tcp_rx == 64 << 10
+        keys = keys_of(6)
+        b = Bufs(t, 6, PAGE)
+        assert t.put(keys, b.fill(keys)) == [False] * 6 and t.get(keys, b.poisoned(6)) == [False] * 6
+        assert (b.dst.numpy() == POISON).all()
+        lines = [r.getMessage() for r in caplog.records if "UCX_TCP_RX_SEG_SIZE" in r.getMessage()]
+        assert lines and "sends TCP segments of 1048576 bytes" in lines[0] and "receives at most 65536" in lines[0]
+        assert "UCX_TCP_RX_SEG_SIZE=1048576 here" in lines[0] and "UCX_TCP_TX_SEG_SIZE=65536 on that server" in lines[0]
+        # a server of an earlier release publishes nothing: used as before
+        old = ServerInfo(**{**infos[0].__dict__, "tcp_tx": 0})
+        pid = t._connect(old)
+        assert pid
+        t._drop_agent(old.agent)
+    finally:
+        t.close()
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "1m")
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "1m")
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex)
+    try:
+        keys = keys_of(6)
+        b = Bufs(t, 6, PAGE)
+        b.round_trip(t, keys)
+        t.clear()
+    finally:
+        t.close()
+
+
+def test_a_record_signs_its_send_segment_and_earlier_records_still_verify():
+    from hicache_gds.remote import trust
+    secret = b"s3cret"
+    base = {"sid": "s0", "epoch": "e", "agent": "a", "md": b"m", "base": "1", "slot_bytes": "2", "nslots": "3",
+            "host": "h", "ts": "1.0"}
+    old = trust.sign(secret, base)  # a server of an earlier release: no tcp_tx in its record
+    assert trust.verify(secret, base, old)
+    new = {**base, "tcp_tx": str(1 << 20)}
+    mac = trust.sign(secret, new)
+    assert trust.verify(secret, new, mac) and mac != old
+    assert not trust.verify(secret, {**new, "tcp_tx": str(64 << 10)}, mac)  # changed by someone without the secret
+    assert not trust.verify(secret, base, mac)  # or removed
