@@ -182,8 +182,14 @@ def test_doctor_says_what_the_remote_tier_runs_over(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("HICACHE_GDS_CLUSTER_SECRET", "x")
     assert "sign their records" in _remote(str(tmp_path))["trust"]
     monkeypatch.delenv("HICACHE_GDS_CLUSTER_SECRET")
+    # the TCP segments the tier's agents would be made with, without setting them here
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "256k")
+    assert _remote(str(tmp_path))["tcp_segments"] == {"send": "262144", "receive": "256k"}
+    assert "UCX_TCP_TX_SEG_SIZE" not in os.environ
+    monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE")
     from hicache_gds import cli
     assert cli.main(["doctor"]) in (0, 1)
     out = capsys.readouterr().out
-    assert "remote tier  : NIXL UCX over" in out
+    assert "remote tier  : NIXL UCX over" in out and "TCP segments send 1m, receive 1m" in out
     assert "trust      : no cluster secret: any writer to Redis can inject a page server" in out

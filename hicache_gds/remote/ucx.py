@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import MutableMapping
 
 import numpy as np
 
@@ -50,18 +51,17 @@ _UCX_TX, _UCX_RX = 8 << 10, 64 << 10
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
-def tcp_defaults() -> None:
-    """Set `TCP_DEFAULTS` in this process's environment where unset (before a UCX agent is made).
-    UCX refuses a send segment larger than the receive segment (no TCP interface opens), so a
-    size the environment sets bounds the other's default."""
-    tx, rx = (ucx_size(os.environ.get(k)) for k in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"))
+def tcp_defaults(env: MutableMapping[str, str] | None = None) -> None:
+    """Set `TCP_DEFAULTS` in `env` (this process's environment) where unset, before a UCX agent is
+    made. UCX refuses a send segment larger than the receive segment (no TCP interface opens), so
+    a size the environment sets bounds the other's default."""
+    env = os.environ if env is None else env
+    tx, rx = (ucx_size(env.get(k)) for k in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"))
     want = ucx_size(TCP_DEFAULTS["UCX_TCP_TX_SEG_SIZE"]) or 0
-    if "UCX_TCP_TX_SEG_SIZE" not in os.environ:
-        os.environ["UCX_TCP_TX_SEG_SIZE"] = str(min(want, rx)) if rx is not None and rx < want else \
-            TCP_DEFAULTS["UCX_TCP_TX_SEG_SIZE"]
-    if "UCX_TCP_RX_SEG_SIZE" not in os.environ:
-        os.environ["UCX_TCP_RX_SEG_SIZE"] = str(tx) if tx is not None and tx > want else \
-            TCP_DEFAULTS["UCX_TCP_RX_SEG_SIZE"]
+    if "UCX_TCP_TX_SEG_SIZE" not in env:
+        env["UCX_TCP_TX_SEG_SIZE"] = str(rx) if rx is not None and rx < want else TCP_DEFAULTS["UCX_TCP_TX_SEG_SIZE"]
+    if "UCX_TCP_RX_SEG_SIZE" not in env:
+        env["UCX_TCP_RX_SEG_SIZE"] = str(tx) if tx is not None and tx > want else TCP_DEFAULTS["UCX_TCP_RX_SEG_SIZE"]
 
 
 def ucx_size(value: str | None) -> int | None:

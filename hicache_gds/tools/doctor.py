@@ -238,7 +238,11 @@ def _remote(rdma_root: str = "/sys/class/infiniband") -> dict[str, Any]:
                  "no cluster secret: any writer to Redis can inject a page server (set " + SECRET_FILE_ENV + ")")
     except (OSError, ValueError) as exc:
         trust = f"cluster secret unusable: {exc}"
-    return {"rdma_devices": rdma, "ucx_env": env, "transports": over, "trust": trust}
+    from ..remote.ucx import tcp_defaults
+    seg = {k: v for k, v in os.environ.items() if k in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE")}
+    tcp_defaults(seg)  # what the tier's agents would be made with (page servers publish the send size)
+    return {"rdma_devices": rdma, "ucx_env": env, "transports": over, "trust": trust,
+            "tcp_segments": {"send": seg["UCX_TCP_TX_SEG_SIZE"], "receive": seg["UCX_TCP_RX_SEG_SIZE"]}}
 
 
 def _capacity(cfg: Any, roots: list[str]) -> dict[str, Any]:
@@ -430,7 +434,9 @@ def render_text(rep: dict[str, Any]) -> str:
     r = rep.get("remote") or {}
     if r:
         env = ", ".join(f"{k}={v}" for k, v in r["ucx_env"].items()) or "UCX defaults"
-        out.append(f"remote tier  : NIXL UCX over {r['transports']}; {env}")
+        seg = r.get("tcp_segments") or {}
+        out.append(f"remote tier  : NIXL UCX over {r['transports']}; {env}; TCP segments send {seg.get('send')}, "
+                   f"receive {seg.get('receive')}")
         out.append(f"  trust      : {r['trust']}")
     out.append("engines      : every registered engine (its traits; how it fared here)")
     for name, e in rep["engines"].items():
