@@ -8,6 +8,7 @@ has returned, then letting it run to completion: its bytes land wherever the get
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -71,18 +72,30 @@ def _hold_reads_back(t, gate: threading.Event, dests: list, peer: int | None = N
     return real
 
 
+@contextlib.contextmanager
+def _late_tier(cluster, io_timeout: float):  # noqa: ANN001, ANN202
+    """A tier whose servers stay in use on the same connections after a timeout (no set-aside, no
+    reconnect: those are `test_reconnect.py`'s), so READs held back can still complete on them; and
+    the gate that holds them. On exit the gate opens, the held READs are forgotten, the tier closes."""
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex, io_timeout=io_timeout)
+    t._peer_timed_out = lambda sid: None
+    gate = threading.Event()
+    try:
+        yield t, gate
+    finally:
+        gate.set()
+        HELD.clear()
+        t.close()
+
+
 def test_a_read_landing_after_the_timeout_leaves_the_callers_memory_untouched(cluster):
     io_timeout = 0.3
-    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex, io_timeout=io_timeout)
-    gate, dests = threading.Event(), []
-    try:
+    dests: list = []
+    with _late_tier(cluster, io_timeout) as (t, gate):
         keys = [f"late-{i}" for i in range(12)]
         b = Bufs(t, 12, PAGE)
         assert t.put(keys, b.fill(keys)) == [True] * 12
         real_submit = _hold_reads_back(t, gate, dests)
-        # the servers stay in use on the same connections (no set-aside, no reconnect: those are
-        # `test_reconnect.py`'s), so the held-back READs can still complete on them
-        t._peer_timed_out = lambda sid: None
         t0 = time.monotonic()
         assert t.get(keys, b.poisoned(12)) == [False] * 12  # every READ still running at the deadline
         assert time.monotonic() - t0 < io_timeout + 10  # returned at the deadline, not when they finish
@@ -115,10 +128,6 @@ def test_a_read_landing_after_the_timeout_leaves_the_callers_memory_untouched(cl
         assert t._staging.held_bytes() == 0
         for i, k in enumerate(keys):
             assert np.array_equal(b.got(i), page_data(k, PAGE))
-    finally:
-        gate.set()
-        HELD.clear()
-        t.close()
 
 
 def test_a_batch_with_one_server_late_serves_the_others_and_leaves_the_late_pages_untouched(cluster):
@@ -126,10 +135,8 @@ def test_a_batch_with_one_server_late_serves_the_others_and_leaves_the_late_page
     deadline leaves its pages poisoned, during the get and after its READs land."""
     from hicache_gds.remote.directory import Directory
 
-    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex, io_timeout=0.3)
-    t._peer_timed_out = lambda sid: None
-    gate, dests = threading.Event(), []
-    try:
+    dests: list = []
+    with _late_tier(cluster, 0.3) as (t, gate):
         keys = [f"half-{i}" for i in range(24)]
         b = Bufs(t, 24, PAGE)
         assert t.put(keys, b.fill(keys)) == [True] * 24
@@ -146,18 +153,11 @@ def test_a_batch_with_one_server_late_serves_the_others_and_leaves_the_late_page
         for i, late in enumerate(on_late):
             if late:
                 assert np.all(b.got(i) == POISON), f"page {keys[i]} was written after the get returned"
-    finally:
-        gate.set()
-        HELD.clear()
-        t.close()
 
 
 def test_staging_held_past_its_cap_makes_gets_misses_at_once(cluster, monkeypatch):
-    io_timeout = 0.2
-    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex, io_timeout=io_timeout)
-    t._peer_timed_out = lambda sid: None
-    gate, dests = threading.Event(), []
-    try:
+    dests: list = []
+    with _late_tier(cluster, 0.2) as (t, gate):
         keys = [f"cap-{i}" for i in range(4)]
         b = Bufs(t, 4, PAGE)
         assert t.put(keys, b.fill(keys)) == [True] * 4
@@ -169,10 +169,6 @@ def test_staging_held_past_its_cap_makes_gets_misses_at_once(cluster, monkeypatc
         assert len(dests) == posted  # nothing posted: no READ, no wait
         assert np.all(b.dst.numpy() == POISON)
         assert t.stats()["get_failed"] - before["get_failed"] == 4
-    finally:
-        gate.set()
-        HELD.clear()
-        t.close()
 
 
 class _Fake:
