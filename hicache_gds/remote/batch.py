@@ -98,9 +98,7 @@ class LateRequest:
     def done(self) -> bool:
         if self.until is None:
             try:
-                if not self.request.done():
-                    return False
-                return True
+                return bool(self.request.done())
             except TransferTimeout:
                 self.until = time.monotonic() + self.hold_s
             except TransferError:

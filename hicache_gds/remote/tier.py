@@ -281,8 +281,9 @@ class RemoteTier(PeerBook):
         finished = False
         plan = {s: (peers[s], [(at[i], slot) for i, _, slot, _ in h]) for s, h in hits.items()}
         copied: set[int] = set()
-        # checksums to check, by page: taken as each request's pages are copied out, while the rest
-        # still move (their bytes are final then: the request completed, the buffer is this get's)
+        # the recorded checksum of each page to check (`verify`, or an entry of an older epoch); staged
+        # pages are checksummed as each request's pages are copied out, while the rest still move
+        # (their bytes are final then: the request completed, the buffer is this get's)
         want = {i: c for h in hits.values() for i, e, _, c in h if c and (self.opts.verify or self.dir.is_stale(e))}
         early: dict[int, int] = {}
 
@@ -308,11 +309,10 @@ class RemoteTier(PeerBook):
             except DirectoryUnavailable as exc:
                 self._redis_failed(exc)
                 valid = [False] * len(read)
-            recorded = {i: c for i, _, c in read}
             # an entry of an older directory epoch is served only once its checksum verifies (scripts.py)
-            check = [i for (i, e, c), v in zip(read, valid) if v and c and (self.opts.verify or self.dir.is_stale(e))]
+            check = [i for (i, _, _), v in zip(read, valid) if v and i in want]
             rest = [i for i in check if i not in early]
-            actual = dict(zip(rest, self._sums(pages, rest, like=[recorded[i] for i in rest])))
+            actual = dict(zip(rest, self._sums(pages, rest, like=[want[i] for i in rest])))
             actual.update((i, early[i]) for i in check if i in early)
             bad, stale = [], 0
             for (i, e, csum), v in zip(read, valid):

@@ -17,8 +17,8 @@ A namespace's slots are chosen, first rule that applies:
 room: the *idle* namespaces there -- no process has them open (`owners`) -- are removed whole,
 least recently used first, with the removal ``hicache-gds clear`` uses (`removal.remove`), each
 logged at INFO with what, since when idle, and why -- but none where removing them all would
-still leave it past ``max_fill`` (a disk filled by other data). So namespaces opened one after another each
-get their default size while the disk stays at most ``max_fill`` full, and `StoreFullError` comes
+still leave it past ``max_fill`` (a disk filled by other data). So namespaces opened one after
+another each get their default size while the disk stays at most ``max_fill`` full, and `StoreFullError` comes
 only when namespaces that are open hold the space. The default rule counts idle namespaces' bytes
 as room (`DirSpace.idle`), so what `default_budget` promises is what the open then gets.
 
@@ -335,16 +335,14 @@ def _make_room(roots: Sequence[str], need: Sequence[int], max_fill: float, name:
     once, with the sizes)."""
     gone: list[str] = []
     tried: set[str] = set()
-    first = True
     while True:
         short = [(r, n, *_fs(r)) for r, n in zip(roots, need)]
         short = [(r, n, t, a) for r, n, t, a in short if a - n < (1.0 - max_fill) * t]
         if not short:  # the common case costs one statvfs per directory: no namespace is looked at
             return gone
         real = [os.path.realpath(r) for r, *_ in short]
-        if first:
-            first = False
-            idle = evictable(roots, scan(roots, name))
+        idle = evictable(roots, scan(roots, name))
+        if not tried:  # the first look: would removing every idle namespace make the room at all?
             for (r, n, t, a), rr in zip(short, real):
                 short_by, could_free = int((1.0 - max_fill) * t - (a - n)), sum(_ns_bytes(ns, rr) for ns in idle)
                 if could_free < short_by:
@@ -353,8 +351,7 @@ def _make_room(roots: Sequence[str], need: Sequence[int], max_fill: float, name:
                              "the %d idle namespace(s) there hold %s", name, gib(n), r, 100 * (1 - a / t) if t else 100,
                              gib(a), 100 * max_fill, gib(short_by), len(idle), gib(could_free))
                     return gone
-        pick = next((ns for ns in evictable(roots, scan(roots, name)) if ns.name not in tried
-                     and any(_ns_bytes(ns, r) for r in real)), None)
+        pick = next((ns for ns in idle if ns.name not in tried and any(_ns_bytes(ns, r) for r in real)), None)
         if pick is None:
             return gone
         tried.add(pick.name)
