@@ -44,7 +44,7 @@ from .memory import view
 log = logging.getLogger("hicache_gds.checksum")
 
 __all__ = ["NAME", "BLOCK", "WEIGHTS", "checksum", "host_checksum", "host_checksums", "host_engine",
-           "torch_checksums", "device_checksums",
+           "torch_checksums", "device_checksums", "tensor_at",
            "to_sqlite", "triton_available", "warm_up"]
 
 NAME = "hgc1"
@@ -310,7 +310,7 @@ class _Cai:
                                          "strides": None}
 
 
-def _wrap(addr: int, nbytes: int, device: Any) -> Any:
+def tensor_at(addr: int, nbytes: int, device: Any) -> Any:
     """A uint8 tensor over `nbytes` at `addr` on `device` (CUDA memory, or host memory for cpu)."""
     import torch
     if device.type == "cuda":
@@ -411,7 +411,7 @@ def device_checksums(addrs: np.ndarray, lens: np.ndarray, nbytes: int, *, device
                 pos = 0
                 for a, ln in zip(addrs[i].tolist(), lens[i].tolist()):
                     if ln:
-                        rows[i, pos:pos + ln] = _wrap(a, ln, dev)
+                        rows[i, pos:pos + ln] = tensor_at(a, ln, dev)
                         pos += ln
                 if pos < rows.shape[1]:
                     rows[i, pos:] = 0

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HostBuffer", "view", "ALIGN", "align_up", "Cudart"]
+__all__ = ["HostBuffer", "DeviceBuffer", "view", "ALIGN", "align_up", "Cudart"]
 
 ALIGN = 4096
 
@@ -61,6 +61,21 @@ class HostBuffer:
                 keep.close()
             except BufferError:  # views still alive; the GC frees it later
                 self._keep = keep
+
+
+class DeviceBuffer:
+    """`nbytes` of memory on a torch `device`, shaped like `HostBuffer` (``addr``, ``nbytes``,
+    ``close``): GPU memory for staging device pages; host memory where tests pass device cpu."""
+
+    def __init__(self, nbytes: int, device: Any) -> None:
+        import torch
+        self.nbytes = nbytes
+        self.device = torch.device(device)
+        self._keep: Any = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.addr = int(self._keep.data_ptr())
+
+    def close(self) -> None:
+        self._keep = None
 
 
 class Cudart:

@@ -138,7 +138,7 @@ def _device_xxh3(addrs: np.ndarray, lens: np.ndarray, nbytes: int) -> int:
     total = 0
     for a, n in zip(addrs.tolist(), lens.tolist()):
         if n:
-            h.update(checksum._wrap(int(a), int(n), dev).cpu().numpy())
+            h.update(checksum.tensor_at(int(a), int(n), dev).cpu().numpy())
             total += int(n)
     if nbytes > total:
         h.update(bytes(nbytes - total))

@@ -13,11 +13,12 @@ script; a key published meanwhile by someone else keeps that copy and our slot g
 look up, READ one-sided, then validate that each entry is unchanged (a slot evicted and reused
 during the read fails validation: a miss, never wrong bytes) and the page's checksum: xxh3 for
 pages written from host memory, hgc1 for pages written from GPU memory, each checked wherever it lands.
-Host pages are read into the tier's own registered staging, and each request's pages are copied out
-(and checksummed) as it completes, while the rest still move, before get returns: a READ still
-running at the batch's deadline is a miss, and its staging stays out of use until it finishes
-(neither a timeout nor dropping the peer's agent stops what a connection still carries), so its
-bytes never land in memory the caller was told holds no page.
+Pages are read into the tier's own registered staging (host memory for host pages, memory on the
+same GPU for device pages), and each request's pages are copied out (and checksummed) as it
+completes, while the rest still move, before get returns: a READ still running at the batch's
+deadline is a miss, and its staging stays out of use until it finishes (neither a timeout nor
+dropping the peer's agent stops what a connection still carries), so its bytes never land in
+memory the caller was told holds no page.
 
 Failure contract: an unreachable Redis, a dead or unreachable server, a timeout -- each is a miss
 (False) and a rate-limited log line, never an exception out of exists/prefix/get/put/delete/clear,
@@ -43,7 +44,7 @@ from ..gil import shorten_switch_interval
 from ..errors import RegionError, TransferError, TransferTimeout
 from ..layout import Pages, namespace_id
 from ..stats import StoreStats
-from ..store.staging import MAX_HELD_STAGING, ORPHANED, Staging, scatter
+from ..store.staging import MAX_HELD_STAGING, ORPHANED, Staging, scatter, scatter_device
 from .batch import LateRequest, tagged_sums, wait_each
 from .directory import FULL, LOST, PRESENT, Directory, DirectoryUnavailable, Reservation, parse_entry
 from .options import REMOTE_KEYS, RemoteOptions
@@ -98,6 +99,8 @@ class RemoteTier(PeerBook):
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
         self._pool = ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="hicache-gds-ucx")
         self._staging = Staging(self.engine)  # gets of host pages read here first (see the module's docstring)
+        self._device_staging: dict[str, Staging] = {}  # and of device pages, per GPU
+        self._device_of = checksum.device_of  # the GPU of a device address (tests: host memory standing in)
         self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout, **self.opts.directory_kwargs())
         self._peers: dict[str, Peer] = {}
         self._agents: dict[str, int] = {}  # agent name -> peer id
@@ -208,6 +211,10 @@ class RemoteTier(PeerBook):
                     writes.setdefault(sid, []).append((i, r))
         sums: dict[int, int] = {}
         todo = [i for w in writes.values() for i, _ in w]
+        if todo and pages.kind is MemKind.VRAM:
+            dev = self._device_of(int(pages.addrs[todo[0], 0]))
+            if dev.type == "cuda":  # what wrote the pages on the caller's stream ends first, as in the NVMe store
+                checksum.wait_for_current_stream(dev)
         done = self._move(Op.WRITE, pages, {s: (peers[s], [(i, r.slot) for i, r in w]) for s, w in writes.items()},
                           during=lambda: sums.update(zip(todo, self._sums(pages, todo, parallel=False))))
         ok: dict[str, tuple[str, list[tuple[Reservation, int, int]]]] = {}
@@ -268,15 +275,16 @@ class RemoteTier(PeerBook):
             return result
         order = [i for h in hits.values() for i, *_ in h]
         buf = None
-        if pages.kind is MemKind.DRAM and order:
-            if self._staging.held_bytes() > MAX_HELD_STAGING:
+        stg = self._staging_for(pages) if order else None
+        if stg is not None:
+            if stg.held_bytes() > MAX_HELD_STAGING:
                 self._warn("staging", "hicache-gds remote: staging held by reads that timed out is past its cap; "
                                       "gets are misses until those reads finish")
                 self._stats.add(misses=len(keys), get_failed=len(order))
                 return result
-            buf = self._staging.acquire(len(order) * self.page_bytes)
+            buf = stg.acquire(len(order) * self.page_bytes)
         at = {i: j for j, i in enumerate(order)} if buf is not None else {i: i for i in order}
-        src = Pages.contiguous(buf.addr, self.page_bytes, range(len(order))) if buf is not None else pages
+        src = Pages.contiguous(buf.addr, self.page_bytes, range(len(order)), stg.kind) if buf is not None else pages
         late: list[LateRequest] = []
         finished = False
         plan = {s: (peers[s], [(at[i], slot) for i, _, slot, _ in h]) for s, h in hits.items()}
@@ -289,8 +297,11 @@ class RemoteTier(PeerBook):
 
         def arrived(sid: str, a: int, b: int) -> None:  # a request's pages, staged whole: to the caller now
             js = [j for j, _ in plan[sid][1][a:b]]
-            for j in js:
-                scatter(dst, buf, j, j + 1, self.page_bytes, self.page_bytes)
+            if stg.kind is MemKind.VRAM:
+                scatter_device(dst, buf, js, self.page_bytes, stg.device)
+            else:
+                for j in js:
+                    scatter(dst, buf, j, j + 1, self.page_bytes, self.page_bytes)
             copied.update(js)
             idx = [order[j] for j in js if order[j] in want]
             early.update(zip(idx, self._sums(pages, idx, parallel=False, like=[want[i] for i in idx])))
@@ -326,9 +337,9 @@ class RemoteTier(PeerBook):
         finally:
             if buf is not None:
                 if late:
-                    self._staging.hold(buf, late)
+                    stg.hold(buf, late)
                 elif finished:
-                    self._staging.release(buf)
+                    stg.release(buf)
                 else:  # an unexpected error with requests maybe in flight: never lent again
                     ORPHANED.append(buf)
         if bad:
@@ -349,6 +360,17 @@ class RemoteTier(PeerBook):
         """Tagged checksums of pages `idx` (`batch.tagged_sums`)."""
         return tagged_sums(pages, idx, self.page_bytes, threads=self.opts.threads if parallel else 1, pool=self._pool,
                            device_sums=self._device_sums, like=like)
+
+    def _staging_for(self, pages: Pages) -> Staging:
+        """Where a get of `pages` is read first: host staging, or staging on the GPU holding them."""
+        if pages.kind is not MemKind.VRAM:
+            return self._staging
+        dev = self._device_of(int(pages.addrs[0, 0]))
+        with self._lock:
+            stg = self._device_staging.get(str(dev))
+            if stg is None:
+                stg = self._device_staging[str(dev)] = Staging(self.engine, MemKind.VRAM, dev)
+            return stg
 
     def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[Peer, list[tuple[int, int]]]],
               during: Callable[[], Any] | None = None, late: list[LateRequest] | None = None,
@@ -470,7 +492,8 @@ class RemoteTier(PeerBook):
         self._closed = True
         self._pool.shutdown(wait=False)
         try:
-            self._staging.close()
+            for stg in [self._staging, *self._device_staging.values()]:
+                stg.close()
             self.engine.close()
         finally:
             self.dir.close()

@@ -1,9 +1,10 @@
-"""Staging: aligned host buffers registered with the engine, lent to one request at a time.
+"""Staging: aligned buffers registered with the engine, lent to one request at a time.
 
 Pages that cannot go to the engine as they are (misaligned host memory, or many small segments)
 are gathered into a staging buffer, one whole slot per page, and scattered back after a read.
 A buffer whose request timed out is held, not lent again, until that request finishes (its IO may
-still land there).
+still land there). Staging is host memory, or the memory of one GPU (`Staging(engine, VRAM,
+device)`, copied out by `scatter_device`) for reads of device pages that must not land in place.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import numpy as np
 from ..engines.base import Batch, MemKind, Op, Transfer, TransferEngine
 from ..errors import TransferError
 from ..layout import Pages
-from ..memory import HostBuffer, align_up, view
+from ..memory import DeviceBuffer, HostBuffer, align_up, view
 
-__all__ = ["MAX_HELD_STAGING", "ORPHANED", "Prepared", "Staging", "finished", "gather", "scatter"]
+__all__ = ["MAX_HELD_STAGING", "ORPHANED", "Prepared", "Staging", "finished", "gather", "scatter", "scatter_device"]
 
 log = logging.getLogger("hicache_gds.store")
 # Staging lent to requests that timed out stays out of use until they finish; past this many bytes
@@ -55,18 +56,23 @@ class Prepared:
 
 
 class Staging:
-    """Aligned host buffers registered with the engine, lent to one call at a time.
+    """Aligned buffers registered with the engine, lent to one call at a time: host memory, or
+    (`kind` VRAM) memory on the torch `device`.
 
     A buffer whose call saw a request time out is held (`hold`), not lent again, until that
     request finishes, since its IO may still land there; `acquire` hands finished ones back."""
 
-    def __init__(self, engine: TransferEngine) -> None:
+    def __init__(self, engine: TransferEngine, kind: MemKind = MemKind.DRAM, device: Any = None) -> None:
         self.engine = engine
-        self.free: list[HostBuffer] = []
-        self.held: list[tuple[HostBuffer, list[Transfer]]] = []
+        self.kind = MemKind(kind)
+        if self.kind is MemKind.VRAM and device is None:
+            raise ValueError("device staging needs its device")
+        self.device = device
+        self.free: list[Any] = []  # HostBuffer, or DeviceBuffer for VRAM
+        self.held: list[tuple[Any, list[Transfer]]] = []
         self.lock = threading.Lock()
 
-    def hold(self, buf: HostBuffer, late: list[Transfer]) -> None:
+    def hold(self, buf: Any, late: list[Transfer]) -> None:
         with self.lock:
             self.held.append((buf, late))
 
@@ -83,7 +89,7 @@ class Staging:
         for buf, _ in done:
             self.release(buf)
 
-    def acquire(self, nbytes: int) -> HostBuffer:
+    def acquire(self, nbytes: int) -> Any:
         if self.held:
             self._reap()
         with self.lock:
@@ -92,11 +98,16 @@ class Staging:
                 buf = min(fits, key=lambda b: b.nbytes)
                 self.free.remove(buf)
                 return buf
-        buf = HostBuffer(align_up(nbytes, 1 << 20))
-        self.engine.register_memory(buf.addr, buf.nbytes, MemKind.DRAM)
+        n = align_up(nbytes, 1 << 20)
+        buf = HostBuffer(n) if self.kind is MemKind.DRAM else DeviceBuffer(n, self.device)
+        try:
+            self.engine.register_memory(buf.addr, buf.nbytes, self.kind)
+        except BaseException:
+            buf.close()
+            raise
         return buf
 
-    def release(self, buf: HostBuffer) -> None:
+    def release(self, buf: Any) -> None:
         with self.lock:
             self.free.append(buf)
             if len(self.free) > 6:  # keep a few; the rest go back to the OS
@@ -138,3 +149,26 @@ def scatter(pages: Pages, buf: HostBuffer, a: int, b: int, slot_bytes: int, page
         for addr, n in zip(pages.addrs[j].tolist(), pages.lens[j].tolist()):
             view(addr, n)[:] = src[pos:pos + n]
             pos += n
+
+
+def scatter_device(pages: Pages, buf: Any, js: Any, slot_bytes: int, device: Any) -> None:
+    """Copy staged pages `js` (one slot each in device staging `buf`) out to their segments in
+    memory of the same device; returns once the copies are done (on that device's current stream,
+    then synchronized: the checksums that follow run on a stream of their own). Segments that
+    follow each other on both sides go as one copy."""
+    import torch
+
+    from ..checksum import tensor_at
+    runs: list[list[int]] = []  # [dst, src, nbytes]
+    for j in js:
+        src = buf.addr + j * slot_bytes
+        for addr, n in zip(pages.addrs[j].tolist(), pages.lens[j].tolist()):
+            if runs and runs[-1][0] + runs[-1][2] == addr and runs[-1][1] + runs[-1][2] == src:
+                runs[-1][2] += n
+            elif n:
+                runs.append([addr, src, n])
+            src += n
+    for dst, src, n in runs:
+        tensor_at(dst, n, device).copy_(tensor_at(src, n, device), non_blocking=True)
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

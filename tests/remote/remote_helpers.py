@@ -59,3 +59,67 @@ class Bufs:
 def tier(url: str, prefix: str, page: int, ident: str, **opts) -> RemoteTier:  # noqa: ANN003
     return RemoteTier(page, {"test": ident}, config={"remote_url": url, "remote_prefix": prefix, "io_timeout": 10,
                                                      "remote_timeout": 1.0, **opts})
+
+
+def host_as_vram(t: RemoteTier) -> RemoteTier:
+    """Make tier `t` take its device-page paths on the CPU machine: its UCX engine registers and
+    moves "VRAM" regions as the host memory they are, device addresses belong to torch's cpu
+    device, and device checksums run there (`tests/fake_vram.py` does the same for the NVMe store).
+    Only the memory is fake: staging, copies out and checksums are the ones a GPU runs."""
+    import dataclasses
+    import functools
+
+    import torch
+
+    from hicache_gds.checksum import device_checksums
+    from hicache_gds.engines.base import MemKind
+
+    eng = t.engine
+    eng._caps = dataclasses.replace(eng._caps, mem_kinds=eng._caps.mem_kinds | {MemKind.VRAM})
+    register, prepare = eng._register, eng._prepare
+    eng._register = lambda addr, nbytes, kind: register(addr, nbytes, MemKind.DRAM)
+    eng._prepare = lambda op, kind, *rest: prepare(op, MemKind.DRAM, *rest)
+    t._device_of = lambda addr: torch.device("cpu")
+    t._device_sums = functools.partial(device_checksums, device=torch.device("cpu"), impl="torch")
+    return t
+
+
+class DeviceBufs(Bufs):
+    """`Bufs` in device memory: torch tensors on `device` (a CUDA GPU, or cpu under `host_as_vram`),
+    registered with the tier as VRAM, pages passed as VRAM."""
+
+    def __init__(self, store, n: int, page: int, device: str = "cpu") -> None:  # noqa: ANN001
+        import torch
+
+        from hicache_gds.engines.base import MemKind
+        self.n, self.page, self.kind = n, page, MemKind.VRAM
+        self.torch, self.device = torch, torch.device(device)
+        self.src_t = torch.empty(n * page, dtype=torch.uint8, device=self.device)
+        self.dst_t = torch.empty(n * page, dtype=torch.uint8, device=self.device)
+        for b in (self.src_t, self.dst_t):
+            store.register_memory(b.data_ptr(), b.numel(), MemKind.VRAM)
+
+    @property
+    def dst_range(self) -> range:
+        return range(self.dst_t.data_ptr(), self.dst_t.data_ptr() + self.dst_t.numel())
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def fill(self, keys: list[str], salt: str = "") -> Pages:
+        data = np.concatenate([page_data(k, self.page, salt) for k in keys])
+        self.src_t[:data.size].copy_(self.torch.from_numpy(data))  # on the current stream: put waits for it
+        return Pages.contiguous(self.src_t.data_ptr(), self.page, range(len(keys)), self.kind)
+
+    def poisoned(self, n: int) -> Pages:
+        self.dst_t.fill_(POISON)
+        self._sync()
+        return Pages.contiguous(self.dst_t.data_ptr(), self.page, range(n), self.kind)
+
+    def dst_bytes(self) -> np.ndarray:
+        self._sync()
+        return self.dst_t.cpu().numpy()
+
+    def got(self, i: int) -> np.ndarray:
+        return self.dst_bytes()[i * self.page:(i + 1) * self.page]

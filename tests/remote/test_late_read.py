@@ -21,7 +21,7 @@ from hicache_gds.errors import TransferError, TransferTimeout
 from hicache_gds.remote import batch as batch_mod
 from hicache_gds.remote import tier as tier_mod
 from hicache_gds.remote.batch import LateRequest
-from remote_helpers import POISON, Bufs, page_data, tier
+from remote_helpers import POISON, Bufs, DeviceBufs, host_as_vram, page_data, tier
 from remote_procs import PAGE
 
 
@@ -128,6 +128,42 @@ def test_a_read_landing_after_the_timeout_leaves_the_callers_memory_untouched(cl
         assert t._staging.held_bytes() == 0
         for i, k in enumerate(keys):
             assert np.array_equal(b.got(i), page_data(k, PAGE))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_late_read_of_device_pages_lands_in_staging_on_their_device_not_in_the_callers_pages(cluster, device):
+    """Device pages are read into staging on their own device: READs held back past the deadline
+    and then run to completion land there (held, lent to no one meanwhile), never in the caller's
+    poisoned device pages; once they finished, the staging is lent again and a get is byte-exact.
+    On the CPU machine host memory stands in for the device (`host_as_vram`)."""
+    torch = pytest.importorskip("torch")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dests: list = []
+    with _late_tier(cluster, 0.3) as (t, gate):
+        if device == "cpu":
+            host_as_vram(t)
+        elif "VRAM" not in t.stats()["mem_kinds"]:
+            pytest.skip("this UCX build has no CUDA support")
+        keys = [f"dlate-{i}" for i in range(12)]
+        b = DeviceBufs(t, 12, PAGE, device)
+        assert t.put(keys, b.fill(keys)) == [True] * 12
+        real_submit = _hold_reads_back(t, gate, dests)
+        assert t.get(keys, b.poisoned(12)) == [False] * 12
+        (stg,) = t._device_staging.values()
+        held = [(buf.addr, buf.addr + buf.nbytes) for buf, _ in stg.held]
+        assert stg.held_bytes() >= 12 * PAGE and t._staging.held_bytes() == 0
+        assert dests and all(any(lo <= a < hi for lo, hi in held) for a in dests)
+        assert not any(a in b.dst_range for a in dests)
+
+        gate.set()
+        _land_all()
+        assert np.all(b.dst_bytes() == POISON)  # the late bytes landed in the staging only
+        t.engine.submit = real_submit
+        ok = t.get(keys, b.poisoned(12))
+        assert ok == [True] * 12
+        b.check(keys, ok)
+        assert stg.held_bytes() == 0
 
 
 def test_a_batch_with_one_server_late_serves_the_others_and_leaves_the_late_pages_untouched(cluster):

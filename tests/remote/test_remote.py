@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from remote_procs import PAGE, child_env
-from remote_helpers import POISON, Bufs, tier
+from remote_helpers import POISON, Bufs, DeviceBufs, host_as_vram, tier
 
+from hicache_gds.engines.base import MemKind
 from hicache_gds.layout import Pages
 from hicache_gds.memory import HostBuffer
 from hicache_gds.remote import Directory
@@ -233,26 +234,64 @@ def test_unreachable_redis_means_misses_not_errors(caplog):
     assert any("redis" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.gpu
-def test_vram_round_trip(cluster):
+def _device_tier(cluster, device: str):  # noqa: ANN001, ANN202
+    """A tier taking its device-page paths: on a CUDA GPU (skipped where UCX has no CUDA), or on
+    host memory standing in for it (`host_as_vram`)."""
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex)
+    if device == "cpu":
+        host_as_vram(t)
+    elif "VRAM" not in t.stats()["mem_kinds"]:
+        t.close()
+        pytest.skip("this UCX build has no CUDA support")
+    return t
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_device_pages_are_read_through_staging_on_their_device_and_verified(cluster, device):
+    """A get of device pages reads into staging on the same device and copies each request's pages
+    out as it completes: byte-exact, the READs never pointed at the caller's pages, and a page whose
+    bytes changed on its server is a miss while the rest are served (checked by the device
+    checksum on the caller's pages)."""
+    from hicache_gds.engines.base import Op
+    from hicache_gds.remote.directory import parse_entry
+    t = _device_tier(cluster, device)
     try:
-        if "VRAM" not in t.stats()["mem_kinds"]:
-            pytest.skip("this UCX build has no CUDA support")
-        n = 8
-        src = torch.randint(0, 256, (n, PAGE), dtype=torch.uint8, device="cuda")
-        dst = torch.full((n, PAGE), POISON, dtype=torch.uint8, device="cuda")
-        t.register_tensor(src)
-        t.register_tensor(dst)
-        keys = keys_of(n)
-        assert t.put(keys, Pages.from_tensors(list(src))) == [True] * n
-        assert t.get(keys, Pages.from_tensors(list(dst))) == [True] * n
-        torch.cuda.synchronize()
-        assert torch.equal(src, dst)
+        keys = keys_of(16)
+        b = DeviceBufs(t, 16, PAGE, device)
+        assert t.put(keys, b.fill(keys)) == [True] * 16
+        dests: list = []
+        submit = t.engine.submit
+
+        def spy(op, kind, mem, rem):  # noqa: ANN001, ANN202
+            if op is Op.READ:
+                dests.extend(int(a) for a in mem[:, 0])
+                assert kind is MemKind.VRAM  # device staging, not host staging
+            return submit(op, kind, mem, rem)
+
+        t.engine.submit = spy
+        before = t.stats()
+        ok = t.get(keys, b.poisoned(16))
+        assert ok == [True] * 16
+        b.check(keys, ok)
+        assert dests and not any(a in b.dst_range for a in dests)
+        assert t.stats()["staged_pages"] - before["staged_pages"] == 16
+        assert len(t._device_staging) == 1 and t._staging.free == []  # one GPU's staging; no host staging
+
+        entries = Directory(t.opts.url, t.opts.prefix).lookup(t.namespace, keys)
+        peers = {p.info.sid: p for p in t._live()}
+        ob = Bufs(t, 1, PAGE)
+        for i in (2, 11):
+            sid, _epoch, slot, *_ = parse_entry(entries[i])
+            other = ob.fill([f"other-{i}"], salt="x")
+            assert t._move(Op.WRITE, other, {sid: (peers[sid], [(0, slot)])}) == {sid: ["ok"]}
+        ok = t.get(keys, b.poisoned(16))
+        assert ok == [i not in (2, 11) for i in range(16)]
+        b.check(keys, ok)
     finally:
+        t.clear()
         t.close()
 
 
@@ -306,8 +345,9 @@ def test_every_page_carries_a_checksum_that_any_memory_checks(rt):
     import functools
 
     torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():  # pagesum hashes a device page through CUDA wherever torch has it
+        pytest.skip("host memory stands in for device memory only where torch has no CUDA")
     from hicache_gds.checksum import device_checksums
-    from hicache_gds.engines.base import MemKind
     n, idx = 4, [0, 1, 2, 3]
     buf = HostBuffer(n * PAGE, pinned=False)
     buf.numpy()[:] = np.random.default_rng(7).integers(0, 256, buf.nbytes, dtype=np.uint8)
