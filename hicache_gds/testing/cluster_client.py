@@ -12,6 +12,10 @@ namespace). When `--stop-file` exists it reads the pinned pages once more and wr
 line: pinned pages missing although the server they were put on still holds the same
 registration (epoch) are acknowledged pages lost where the tier promises to keep them.
 
+``--memory device`` passes every page as GPU memory, so the tier takes its device-page paths
+(staging on the device, copies out per request, the device checksum); host memory stands in for
+the GPU (`host_as_vram`), as the lab runs on machines without one.
+
 ``--bench N`` instead times N rounds of one batch of `--batch` pages put then got (byte-compared
 after timing) and writes one ``bench`` line.
 """
@@ -35,6 +39,7 @@ def _page_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
 
 class Client:
     def __init__(self, args: argparse.Namespace) -> None:
+        from ..engines.base import MemKind
         from ..layout import Pages
         from ..memory import HostBuffer
         from ..remote import RemoteTier
@@ -47,16 +52,23 @@ class Client:
         if args.secret_file:
             config["cluster_secret_file"] = args.secret_file
         self.tier = RemoteTier(self.page, {"cluster": args.prefix}, config=config)
+        self.kind = MemKind.VRAM if args.memory == "device" else MemKind.DRAM
+        if self.kind is MemKind.VRAM:
+            from .host_as_vram import host_as_vram
+            host_as_vram(self.tier)
         n = max(args.batch, args.pinned, 1)
         self.src = HostBuffer(n * self.page, pinned=False)
         self.pin = HostBuffer(max(args.pinned, 1) * self.page, pinned=False)
         self.dst = HostBuffer(n * self.page, pinned=False)
         for b in (self.src, self.pin, self.dst):
-            self.tier.register_memory(b.addr, b.nbytes)
+            self.tier.register_memory(b.addr, b.nbytes, self.kind)
         self.rng = np.random.default_rng(args.seed)
         self.pinned = [f"{args.name}-pin-{i}" for i in range(args.pinned)]
         self.where: dict[str, tuple[str, str]] = {}  # pinned key -> (sid, epoch) it was published on
         self.out = open(args.out, "a", buffering=1)  # noqa: SIM115 -- one line per round, closed in main
+
+    def pages(self, buf: object, idx: object) -> object:
+        return self.Pages.contiguous(buf.addr, self.page, idx, self.kind)  # type: ignore[attr-defined]
 
     def emit(self, **row: object) -> None:
         self.out.write(json.dumps(row) + "\n")
@@ -88,7 +100,7 @@ class Client:
         deadline = time.monotonic() + timeout
         while not all(acked) and time.monotonic() < deadline:
             todo = [i for i in range(n) if not acked[i]]
-            pages = self.Pages.contiguous(self.pin.addr, self.page, todo)
+            pages = self.pages(self.pin, todo)
             for i, ok in zip(todo, self.tier.put([self.pinned[i] for i in todo], pages)):
                 acked[i] = ok
             if not all(acked):
@@ -104,7 +116,7 @@ class Client:
         if not n:
             return 0, 0, 0, []
         self.dst.numpy()[:n * self.page] = 0xA5
-        ok = self.tier.get(self.pinned, self.Pages.contiguous(self.dst.addr, self.page, range(n)))
+        ok = self.tier.get(self.pinned, self.pages(self.dst, range(n)))
         good, miss, wrong = self._compare(self.pinned, ok, self.pin.numpy())
         return good, miss, wrong, ok
 
@@ -115,9 +127,9 @@ class Client:
         self.src.numpy()[:b * self.page] = _page_bytes(self.rng, b * self.page)
         row: dict[str, object] = {"r": r, "t0": t0}
         try:
-            put = self.tier.put(keys, self.Pages.contiguous(self.src.addr, self.page, range(b)))
+            put = self.tier.put(keys, self.pages(self.src, range(b)))
             self.dst.numpy()[:b * self.page] = 0xA5
-            got = self.tier.get(keys, self.Pages.contiguous(self.dst.addr, self.page, range(b)))
+            got = self.tier.get(keys, self.pages(self.dst, range(b)))
             good, miss, wrong = self._compare(keys, got, self.src.numpy())
             pgood, pmiss, pwrong, _ = self.read_pinned()
             self.tier.delete(keys)
@@ -142,8 +154,8 @@ class Client:
     def bench(self, rounds: int) -> None:
         b = self.a.batch
         self.src.numpy()[:b * self.page] = _page_bytes(self.rng, b * self.page)
-        src = self.Pages.contiguous(self.src.addr, self.page, range(b))
-        into = self.Pages.contiguous(self.dst.addr, self.page, range(b))
+        src = self.pages(self.src, range(b))
+        into = self.pages(self.dst, range(b))
         warm = [f"{self.a.name}-warm-{i}" for i in range(b)]
         self.tier.put(warm, src), self.tier.get(warm, into), self.tier.delete(warm)
         puts, gets, bad = [], [], 0
@@ -190,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=600.0, help="stop after this long whatever happens")
     ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
     ap.add_argument("--secret-file", default="", help="cluster secret file that page servers' records are signed with")
+    ap.add_argument("--memory", choices=("host", "device"), default="host",
+                    help="pages in host memory, or passed as GPU memory (host memory standing in)")
     ap.add_argument("--bench", type=int, default=0, help="time this many put+get rounds instead")
     args = ap.parse_args(argv)
     c = Client(args)

@@ -64,12 +64,14 @@ class LabConfig:
     after: float = 12.0
     after_directory: float = 20.0  # directory faults: Sentinel's failover, then time to show it holds
     ucx_tls: str = "tcp"
+    memory: str = "host"  # or "device": the clients' pages pass as GPU memory (`cluster_client --memory`)
 
 
 @dataclass
 class FaultResult:
     fault: str
     ha: bool
+    memory: str = "host"
     rounds: int = 0
     puts: int = 0
     put_failed: int = 0
@@ -217,7 +219,7 @@ class Lab:
                                   "--pinned", str(self.cfg.pinned), "--period", str(self.cfg.period),
                                   "--io-timeout", str(self.cfg.io_timeout), "--redis-timeout",
                                   str(self.cfg.redis_timeout), "--seconds", "300", "--secret-file", str(self.secret),
-                                  *extra],
+                                  "--memory", self.cfg.memory, *extra],
                            env=_env("eth0", self.cfg.ucx_tls), log=f"client-{node}.log")
         self.clients[node] = p
         return p
@@ -250,7 +252,7 @@ def run_fault(fault: str, cfg: LabConfig | None = None, work: str | Path | None 
     own = work is None
     workp = Path(work or tempfile.mkdtemp(prefix=f"hg-{fault}-"))
     workp.mkdir(parents=True, exist_ok=True)
-    res = FaultResult(fault, cfg.ha)
+    res = FaultResult(fault, cfg.ha, cfg.memory)
     lab = None
     try:
         lab = Lab(cfg, workp)

@@ -10,6 +10,7 @@ import hicache_gds._nixl  # noqa: F401 -- UCX_MODULES=^ib first
 from hicache_gds.layout import Pages
 from hicache_gds.memory import HostBuffer
 from hicache_gds.remote import RemoteTier
+from hicache_gds.testing.host_as_vram import host_as_vram  # noqa: F401 -- the tests' import point
 
 POISON = 0xA5
 
@@ -59,29 +60,6 @@ class Bufs:
 def tier(url: str, prefix: str, page: int, ident: str, **opts) -> RemoteTier:  # noqa: ANN003
     return RemoteTier(page, {"test": ident}, config={"remote_url": url, "remote_prefix": prefix, "io_timeout": 10,
                                                      "remote_timeout": 1.0, **opts})
-
-
-def host_as_vram(t: RemoteTier) -> RemoteTier:
-    """Make tier `t` take its device-page paths on the CPU machine: its UCX engine registers and
-    moves "VRAM" regions as the host memory they are, device addresses belong to torch's cpu
-    device, and device checksums run there (`tests/fake_vram.py` does the same for the NVMe store).
-    Only the memory is fake: staging, copies out and checksums are the ones a GPU runs."""
-    import dataclasses
-    import functools
-
-    import torch
-
-    from hicache_gds.checksum import device_checksums
-    from hicache_gds.engines.base import MemKind
-
-    eng = t.engine
-    eng._caps = dataclasses.replace(eng._caps, mem_kinds=eng._caps.mem_kinds | {MemKind.VRAM})
-    register, prepare = eng._register, eng._prepare
-    eng._register = lambda addr, nbytes, kind: register(addr, nbytes, MemKind.DRAM)
-    eng._prepare = lambda op, kind, *rest: prepare(op, MemKind.DRAM, *rest)
-    t._device_of = lambda addr: torch.device("cpu")
-    t._device_sums = functools.partial(device_checksums, device=torch.device("cpu"), impl="torch")
-    return t
 
 
 class DeviceBufs(Bufs):
