@@ -96,7 +96,18 @@ case "$CMD" in
         [ -e "$img" ] || continue
         losetup -j "$img" | cut -d: -f1 | while read -r dev; do losetup -d "$dev" || true; done
       done
-      if mountpoint -q "$ROOT/backing"; then umount "$ROOT/backing"; fi
+      # a detached loop device lets go of its image only once nothing holds it open (udev's probe
+      # after the umount may): wait for that, then free the tmpfs; lazily if it is still held
+      for _ in $(seq 50); do
+        mountpoint -q "$ROOT/backing" || break
+        held=$(for img in "$ROOT"/backing/*.img; do [ -e "$img" ] && losetup -j "$img"; done)
+        [ -z "$held" ] && umount "$ROOT/backing" 2>/dev/null && break
+        sleep 0.2
+      done
+      if mountpoint -q "$ROOT/backing"; then
+        echo "ramdev: $ROOT/backing still busy after 10 s; unmounted lazily (its memory is freed when released)" >&2
+        umount -l "$ROOT/backing"
+      fi
       rmdir "$ROOT/backing" 2>/dev/null || true
     fi
     rmdir "$ROOT" 2>/dev/null || true
