@@ -68,6 +68,9 @@ class Staging:
         if self.kind is MemKind.VRAM and device is None:
             raise ValueError("device staging needs its device")
         self.device = device
+        # free buffers kept for the next call: a few of host memory; one of GPU memory, which the
+        # serving engine sized its pools against
+        self.keep = 6 if self.kind is MemKind.DRAM else 1
         self.free: list[Any] = []  # HostBuffer, or DeviceBuffer for VRAM
         self.held: list[tuple[Any, list[Transfer]]] = []
         self.lock = threading.Lock()
@@ -110,7 +113,7 @@ class Staging:
     def release(self, buf: Any) -> None:
         with self.lock:
             self.free.append(buf)
-            if len(self.free) > 6:  # keep a few; the rest go back to the OS
+            if len(self.free) > self.keep:  # the rest go back to the OS (or to torch's allocator)
                 old = min(self.free, key=lambda b: b.nbytes)
                 self.free.remove(old)
                 self.engine.deregister_memory(old.addr)
