@@ -282,7 +282,13 @@ class RemoteTier(PeerBook):
                                       "gets are misses until those reads finish")
                 self._stats.add(misses=len(keys), get_failed=len(order))
                 return result
-            buf = stg.acquire(len(order) * self.page_bytes)
+            try:
+                buf = stg.acquire(len(order) * self.page_bytes)
+            except Exception as exc:  # noqa: BLE001 -- out of (GPU) memory, a registration refused: misses
+                self._warn("staging-alloc", f"hicache-gds remote: no {stg.kind.value} staging for a get of "
+                                            f"{len(order)} pages ({type(exc).__name__}: {exc}); they are misses")
+                self._stats.add(misses=len(keys), get_failed=len(order))
+                return result
         at = {i: j for j, i in enumerate(order)} if buf is not None else {i: i for i in order}
         src = Pages.contiguous(buf.addr, self.page_bytes, range(len(order)), stg.kind) if buf is not None else pages
         late: list[LateRequest] = []

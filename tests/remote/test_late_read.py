@@ -207,6 +207,43 @@ def test_staging_held_past_its_cap_makes_gets_misses_at_once(cluster, monkeypatc
         assert t.stats()["get_failed"] - before["get_failed"] == 4
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_get_that_cannot_have_staging_is_misses_not_an_exception(cluster, device, caplog):
+    """Staging that cannot be had (GPU memory exhausted, a registration refused) makes the get's
+    pages misses with a warning naming why; nothing is posted and nothing reaches the caller."""
+    if device is not None:
+        pytest.importorskip("torch")
+    with _late_tier(cluster, 2.0) as (t, gate):
+        gate.set()
+        if device is not None:
+            host_as_vram(t)
+        keys = [f"nostage-{i}" for i in range(6)]
+        b = DeviceBufs(t, 6, PAGE, device) if device else Bufs(t, 6, PAGE)
+        assert t.put(keys, b.fill(keys)) == [True] * 6
+        pages = b.poisoned(6)
+        stg = t._staging_for(pages)
+
+        def refuse(nbytes: int):  # noqa: ANN202
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1.50 MiB")
+
+        stg.acquire = refuse
+        posted: list = []
+        real_submit = _hold_reads_back(t, threading.Event(), posted)  # records any READ posted
+        before = t.stats()
+        assert t.get(keys, pages) == [False] * 6
+        assert posted == []
+        assert t.stats()["get_failed"] - before["get_failed"] == 6
+        assert any("no " in r.getMessage() and "staging" in r.getMessage() and "out of memory" in r.getMessage()
+                   for r in caplog.records)
+        got = b.dst_bytes() if device else b.dst.numpy()
+        assert np.all(got[:6 * PAGE] == POISON)
+        del stg.acquire  # the class's own again
+        t.engine.submit = real_submit
+        ok = t.get(keys, b.poisoned(6))
+        assert ok == [True] * 6
+        b.check(keys, ok)
+
+
 class _Fake:
     def __init__(self, outcomes: list) -> None:
         self.outcomes = outcomes
