@@ -44,11 +44,12 @@ from ..gil import shorten_switch_interval
 from ..errors import RegionError, TransferError, TransferTimeout
 from ..layout import Pages, namespace_id
 from ..stats import StoreStats
-from ..store.staging import MAX_HELD_STAGING, ORPHANED, Staging, scatter, scatter_device
+from ..store.staging import MAX_HELD_STAGING, ORPHANED
 from .batch import LateRequest, tagged_sums, wait_each
 from .directory import FULL, LOST, PRESENT, Directory, DirectoryUnavailable, Reservation, parse_entry
 from .options import REMOTE_KEYS, RemoteOptions
 from .peers import Peer, PeerBook
+from .stagings import Stagings
 from .ucx import NixlUcxEngine
 
 __all__ = ["RemoteTier", "RemoteOptions", "REMOTE_KEYS"]
@@ -98,9 +99,8 @@ class RemoteTier(PeerBook):
         self.engine = NixlUcxEngine()
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
         self._pool = ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="hicache-gds-ucx")
-        self._staging = Staging(self.engine)  # gets of host pages read here first (see the module's docstring)
-        self._device_staging: dict[str, Staging] = {}  # and of device pages, per GPU
-        self._device_of = checksum.device_of  # the GPU of a device address (tests: host memory standing in)
+        self._stagings = Stagings(self.engine)  # where gets read first (see the module's docstring)
+        self._staging = self._stagings.host
         self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout, **self.opts.directory_kwargs())
         self._peers: dict[str, Peer] = {}
         self._agents: dict[str, int] = {}  # agent name -> peer id
@@ -211,10 +211,7 @@ class RemoteTier(PeerBook):
                     writes.setdefault(sid, []).append((i, r))
         sums: dict[int, int] = {}
         todo = [i for w in writes.values() for i, _ in w]
-        if todo and pages.kind is MemKind.VRAM:
-            dev = self._device_of(int(pages.addrs[todo[0], 0]))
-            if dev.type == "cuda":  # what wrote the pages on the caller's stream ends first, as in the NVMe store
-                checksum.wait_for_current_stream(dev)
+        self._stagings.wait_for_writers(pages, todo)
         done = self._move(Op.WRITE, pages, {s: (peers[s], [(i, r.slot) for i, r in w]) for s, w in writes.items()},
                           during=lambda: sums.update(zip(todo, self._sums(pages, todo, parallel=False))))
         ok: dict[str, tuple[str, list[tuple[Reservation, int, int]]]] = {}
@@ -275,7 +272,7 @@ class RemoteTier(PeerBook):
             return result
         order = [i for h in hits.values() for i, *_ in h]
         buf = None
-        stg = self._staging_for(pages) if order else None
+        stg = self._stagings.for_pages(pages) if order else None
         if stg is not None:
             if stg.held_bytes() > MAX_HELD_STAGING:
                 self._warn("staging", "hicache-gds remote: staging held by reads that timed out is past its cap; "
@@ -303,11 +300,7 @@ class RemoteTier(PeerBook):
 
         def arrived(sid: str, a: int, b: int) -> None:  # a request's pages, staged whole: to the caller now
             js = [j for j, _ in plan[sid][1][a:b]]
-            if stg.kind is MemKind.VRAM:
-                scatter_device(dst, buf, js, self.page_bytes, stg.device)
-            else:
-                for j in js:
-                    scatter(dst, buf, j, j + 1, self.page_bytes, self.page_bytes)
+            self._stagings.copy_out(stg, dst, buf, js, self.page_bytes)
             copied.update(js)
             idx = [order[j] for j in js if order[j] in want]
             early.update(zip(idx, self._sums(pages, idx, parallel=False, like=[want[i] for i in idx])))
@@ -366,17 +359,6 @@ class RemoteTier(PeerBook):
         """Tagged checksums of pages `idx` (`batch.tagged_sums`)."""
         return tagged_sums(pages, idx, self.page_bytes, threads=self.opts.threads if parallel else 1, pool=self._pool,
                            device_sums=self._device_sums, like=like)
-
-    def _staging_for(self, pages: Pages) -> Staging:
-        """Where a get of `pages` is read first: host staging, or staging on the GPU holding them."""
-        if pages.kind is not MemKind.VRAM:
-            return self._staging
-        dev = self._device_of(int(pages.addrs[0, 0]))
-        with self._lock:
-            stg = self._device_staging.get(str(dev))
-            if stg is None:
-                stg = self._device_staging[str(dev)] = Staging(self.engine, MemKind.VRAM, dev)
-            return stg
 
     def _move(self, op: Op, pages: Pages, plan: dict[str, tuple[Peer, list[tuple[int, int]]]],
               during: Callable[[], Any] | None = None, late: list[LateRequest] | None = None,
@@ -498,8 +480,7 @@ class RemoteTier(PeerBook):
         self._closed = True
         self._pool.shutdown(wait=False)
         try:
-            for stg in [self._staging, *self._device_staging.values()]:
-                stg.close()
+            self._stagings.close()
             self.engine.close()
         finally:
             self.dir.close()

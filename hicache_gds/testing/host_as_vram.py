@@ -28,6 +28,6 @@ def host_as_vram(tier: Any) -> Any:
     register, prepare = eng._register, eng._prepare
     eng._register = lambda addr, nbytes, kind: register(addr, nbytes, MemKind.DRAM)
     eng._prepare = lambda op, kind, *rest: prepare(op, MemKind.DRAM, *rest)
-    tier._device_of = lambda addr: torch.device("cpu")
+    tier._stagings.device_of = lambda addr: torch.device("cpu")
     tier._device_sums = functools.partial(device_checksums, device=torch.device("cpu"), impl="torch")
     return tier

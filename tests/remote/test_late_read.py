@@ -150,7 +150,7 @@ def test_a_late_read_of_device_pages_lands_in_staging_on_their_device_not_in_the
         assert t.put(keys, b.fill(keys)) == [True] * 12
         real_submit = _hold_reads_back(t, gate, dests)
         assert t.get(keys, b.poisoned(12)) == [False] * 12
-        (stg,) = t._device_staging.values()
+        (stg,) = t._stagings.devices.values()
         held = [(buf.addr, buf.addr + buf.nbytes) for buf, _ in stg.held]
         assert stg.held_bytes() >= 12 * PAGE and t._staging.held_bytes() == 0
         assert dests and all(any(lo <= a < hi for lo, hi in held) for a in dests)
@@ -221,7 +221,7 @@ def test_a_get_that_cannot_have_staging_is_misses_not_an_exception(cluster, devi
         b = DeviceBufs(t, 6, PAGE, device) if device else Bufs(t, 6, PAGE)
         assert t.put(keys, b.fill(keys)) == [True] * 6
         pages = b.poisoned(6)
-        stg = t._staging_for(pages)
+        stg = t._stagings.for_pages(pages)
 
         def refuse(nbytes: int):  # noqa: ANN202
             raise RuntimeError("CUDA out of memory. Tried to allocate 1.50 MiB")
