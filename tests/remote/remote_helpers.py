@@ -62,6 +62,20 @@ def tier(url: str, prefix: str, page: int, ident: str, **opts) -> RemoteTier:  #
                                                      "remote_timeout": 1.0, **opts})
 
 
+def device_paths(t: RemoteTier, device: str) -> RemoteTier:
+    """Make tier `t` take its device-page paths on `device`: "cpu" with host memory standing in
+    (`host_as_vram`), "cuda" on a real GPU. Skips where torch, a GPU or UCX's CUDA support is missing."""
+    import pytest
+    torch = pytest.importorskip("torch")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if device == "cpu":
+        host_as_vram(t)
+    elif "VRAM" not in t.stats()["mem_kinds"]:
+        pytest.skip("this UCX build has no CUDA support")
+    return t
+
+
 class DeviceBufs(Bufs):
     """`Bufs` in device memory: torch tensors on `device` (a CUDA GPU, or cpu under `host_as_vram`),
     registered with the tier as VRAM, pages passed as VRAM."""

@@ -21,7 +21,7 @@ from hicache_gds.errors import TransferError, TransferTimeout
 from hicache_gds.remote import batch as batch_mod
 from hicache_gds.remote import tier as tier_mod
 from hicache_gds.remote.batch import LateRequest
-from remote_helpers import POISON, Bufs, DeviceBufs, host_as_vram, page_data, tier
+from remote_helpers import POISON, Bufs, DeviceBufs, device_paths, host_as_vram, page_data, tier
 from remote_procs import PAGE
 
 
@@ -136,15 +136,9 @@ def test_a_late_read_of_device_pages_lands_in_staging_on_their_device_not_in_the
     and then run to completion land there (held, lent to no one meanwhile), never in the caller's
     poisoned device pages; once they finished, the staging is lent again and a get is byte-exact.
     On the CPU machine host memory stands in for the device (`host_as_vram`)."""
-    torch = pytest.importorskip("torch")
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     dests: list = []
     with _late_tier(cluster, 0.3) as (t, gate):
-        if device == "cpu":
-            host_as_vram(t)
-        elif "VRAM" not in t.stats()["mem_kinds"]:
-            pytest.skip("this UCX build has no CUDA support")
+        device_paths(t, device)
         keys = [f"dlate-{i}" for i in range(12)]
         b = DeviceBufs(t, 12, PAGE, device)
         assert t.put(keys, b.fill(keys)) == [True] * 12

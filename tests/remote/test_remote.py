@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from remote_procs import PAGE, child_env
-from remote_helpers import POISON, Bufs, DeviceBufs, host_as_vram, tier
+from remote_helpers import POISON, Bufs, DeviceBufs, device_paths, tier
 
 from hicache_gds.engines.base import MemKind
 from hicache_gds.layout import Pages
@@ -234,21 +234,6 @@ def test_unreachable_redis_means_misses_not_errors(caplog):
     assert any("redis" in r.getMessage() for r in caplog.records)
 
 
-def _device_tier(cluster, device: str):  # noqa: ANN001, ANN202
-    """A tier taking its device-page paths: on a CUDA GPU (skipped where UCX has no CUDA), or on
-    host memory standing in for it (`host_as_vram`)."""
-    torch = pytest.importorskip("torch")
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex)
-    if device == "cpu":
-        host_as_vram(t)
-    elif "VRAM" not in t.stats()["mem_kinds"]:
-        t.close()
-        pytest.skip("this UCX build has no CUDA support")
-    return t
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_device_pages_are_read_through_staging_on_their_device_and_verified(cluster, device):
     """A get of device pages reads into staging on the same device and copies each request's pages
@@ -257,8 +242,9 @@ def test_device_pages_are_read_through_staging_on_their_device_and_verified(clus
     checksum on the caller's pages)."""
     from hicache_gds.engines.base import Op
     from hicache_gds.remote.directory import parse_entry
-    t = _device_tier(cluster, device)
+    t = tier(cluster["url"], cluster["prefix"], PAGE, uuid.uuid4().hex)
     try:
+        device_paths(t, device)
         keys = keys_of(16)
         b = DeviceBufs(t, 16, PAGE, device)
         assert t.put(keys, b.fill(keys)) == [True] * 16
