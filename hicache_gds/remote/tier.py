@@ -100,7 +100,6 @@ class RemoteTier(PeerBook):
         self._device_sums = checksum.device_checksums  # tests put a host stand-in here (no GPU)
         self._pool = ThreadPoolExecutor(max(1, self.opts.threads), thread_name_prefix="hicache-gds-ucx")
         self._stagings = Stagings(self.engine)  # where gets read first (see the module's docstring)
-        self._staging = self._stagings.host
         self.dir = Directory(self.opts.url, self.opts.prefix, self.opts.redis_timeout, **self.opts.directory_kwargs())
         self._peers: dict[str, Peer] = {}
         self._agents: dict[str, int] = {}  # agent name -> peer id

@@ -101,7 +101,7 @@ def test_a_read_landing_after_the_timeout_leaves_the_callers_memory_untouched(cl
         assert time.monotonic() - t0 < io_timeout + 10  # returned at the deadline, not when they finish
         caller = range(b.dst.addr, b.dst.addr + b.dst.nbytes)
         assert dests and not any(a in caller for a in dests)  # the READs were pointed at the tier's staging
-        held = t._staging.held_bytes()
+        held = t._stagings.host.held_bytes()
         assert held >= 12 * PAGE and t.stats()["timeouts"] >= 1
 
         # while they may still land, their staging is lent to no one: a get of other pages now
@@ -110,14 +110,14 @@ def test_a_read_landing_after_the_timeout_leaves_the_callers_memory_untouched(cl
         b2 = Bufs(t, 12, PAGE)
         assert t.put(more, b2.fill(more)) == [True] * 12
         lent = []
-        acquire = t._staging.acquire
-        t._staging.acquire = lambda n: lent.append(acquire(n)) or lent[-1]
-        held_addrs = {buf.addr for buf, _ in t._staging.held}
+        acquire = t._stagings.host.acquire
+        t._stagings.host.acquire = lambda n: lent.append(acquire(n)) or lent[-1]
+        held_addrs = {buf.addr for buf, _ in t._stagings.host.held}
         t.engine.submit = real_submit  # new READs are not held back; the first ones stay held
         assert t.get(more, b2.poisoned(12)) == [True] * 12
         b2.check(more, [True] * 12)
         assert lent and all(buf.addr not in held_addrs for buf in lent)
-        assert t._staging.held_bytes() == held  # still held: the first READs have not finished
+        assert t._stagings.host.held_bytes() == held  # still held: the first READs have not finished
 
         # now the first READs land: in the staging, not in the caller's poisoned pages
         gate.set()
@@ -125,7 +125,7 @@ def test_a_read_landing_after_the_timeout_leaves_the_callers_memory_untouched(cl
         assert np.all(b.dst.numpy() == POISON)
         assert t.get(keys, b.poisoned(12)) == [True] * 12  # and the staging was handed back
         b.check(keys, [True] * 12)
-        assert t._staging.held_bytes() == 0
+        assert t._stagings.host.held_bytes() == 0
         for i, k in enumerate(keys):
             assert np.array_equal(b.got(i), page_data(k, PAGE))
 
@@ -146,7 +146,7 @@ def test_a_late_read_of_device_pages_lands_in_staging_on_their_device_not_in_the
         assert t.get(keys, b.poisoned(12)) == [False] * 12
         (stg,) = t._stagings.devices.values()
         held = [(buf.addr, buf.addr + buf.nbytes) for buf, _ in stg.held]
-        assert stg.held_bytes() >= 12 * PAGE and t._staging.held_bytes() == 0
+        assert stg.held_bytes() >= 12 * PAGE and t._stagings.host.held_bytes() == 0
         assert dests and all(any(lo <= a < hi for lo, hi in held) for a in dests)
         assert not any(a in b.dst_range for a in dests)
 

@@ -264,7 +264,7 @@ def test_device_pages_are_read_through_staging_on_their_device_and_verified(clus
         b.check(keys, ok)
         assert dests and not any(a in b.dst_range for a in dests)
         assert t.stats()["staged_pages"] - before["staged_pages"] == 16
-        assert len(t._stagings.devices) == 1 and t._staging.free == []  # one GPU's staging; no host staging
+        assert len(t._stagings.devices) == 1 and t._stagings.host.free == []  # one GPU's staging; no host staging
 
         entries = Directory(t.opts.url, t.opts.prefix).lookup(t.namespace, keys)
         peers = {p.info.sid: p for p in t._live()}
