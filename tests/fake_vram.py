@@ -10,12 +10,11 @@ request, reads into device memory verified by it -- with nothing but the memory 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
-from hicache_gds.checksum import device_checksums
 from hicache_gds.engines.base import Capabilities, MemKind, Op, Transfer, TransferEngine
+from hicache_gds.testing.host_as_vram import cpu_device_sums  # noqa: F401 -- the tests' import point
 
 
 class HostAsVram(TransferEngine):
@@ -47,11 +46,6 @@ class HostAsVram(TransferEngine):
 
     def close(self) -> None:
         self.inner.close()
-
-
-def cpu_device_sums(impl: str = "torch"):
-    import torch
-    return functools.partial(device_checksums, device=torch.device("cpu"), impl=impl)
 
 
 def use_fake_vram(store, impl: str = "torch"):

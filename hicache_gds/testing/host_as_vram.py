@@ -14,13 +14,21 @@ import dataclasses
 import functools
 from typing import Any
 
-__all__ = ["host_as_vram"]
+__all__ = ["cpu_device_sums", "host_as_vram"]
+
+
+def cpu_device_sums(impl: str = "torch") -> Any:
+    """`checksum.device_checksums` on torch's cpu device: the device checksum over host memory
+    standing in for device memory (torch, or Triton's interpreter with impl "triton")."""
+    import torch
+
+    from ..checksum import device_checksums
+    return functools.partial(device_checksums, device=torch.device("cpu"), impl=impl)
 
 
 def host_as_vram(tier: Any) -> Any:
     import torch
 
-    from ..checksum import device_checksums
     from ..engines.base import MemKind
 
     eng = tier.engine
@@ -29,5 +37,5 @@ def host_as_vram(tier: Any) -> Any:
     eng._register = lambda addr, nbytes, kind: register(addr, nbytes, MemKind.DRAM)
     eng._prepare = lambda op, kind, *rest: prepare(op, MemKind.DRAM, *rest)
     tier._stagings.device_of = lambda addr: torch.device("cpu")
-    tier._device_sums = functools.partial(device_checksums, device=torch.device("cpu"), impl="torch")
+    tier._device_sums = cpu_device_sums()
     return tier

@@ -328,18 +328,16 @@ def test_every_page_carries_a_checksum_that_any_memory_checks(rt):
     xxh3: none goes without. A read checks the kind recorded, whichever memory it lands in, so a
     device-written page read into host memory (or the reverse) is verified, and a flipped byte is
     a mismatch. (The GPU kernel runs on the CPU here, on host memory standing in for VRAM.)"""
-    import functools
-
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():  # pagesum hashes a device page through CUDA wherever torch has it
         pytest.skip("host memory stands in for device memory only where torch has no CUDA")
-    from hicache_gds.checksum import device_checksums
+    from hicache_gds.testing.host_as_vram import cpu_device_sums
     n, idx = 4, [0, 1, 2, 3]
     buf = HostBuffer(n * PAGE, pinned=False)
     buf.numpy()[:] = np.random.default_rng(7).integers(0, 256, buf.nbytes, dtype=np.uint8)
     host = Pages.contiguous(buf.addr, PAGE, range(n))
     dev = Pages(host.addrs, host.lens, MemKind.VRAM)
-    rt._device_sums = functools.partial(device_checksums, device=torch.device("cpu"), impl="torch")
+    rt._device_sums = cpu_device_sums()
     from_dev, from_host = rt._sums(dev, idx), rt._sums(host, idx)
     assert all(c & 1 for c in from_dev) and all(c and not c & 1 for c in from_host)
     assert rt._sums(host, idx, like=from_dev) == from_dev  # written from VRAM, read into DRAM
