@@ -136,6 +136,8 @@ def mixed_verdicts(w_of, rank, n, log):
     """Rank 0 would load the whole hit, the others split or compute: no rank loads or splits."""
     w = w_of([0.5, 1.0, 3.0, 1.3][rank], measured=True)
     req = admitted(w, log)
+    # rank 0 logged "load", then that it was overruled; no other rank was
+    log.append(["overruled where it chose to load", w.pol.counts["overruled"] == int(rank == 0)])
     log.append(["ops", sorted(w.cache.ongoing_prefetch), w.cache.cache_controller.prefetch_queue.qsize()])
     chunks(w, req, log, [T.CHUNK, T.PAGES * T.PS])
     w.release(req)

@@ -96,7 +96,8 @@ def test_a_rank_whose_reads_land_later_gets_the_same_verdict_on_every_rank(ranks
 def test_a_split_or_load_some_ranks_chose_is_a_recompute_on_every_rank(ranks):
     log = _same(ranks, "mixed_verdicts")
     assert log[0] == ["admit", "compute", 1024, None]
-    assert log[1] == ["ops", [], 0]  # nothing prefetched on any rank
+    assert log[1] == ["overruled where it chose to load", True]
+    assert log[2] == ["ops", [], 0]  # nothing prefetched on any rank
     assert log[-1] == ["chunk", 1024, 1024, False, False, True]
 
 

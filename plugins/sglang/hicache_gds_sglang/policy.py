@@ -64,8 +64,7 @@ from typing import Any
 
 from hicache_gds import CostModel, LoadPace, PrefillModel
 
-from . import backlog, cut, host, ranks, room, split_policy, view
-from . import split as split_mod
+from . import backlog, host, ranks, room, split_policy, view
 from .policy_config import FALLBACK, POLICY, POLICY_KEYS, SGLANG_POLICIES, PolicyConfig  # noqa: F401
 from .prefill import PrefillClock
 from .records import Backlog, Decided, DiskSlot, LoadWatch, Protected, Queued, RoomWait, SplitPlan, Tail  # noqa: F401
@@ -234,14 +233,9 @@ class LoadOrCompute:
         ahead, g = self.gpu_backlog(cache, model)
         g = ahead.get(rid, g)  # a late admission (`late_admit`) is already queued: only what is ahead of it
         _, d = self.disk_backlog(cache, model, backend)
-        split = backend.policy_config.split
-        chunk = self.prefill.chunk if req is not None and rid not in self.tails and \
-            (split == "always" or d <= 0) and split_policy.can_split(self, cache, backend) else None
+        weigh = req is not None and rid not in self.tails and (backend.policy_config.split == "always" or d <= 0)
         dec = model.decide(new, held, hit, gpu_backlog=g, disk_backlog=d, page=ps,
-                           split_chunk=chunk, split_park=bool(chunk) and split_policy.can_park(backend),
-                           split_cut=bool(chunk) and cut.can_cut(backend),
-                           split_grain=(split_policy.tail_pages(cache, backend, model) or split_mod.batch_pages()) * ps
-                           if chunk else None)
+                           **split_policy.split_args(self, cache, backend, model, weigh))
         if dec.action == "split":
             self.room_wait.pop(rid, None)  # a held request prefetched (`room.take`) may split: no longer held
             self.decided[rid] = Decided("split", new, held, int(dec.tokens or 0))
@@ -404,8 +398,11 @@ class LoadOrCompute:
         for req, rid, hit in cands:
             t_io = model.predict_load(hit * model.bytes_per_token, d)
             g = ahead.get(rid, 0.0)
-            votes.append((t_io, g, t_io is not None and t_io * (1.0 + model.stop_margin) < g))
-            if votes[-1][2] and not multi:
+            ok = t_io is not None and t_io * (1.0 + model.stop_margin) < g
+            # or, with the disk idle, its tail read while the GPU reaches it (`split_policy.late_split_pays`)
+            ok = ok or (d <= 0 and split_policy.late_split_pays(self, cache, backend, model, self.decided[rid], g))
+            votes.append((t_io, g, ok))
+            if ok and not multi:
                 break
         pick = ranks.first_all(cache, [rid for _, rid, _ in cands], [v[2] for v in votes]) if multi else \
             next((i for i, v in enumerate(votes) if v[2]), None)
@@ -415,7 +412,8 @@ class LoadOrCompute:
             self.late.add(rid)
             self.counts["late"] += 1
             log.info("hicache-gds policy: %s late load: its %d tokens in L3 load in %.3f s (disk backlog %.3f s), the "
-                     "GPU reaches it in %.3f s", rid, hit, t_io, d, g)
+                     "GPU reaches it in %.3f s%s", rid, hit, t_io, d, g,
+                     "" if t_io * (1.0 + model.stop_margin) < g else "; its tail, split")
             view.prefetch_again(scheduler, req)
             return rid
         return None

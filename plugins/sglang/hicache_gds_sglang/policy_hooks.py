@@ -221,6 +221,10 @@ def _agree_not_loaded(pol: Any, cache: Any, args: tuple, kwargs: dict, tokens: A
                  "recomputed", rid)
     pol.split_plans.pop(rid, None)
     pol.loads.pop(rid, None)
+    if would_load:  # this rank logged "load": say what runs (each rank's own forecast, agreed by MIN)
+        pol.counts["overruled"] += 1
+        log.info("hicache-gds policy: %s not loaded: agreed across ranks (this rank chose to load, another rank's "
+                 "forecast or host room did not)", rid)
     pol.decided[rid] = Decided("compute", new, held, hit)
     room.agree(pol, cache, view.backend_of(cache), rid, hit, would_load)
 

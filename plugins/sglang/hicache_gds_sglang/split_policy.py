@@ -20,7 +20,7 @@ from typing import Any
 
 from hicache_gds import CostModel
 
-from . import ranks, view
+from . import cut, ranks, view
 from . import split as split_mod
 from .records import Decided, Tail
 
@@ -61,6 +61,33 @@ def tail_pages(cache: Any, backend: Any, model: CostModel) -> int | None:
     ps = view.page_size(cache)
     threshold = -(-view.threshold(cache) // ps)
     return split_mod.tail_pages(int(model.bytes_per_token * ps), backend.policy_config.split_get, threshold)
+
+
+def split_args(pol: Any, cache: Any, backend: Any, model: CostModel, weigh: bool) -> dict[str, Any]:
+    """`CostModel.decide`'s split arguments for an admission that may weigh a split (`weigh`,
+    and `can_split`): the chunk its head is computed in, whether it may park or cut, and the
+    grain its tail is read in; none where it may not."""
+    chunk = pol.prefill.chunk if weigh and can_split(pol, cache, backend) else None
+    if not chunk:
+        return {"split_chunk": None}
+    pages = tail_pages(cache, backend, model) or split_mod.batch_pages()
+    return {"split_chunk": chunk, "split_park": can_park(backend), "split_cut": cut.can_cut(backend),
+            "split_grain": pages * view.page_size(cache)}
+
+
+def late_split_pays(pol: Any, cache: Any, backend: Any, model: CostModel, d: Decided, gpu_ahead: float) -> bool:
+    """A queued request decided "compute" (`d`), `gpu_ahead` seconds of prefill from the GPU,
+    finishes first split now that the disk is idle: its tail read while the GPU works through
+    what is ahead of it and its head (`PolicyConfig.late_split`). Admission asks the same question
+    when the request is prefetched again (`LoadOrCompute.late_admit`), and decides."""
+    if not backend.policy_config.late_split:
+        return False
+    kw = split_args(pol, cache, backend, model, True)
+    if not kw["split_chunk"]:
+        return False
+    dec = model.decide(d.new, d.held, d.hit, gpu_backlog=gpu_ahead, disk_backlog=0.0, page=view.page_size(cache),
+                       **kw)
+    return dec.action == "split"
 
 
 def start_tail(pol: Any, cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any,
