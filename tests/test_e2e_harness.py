@@ -203,6 +203,45 @@ def test_the_trace_report_splits_a_revisit_into_its_stages(tmp_path):
     assert row["n_gets"] == 2 and row["pages"] == 4 and row["GB/s"] == pytest.approx(4 * (1 << 20) / 0.4 / 1e9)
 
 
+def test_the_forecast_report_sets_each_ranks_gpu_waits_and_load_times_against_their_forecasts(tmp_path, capsys):
+    import forecast_report
+    pre = "[2026-11-29 17:47:41 TP{}] hicache-gds policy: "
+    lines = [  # as a TP=2 server logs them (run 25)
+        pre.format(0) + "p6-75 compute (22848 new, 0 held, 22784 in L3; load 1.594 s, compute 1.286 s; GPU backlog "
+        "0.582 s, disk backlog 0.309 s; read 1.21 GB/s, prefill 55665 tok/s at 8k; host pool 98368 tokens free; "
+        "computing finishes first)",
+        pre.format(0) + "p1-31 load (14080 new, 0 held, 14016 in L3; load 1.330 s, compute 1.618 s; GPU backlog "
+        "1.282 s, disk backlog 0.309 s; read 1.21 GB/s, prefill 55665 tok/s at 8k; host pool 98368 tokens free; "
+        "loading finishes first)",
+        pre.format(1) + "p6-75 compute (22848 new, 0 held, 22784 in L3; load 1.9 s, compute 1.286 s; GPU backlog "
+        "0.200 s, disk backlog 0.4 s; read 1.04 GB/s, prefill 55671 tok/s at 8k; host pool 98368 tokens free; "
+        "computing finishes first)",
+        pre.format(0) + "p6-75 left the queue after 0.873 s holding 0 tokens (0 on host) of 22848 new; decided "
+        "compute with 22784 in L3",
+        pre.format(1) + "p6-75 left the queue after 0.873 s holding 0 tokens (0 on host) of 22848 new; decided "
+        "compute with 22784 in L3",
+        pre.format(0) + "p1-31 load done: 14016 tokens in 1.165 s (forecast 1.070 s; pace now 1.09; seen 0.339 s "
+        "later); host pool 21120 tokens free",
+        pre.format(0) + "p1-31 left the queue after 1.502 s holding 14016 tokens (14016 on host) of 14080 new; "
+        "decided load with 14016 in L3",
+        "[2026-11-29 17:47:41 TP0] Prefill batch, #new-seq: 1, #new-token: 8192",
+    ]
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(lines) + "\n")
+    got = forecast_report.ratios(log.read_text().splitlines())
+    # rank 0: its compute waited 0.873 s of 0.582 forecast; its load is a disk row only (1.165 of 1.070);
+    # rank 1's compute had 0.2 s ahead of it, under --min-ahead
+    assert got["TP0"]["gpu"] == [pytest.approx(0.873 / 0.582)]
+    assert got["TP0"]["disk"] == [pytest.approx(1.165 / 1.070)]
+    assert "TP1" not in got
+    assert forecast_report.ratios(log.read_text().splitlines(), min_ahead=0.1)["TP1"]["gpu"] == [
+        pytest.approx(0.873 / 0.2)]
+    assert forecast_report.main([str(log)]) == 0
+    out = capsys.readouterr().out
+    assert f"| {log} | TP0 | gpu | 1 | 1.50 | 1.50 | 1.50 |" in out and f"| {log} | TP0 | disk | 1 | 1.09 |" in out
+    assert "TP1" not in out
+
+
 def test_the_ideal_server_fits_the_prefill_and_bounds_the_open_loop():
     import open_loop_bound as olb
     true = olb.Server(a=2e-5, b=5e-9, c0=0.1, read_Bps=1.5e9, kv_bytes=128 << 10)
