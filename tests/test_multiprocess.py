@@ -83,6 +83,22 @@ def test_reservations_of_a_killed_process_are_reclaimed(gds_dir):
         assert index_problems(me.index) == []
 
 
+def test_a_put_right_after_open_reclaims_what_a_process_killed_since_held(gds_dir, monkeypatch):
+    """Puts short of slots look for dead owners at most every `_RECLAIM_EVERY_S`; the look a
+    store takes at open does not count, so a process killed just after (here: however long the
+    limit) never leaves its reservations to eviction or to failed puts."""
+    from hicache_gds.index import index as index_mod
+    monkeypatch.setattr(index_mod, "_RECLAIM_EVERY_S", 3600.0)
+    with client(gds_dir) as me:
+        peer = Peer(gds_dir, slots=SLOTS)
+        assert len(peer.call("reserve", n=40)) == 40
+        peer.kill()
+        assert me.put(keys(SLOTS)) == [True] * SLOTS
+        st = me.store.stats()
+        assert st["reclaimed_slots"] == 40 and st["evictions"] == 0 and st["reserved_slots_all"] == 0
+        assert me.verify(keys(SLOTS))["good"] == SLOTS
+
+
 def test_a_restart_after_kill9_frees_everything_the_dead_held(gds_dir):
     peer = Peer(gds_dir, slots=SLOTS)
     assert peer.call("put", keys=keys(8)) == [True] * 8
