@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["Index"]
 
 log = logging.getLogger("hicache_gds.index")
-_RECLAIM_EVERY_S = 1.0  # a put short of free slots looks for dead owners at most this often
+_RECLAIM_EVERY_S = 1.0  # a put short of free slots looks for dead owners at most this often (open's look aside)
 
 
 class Index:
@@ -83,10 +83,7 @@ class Index:
                 raise refusal(db_path, exc) from exc
             self._reset_damaged(exc, locked=True)  # the caller holds the setup lock
         self.reclaim()
-        # open's look is not a put's: the first put short of slots looks again at once (an owner
-        # may have died since: a process started and killed within _RECLAIM_EVERY_S of this open
-        # left its reservations to eviction, or to failed puts where nothing could be evicted)
-        self._last_reclaim = 0.0
+        self._last_reclaim = 0.0  # not a put's look: the first put short of slots looks again (an owner died since?)
         rows = self._count("SELECT count(*) FROM pages")
         if load_map:
             hook = type(self)._load_hook  # from the class: a plain function is not bound
