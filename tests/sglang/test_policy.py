@@ -134,7 +134,7 @@ def test_policy_keys_are_the_plugins_and_checked(gds_dir):
     assert (cfg.policy, cfg.read_gbps, cfg.host_fraction, cfg.stop_margin) == (POLICY, 1.5, 0.6, 0.0)
     # settings measured not to pay were removed: naming one is an error that says so, as an unknown key is
     removed = [({k: v}, f"{k} was removed") for k, v in (("policy_read_slice", "64M"), ("policy_partial", "off"),
-                                                          ("policy_ready_first", "yes"))]
+                                                          ("policy_ready_first", "yes"), ("policy_late_split", "on"))]
     for bad, match in (({"policy": "fastest"}, "policy: 'fastest'"), ({"policy_read_gbps": -1}, "policy_read_gbps"),
                        ({"policy_host_fraction": 1.5}, "policy_host_fraction"), *removed):
         with pytest.raises(ConfigError, match=match):

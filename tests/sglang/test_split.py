@@ -461,55 +461,6 @@ def test_policy_split_is_checked_and_off_where_sglang_has_no_join_point(gds_dir)
 
 
 @needs_0517
-@pytest.mark.parametrize("late_split", [False, True])
-def test_a_request_left_to_the_gpu_while_the_disk_was_busy_is_split_once_the_disk_is_idle(
-        gds_dir, monkeypatch, caplog, late_split):
-    """Admission weighs a split only while the disk is idle, so a request of a burst decided
-    "compute" behind loads stays whole on the GPU after the disk has run dry. With
-    ``policy_late_split`` late admission gives the disk the first such request whose split
-    finishes it first (its tail read while the GPU works through the requests ahead of it):
-    admission, asked again through the scheduler's own path, splits it and its tail joins
-    byte-exact where its chunks reach it. Off (the default), the request stays whole with the GPU."""
-    import sglang.srt.managers.cache_controller as cc_mod
-    import sglang.srt.mem_cache.hicache_storage as hs_mod
-    from hicache_gds_sglang import policy
-    from hicache_gds_sglang.records import Decided
-    monkeypatch.setattr(cc_mod, "STORAGE_BATCH_SIZE", BATCH)
-    monkeypatch.setattr(hs_mod, "STORAGE_BATCH_SIZE", BATCH)
-    monkeypatch.setattr(policy, "LATE_EVERY_S", 60.0)  # passes spaced by the test, not by the clock
-    # a whole load takes 3x its recompute: 0.51 s against the 0.36 s of prefill queued ahead of it
-    w = World(gds_dir, read_ratio=3.0, extra={"policy_late_split": late_split})
-    try:
-        ahead = [w.request(f"q{i}") for i in range(2)]  # recomputes queued ahead, not ours to decide
-        req = w.request("r1")
-        w.sched.waiting_queue[:] = [*ahead, req]
-        new, held = view.req_work(req)
-        # admission's verdict while a load of the burst was on the disk (no split weighed then)
-        w.pol.decided["r1"] = Decided("compute", new, held, PAGES * PS)
-        asked: list[str] = []
-        w.sched._prefetch_kvcache = lambda r: (asked.append(r.rid), w.admit(r))
-        w.pol.late_look = 0.0
-        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
-            got = w.pol.late_admit(w.sched)
-        if not late_split:
-            assert got is None and asked == [] and w.pol.decided["r1"].action == "compute" and not w.pol.tails
-            return
-        assert got == "r1" and asked == ["r1"] and w.pol.counts["late"] == 1
-        assert w.pol.decided["r1"].action == "split" and "its tail, split" in caplog.text
-        tail = w.pol.tails["r1"].load
-        assert 0 < tail.start < PAGES * PS and tail.end == PAGES * PS
-        w.read_tail()
-        while len(req.prefix_indices) < tail.start:  # the GPU reaches it and computes its head
-            w.compute_chunk(req, min(len(req.prefix_indices) + CHUNK, tail.start))
-        assert len(req.prefix_indices) == PAGES * PS, "the whole tail joined"
-        w.check_prefix(req)
-        assert w.pol.counts["split_joined"] == 1 and "r1" not in w.pol.tails
-        w.release(req)
-    finally:
-        w.close()
-
-
-@needs_0517
 def test_a_request_admitted_again_keeps_its_one_tail(world):
     """SGLang admits a request again when it is retracted, and the policy's late admission asks
     again for a queued one: a request with a tail in flight is never split twice."""

@@ -398,22 +398,19 @@ class LoadOrCompute:
         for req, rid, hit in cands:
             t_io = model.predict_load(hit * model.bytes_per_token, d)
             g = ahead.get(rid, 0.0)
-            whole = t_io is not None and t_io * (1.0 + model.stop_margin) < g
-            # or, with the disk idle, its tail read while the GPU reaches it (`split_policy.late_split_pays`)
-            ok = whole or (d <= 0 and split_policy.late_split_pays(self, cache, backend, model, self.decided[rid], g))
-            votes.append((t_io, g, ok, whole))
+            ok = t_io is not None and t_io * (1.0 + model.stop_margin) < g
+            votes.append((t_io, g, ok))
             if ok and not multi:
                 break
         pick = ranks.first_all(cache, [rid for _, rid, _ in cands], [v[2] for v in votes]) if multi else \
             next((i for i, v in enumerate(votes) if v[2]), None)
         if pick is not None:
             req, rid, hit = cands[pick]
-            t_io, g, _, whole = votes[pick]
+            t_io, g, _ = votes[pick]
             self.late.add(rid)
             self.counts["late"] += 1
             log.info("hicache-gds policy: %s late load: its %d tokens in L3 load in %.3f s (disk backlog %.3f s), the "
-                     "GPU reaches it in %.3f s%s", rid, hit, t_io, d, g,
-                     "" if whole else "; its tail, split")
+                     "GPU reaches it in %.3f s", rid, hit, t_io, d, g)
             view.prefetch_again(scheduler, req)
             return rid
         return None

@@ -19,14 +19,16 @@ FALLBACK = "timeout"  # SGLang's default: what our name turns into where the pol
 # their deprecated names here (`hicache_gds.SEED_ALIASES`), still accepted.
 POLICY_KEYS = ("policy", *SEED_KEYS, "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
                "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park", "policy_split_cut", "policy_idle_wait_ms",
-               "policy_room_wait", "policy_late_split")
+               "policy_room_wait")
 # Keys of settings measured not to pay in a running server and removed (`benchmarks/RESULTS.md`,
-# runs 9-10): passing one is an error naming it, as an unknown key is.
+# runs 9, 10 and 26): passing one is an error naming it, as an unknown key is.
 REMOVED_KEYS = {
     "policy_read_slice": "sliced gets lowered a running server's read rate; a stopped load now ends between "
                          "SGLang's batches of pages",
     "policy_partial": "loading part of a hit did not pay (run 9); a hit is loaded whole or recomputed",
     "policy_ready_first": "moving finished loads ahead acted on 1-5 loads per run and did not pay (run 10)",
+    "policy_late_split": "splitting a request late, once the disk ran dry, acted on one request in nine bursts "
+                         "and did not pay (run 26)",
 }
 SPLIT_MODES = ("idle", "always", "off")  # `PolicyConfig.split`
 
@@ -89,12 +91,7 @@ class PolicyConfig:
     return instead of spinning on the GIL the reads need (`idle`; every prefetch policy; 0: off).
     room_wait: a load turned down only because the host pool is full waits for room, held in the
     waiting queue while loading still finishes first, instead of being recomputed (`room`; agreed
-    across ranks). late_split: once the disk has no load left, a queued request admission sent
-    to the GPU has its hit split where that finishes it first: its tail read while the GPU works
-    through the requests ahead of it and its head (`split_policy.late_split_pays`, through late
-    admission; needs ``split`` on). Off by default until a running server has measured it: in a
-    32B burst on the H200's virtio disk (run 25) the disk ran dry 5.6 s before the GPU, with two
-    requests decided "compute" still queued."""
+    across ranks)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -107,7 +104,6 @@ class PolicyConfig:
     split_cut: bool = True
     idle_wait_ms: float = 2.0
     room_wait: bool = True
-    late_split: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -145,8 +141,6 @@ class PolicyConfig:
             kw["split_park"] = parse_bool(extra["policy_split_park"], "policy_split_park")
         if "policy_split_cut" in extra:
             kw["split_cut"] = parse_bool(extra["policy_split_cut"], "policy_split_cut")
-        if "policy_late_split" in extra:
-            kw["late_split"] = parse_bool(extra["policy_late_split"], "policy_late_split")
         if "policy_room_wait" in extra:
             kw["room_wait"] = parse_bool(extra["policy_room_wait"], "policy_room_wait")
         if "policy_idle_wait_ms" in extra:

@@ -75,21 +75,6 @@ def split_args(pol: Any, cache: Any, backend: Any, model: CostModel, weigh: bool
             "split_grain": pages * view.page_size(cache)}
 
 
-def late_split_pays(pol: Any, cache: Any, backend: Any, model: CostModel, d: Decided, gpu_ahead: float) -> bool:
-    """A queued request decided "compute" (`d`), `gpu_ahead` seconds of prefill from the GPU,
-    finishes first split now that the disk is idle: its tail read while the GPU works through
-    what is ahead of it and its head (`PolicyConfig.late_split`). Admission asks the same question
-    when the request is prefetched again (`LoadOrCompute.late_admit`), and decides."""
-    if not backend.policy_config.late_split:
-        return False
-    kw = split_args(pol, cache, backend, model, True)
-    if not kw["split_chunk"]:
-        return False
-    dec = model.decide(d.new, d.held, d.hit, gpu_backlog=gpu_ahead, disk_backlog=0.0, page=view.page_size(cache),
-                       **kw)
-    return dec.action == "split"
-
-
 def start_tail(pol: Any, cache: Any, rid: str, last_host_node: Any, tokens: Any, last_hash: Any,
                prefix_keys: Any) -> bool:
     """Admission chose a split for `rid`: prefetch the tail of its hit. False (and the request
