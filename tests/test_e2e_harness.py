@@ -401,6 +401,28 @@ def test_the_host_workload_revisits_a_prompt_after_pushing_it_out_of_the_gpu_poo
     assert not fake_servers(tmp_path)
 
 
+def test_a_store_smaller_than_the_prompts_is_refused_per_writing_rank():
+    """hicache-gds' capacity is per writing rank: 11G holds two TP=2 ranks' halves of 8 prompts
+    of 10k-26k tokens of the 8B shape (19.4 GB in all), not one TP=1 rank's whole; the error
+    names the option, the need and a size that fits. MLA: rank 0 writes a whole latent."""
+    a = argparse.Namespace(capacity="11G", configs="recompute,gds-compute_or_load", open_configs="", tp=2,
+                           model_info={"attention": "mha", "kv_bytes_per_token": 131072}, lengths="10240:26624",
+                           prefixes=8, suffix_tokens=64, page_size=64)
+    suite.check_capacity(a)
+    a.tp = 1
+    with pytest.raises(SystemExit, match=r"--capacity 11G per writing rank is smaller than the 8 prompts' KV each of "
+                                         r"1 writing rank\(s\) stores \(147776 tokens, 18\.0 GiB\).*--capacity 20G"):
+        suite.check_capacity(a)
+    a.capacity = "20G"
+    suite.check_capacity(a)
+    a.configs = "recompute,nixl"  # no hicache-gds namespace in the run: nothing to size
+    a.capacity = "1G"
+    suite.check_capacity(a)
+    a.configs, a.tp, a.model_info = "gds-wait_complete", 4, {"attention": "mla", "kv_bytes_per_token": 131072}
+    with pytest.raises(SystemExit, match=r"each of 1 writing rank"):
+        suite.check_capacity(a)
+
+
 def test_space_check_counts_capacity_per_writing_rank(tmp_path):
     """A TP=2 MHA run writes hicache-gds' capacity once per rank: the check refuses a disk that
     holds one copy but not two, names the problem, and passes MLA (rank 0 writes) on the same disk."""

@@ -250,6 +250,29 @@ def check_space(a: argparse.Namespace) -> None:
                 f"raw-disk probe): lower --capacity (it is per rank at TP > 1 with MHA) or give the run more room")
 
 
+def check_capacity(a: argparse.Namespace) -> None:
+    """Refuse to start when hicache-gds' namespace cannot hold the run's prompts: each writing
+    rank stores its share of every prompt's pages (MHA: 1/TP of a token's KV, MLA: rank 0 all of
+    it), and a namespace smaller than that evicts pages between SGLang's existence query and its
+    get, so revisits end short or are revoked and the run measures an undersized store, not the
+    policy (a TP=1 call given a TP=2 call's per-rank capacity did: 0.71x recompute against 0.46x)."""
+    from hicache_gds.config import parse_size
+
+    if not any(split_config(c)[0].startswith("gds") for c in (a.configs + "," + a.open_configs).split(",") if c):
+        return
+    writers = l3_writers(a)
+    ps = a.page_size
+    tokens = sum(-(-(n + a.suffix_tokens) // ps) * ps for n in lengths(a))
+    need = tokens * a.model_info["kv_bytes_per_token"] // writers
+    cap = parse_size(a.capacity, key="--capacity")
+    if cap < need:
+        raise SystemExit(
+            f"[suite] --capacity {a.capacity} per writing rank is smaller than the {a.prefixes} prompts' KV each of "
+            f"{writers} writing rank(s) stores ({tokens} tokens, {need / 2**30:.1f} GiB): hicache-gds would evict "
+            f"pages the run revisits; give --capacity {-(-need // 2**30) + 1}G or more (it is per rank at TP > 1 "
+            f"with MHA), or fewer or shorter prompts")
+
+
 def gds_dirs(a: argparse.Namespace) -> list[str]:
     """hicache-gds' directories (its GDS_PATH): ``--gds-path``'s, else ``<dir>/gds``."""
     given = [d for d in (getattr(a, "gds_path", "") or "").split(",") if d]
@@ -661,6 +684,7 @@ def main(a: argparse.Namespace) -> int:
           f"of KV per token in L3 ({kv / 1024:.0f} KiB); L3 of {a.prefixes} prompts "
           f"{lengths(a)[0]}-{lengths(a)[-1]} tokens = {sum(lengths(a)) * kv / 1e9:.1f} GB (gds), "
           f"{sum(lengths(a)[i] for i in single_set(a)) * kv / 1e9:.1f} GB (nixl)", flush=True)
+    check_capacity(a)
     if not a.fake:  # the fake server preallocates nothing
         check_space(a)
     return Suite(a).run()
