@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Run 26: MODE = ls32 | fast2ls | fast1ls. T = this call's seconds for the suite. Resumable: a second call
+# Run 26: MODE = ls32 | fast2ls | fast1ls | fix1. T = this call's seconds for the suite. Resumable: a second call
 # with the same MODE continues where the first stopped (run_e2e.sh --resume).
 #   ls32:    32B shape, TP=1, virtio disk, bursts of 8: recompute, the default, the default with the late split
 #   fast2ls: 8B shape, TP=2, one RAM device, bursts of 8: the same three
 #   fast1ls: 8B shape, TP=1 (GPU 0), one RAM device, bursts of 8: the same three (CAP: the store, 21G;
 #            the first call ran with 11G, too small for the 8 prompts' 19.4 GB at TP=1)
+#   fix1:    fast1ls's bursts, recompute and the default, after the chunked split's backlog fix
 MODE=${1:?mode}; T=${T:-520}; D=$((T-25))
 bash benchmarks/e2e/gpu_prepare.sh 2>&1 | tail -1
 source /var/tmp/hgds-e2e/env.sh
@@ -32,6 +33,14 @@ fast1ls)
   echo "F1L rc=$?" >> /var/tmp/F1L.log; tail -n 8 /var/tmp/F1L.log
   RAM_ROOT=$R bash benchmarks/e2e/run_fast_device.sh down 2>&1 | tail -1
   W=e2e-F1L; L=F1L.log;;
+fix1)
+  R=/mnt/ram-f
+  CUDA_VISIBLE_DEVICES=0 RAM_ROOT=$R RAM_SIZE=48G E2E_OUT=/var/tmp/e2e-X1 timeout -s TERM $T bash benchmarks/e2e/run_fast_device.sh \
+    llama3-8b-shape --configs recompute,gds-compute_or_load --workloads burst --lengths 10240:26624 --prefixes 8 \
+    --reps burst=3 --capacity 21G --raw-size 1G --deadline $D >> /var/tmp/X1.log 2>&1
+  echo "X1 rc=$?" >> /var/tmp/X1.log; tail -n 8 /var/tmp/X1.log
+  RAM_ROOT=$R bash benchmarks/e2e/run_fast_device.sh down 2>&1 | tail -1
+  W=e2e-X1; L=X1.log;;
 esac
 pkill -f "[s]glang.launch_server"; sleep 1
 grep -rh "its tail, split" /var/tmp/$W 2>/dev/null | tail -n 20
