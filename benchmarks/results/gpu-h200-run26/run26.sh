@@ -25,22 +25,15 @@ fast2ls)
   echo "F2L rc=$?" >> /var/tmp/F2L.log; tail -n 8 /var/tmp/F2L.log
   RAM_ROOT=$R bash benchmarks/e2e/run_fast_device.sh down 2>&1 | tail -1
   W=e2e-F2L; L=F2L.log;;
-fast1ls)
-  R=/mnt/ram-f
-  CUDA_VISIBLE_DEVICES=0 RAM_ROOT=$R RAM_SIZE=48G E2E_OUT=/var/tmp/e2e-F1L timeout -s TERM $T bash benchmarks/e2e/run_fast_device.sh \
-    llama3-8b-shape --configs $LS --workloads burst --lengths 10240:26624 --prefixes 8 --reps burst=3 \
-    --capacity ${CAP:-21G} --raw-size 1G --deadline $D >> /var/tmp/F1L.log 2>&1
-  echo "F1L rc=$?" >> /var/tmp/F1L.log; tail -n 8 /var/tmp/F1L.log
+fast1ls|fix1)
+  R=/mnt/ram-f; N=F1L; C=$LS
+  [ $MODE = fix1 ] && { N=X1; C=recompute,gds-compute_or_load; }
+  CUDA_VISIBLE_DEVICES=0 RAM_ROOT=$R RAM_SIZE=48G E2E_OUT=/var/tmp/e2e-$N timeout -s TERM $T bash benchmarks/e2e/run_fast_device.sh \
+    llama3-8b-shape --configs $C --workloads burst --lengths 10240:26624 --prefixes 8 --reps burst=3 \
+    --capacity ${CAP:-21G} --raw-size 1G --deadline $D >> /var/tmp/$N.log 2>&1
+  echo "$N rc=$?" >> /var/tmp/$N.log; tail -n 8 /var/tmp/$N.log
   RAM_ROOT=$R bash benchmarks/e2e/run_fast_device.sh down 2>&1 | tail -1
-  W=e2e-F1L; L=F1L.log;;
-fix1)
-  R=/mnt/ram-f
-  CUDA_VISIBLE_DEVICES=0 RAM_ROOT=$R RAM_SIZE=48G E2E_OUT=/var/tmp/e2e-X1 timeout -s TERM $T bash benchmarks/e2e/run_fast_device.sh \
-    llama3-8b-shape --configs recompute,gds-compute_or_load --workloads burst --lengths 10240:26624 --prefixes 8 \
-    --reps burst=3 --capacity 21G --raw-size 1G --deadline $D >> /var/tmp/X1.log 2>&1
-  echo "X1 rc=$?" >> /var/tmp/X1.log; tail -n 8 /var/tmp/X1.log
-  RAM_ROOT=$R bash benchmarks/e2e/run_fast_device.sh down 2>&1 | tail -1
-  W=e2e-X1; L=X1.log;;
+  W=e2e-$N; L=$N.log;;
 esac
 pkill -f "[s]glang.launch_server"; sleep 1
 grep -rh "its tail, split" /var/tmp/$W 2>/dev/null | tail -n 20
