@@ -209,6 +209,11 @@ def l3_writers(a: argparse.Namespace) -> int:
     return 1 if a.model_info.get("attention") == "mla" else max(1, getattr(a, "tp", 1))
 
 
+def runs_gds(a: argparse.Namespace) -> bool:
+    """Whether any configuration of the run (single, burst or open loop) writes a hicache-gds namespace."""
+    return any(split_config(c)[0].startswith("gds") for c in (a.configs + "," + a.open_configs).split(",") if c)
+
+
 def check_space(a: argparse.Namespace) -> None:
     """Refuse to start when the disks cannot hold what the run writes: hicache-gds' capacity per
     writing rank (its slabs are preallocated), HiCacheNixl's pages and the raw-disk probe. A full
@@ -233,7 +238,7 @@ def check_space(a: argparse.Namespace) -> None:
 
     cap = parse_size(a.capacity, key="--capacity") * l3_writers(a)
     dirs = gds_dirs(a)
-    if any(split_config(c)[0].startswith("gds") for c in (a.configs + "," + a.open_configs).split(",") if c):
+    if runs_gds(a):
         for d in dirs:
             want(d, cap // len(dirs))
     if any(split_config(c)[0] == "nixl" for c in a.configs.split(",") if c):
@@ -258,7 +263,7 @@ def check_capacity(a: argparse.Namespace) -> None:
     policy (a TP=1 call given a TP=2 call's per-rank capacity did: 0.71x recompute against 0.46x)."""
     from hicache_gds.config import parse_size
 
-    if not any(split_config(c)[0].startswith("gds") for c in (a.configs + "," + a.open_configs).split(",") if c):
+    if not runs_gds(a):
         return
     writers = l3_writers(a)
     ps = a.page_size
