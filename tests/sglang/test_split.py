@@ -14,6 +14,7 @@ cache in `test_kit_0523.py` (`kit_split_0523.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -458,6 +459,37 @@ def test_policy_split_is_checked_and_off_where_sglang_has_no_join_point(gds_dir)
     # 0.5.23 has no HiRadixCache to hook: its join point is the scheduler's stash of a chunked
     # request (`split_0523`, tested on its real cache in test_kit_0523.py)
     assert (plugin._resolve(plugin._JOIN) is None) == (HiRadixCache is None)
+
+
+@needs_0517
+def test_a_split_request_being_chunked_counts_in_the_gpu_backlog_without_what_its_tail_joins(world):
+    """A burst's first request is split, and SGLang computes its head in chunks while the rest of
+    the burst is admitted. The GPU work ahead of those is its head's chunks left and what follows
+    the tail, not the tokens its tail is forecast to join: counted whole, every later admission of
+    a burst saw the GPU busier by the tail's compute (run 26: 1.017 s behind a split whose head
+    was forecast at 0.38 s), and gave the disk more than its share."""
+    w = world
+    req = w.admitted()
+    d, tail = w.pol.decided["r1"], w.pol.tails["r1"].load
+    assert d.action == "split" and tail.expect > 0 and tail.start >= 2 * CHUNK
+    model = w.pol.cost_model
+    w.sched.waiting_queue[:] = []
+    w.sched.chunked_req = req
+    w.compute_chunk(req, CHUNK)  # the head's first chunk cached; the rest of the head still to come
+    held = len(req.prefix_indices)
+    new, _ = view.req_work(req)
+    joined = min(tail.expect, tail.tokens)
+    w.pol.backlog = None
+    _, total = w.pol.gpu_backlog(w.cache, model)
+    assert total == pytest.approx(model.predict_compute(new - joined, held), rel=1e-6)
+    assert total < model.predict_compute(new, held) - 0.5 * model.predict_compute(joined, held)
+    w.b.policy_config = dataclasses.replace(w.b.policy_config, chunked_tail=False)  # counted whole, as before
+    w.pol.backlog = None
+    assert w.pol.gpu_backlog(w.cache, model)[1] == pytest.approx(model.predict_compute(new, held), rel=1e-6)
+    w.b.policy_config = dataclasses.replace(w.b.policy_config, chunked_tail=True)
+    w.pol.tails.pop("r1")  # a tail dropped (or never started): the request is computed whole
+    w.pol.backlog = None
+    assert w.pol.gpu_backlog(w.cache, model)[1] == pytest.approx(model.predict_compute(new, held), rel=1e-6)
 
 
 @needs_0517

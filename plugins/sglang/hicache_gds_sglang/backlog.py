@@ -1,10 +1,11 @@
 """Backlogs: the seconds of work ahead of a request on the GPU and on the disk.
 
 The GPU backlog sums the prefill batches launched and not yet finished (`prefill.PrefillClock`),
-the chunked request's chunks not yet launched, and the waiting queue, each request at what its
-decision leaves it to prefill; it is summed once per scheduler pass (`BACKLOG_TTL_S`), and as it
-walks the queue it notes the decided requests still waiting and drops those that left. The disk
-backlog sums the loads in flight, one after another, at the cost model's read rate.
+the chunked request's chunks not yet launched (less what a split's tail is forecast to join), and
+the waiting queue, each request at what its decision leaves it to prefill; it is summed once per
+scheduler pass (`BACKLOG_TTL_S`), and as it walks the queue it notes the decided requests still
+waiting and drops those that left. The disk backlog sums the loads in flight, one after another,
+at the cost model's read rate.
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ def _compute_s(pol: Any, model: CostModel, rid: str, req: Any) -> float:
     return model.predict_compute(new, held) or 0.0
 
 
+def _joined_after(pol: Any, rid: str, upto: int) -> int:
+    """Tokens past position `upto` of split request `rid` that its tail is forecast to bring (the
+    join adds them to its prefix): prefill its chunks will not compute."""
+    t = pol.tails.get(rid)
+    if t is None:
+        return 0
+    end = t.load.start + min(t.load.expect, t.load.tokens)
+    return max(0, end - max(upto, t.load.start))
+
+
 def gpu_backlog(pol: Any, cache: Any, model: CostModel) -> tuple[dict[str, float], float]:
     """Seconds of prefill ahead of each queued request (by rid), and of the whole queue."""
     sched = pol.scheduler()
@@ -57,9 +68,15 @@ def gpu_backlog(pol: Any, cache: Any, model: CostModel) -> tuple[dict[str, float
     if chunked is not None:
         new, held = view.req_work(chunked)
         # its chunks on the GPU are counted above (SGLang may not have cached them yet)
-        through = pol.clock.launched_through(view.rid(chunked))
+        crid = view.rid(chunked)
+        through = pol.clock.launched_through(crid)
         if through > held:
             new, held = max(0, new - (through - held)), through
+        # a split request computes its head in chunks: what its tail brings is not prefill (counted
+        # whole, a burst's first request, split, put its tail's compute ahead of every later admission)
+        backend = view.backend_of(cache)
+        if backend is None or backend.policy_config.chunked_tail:
+            new = max(0, new - _joined_after(pol, crid, held))
         acc += model.predict_compute(new, held) or 0.0
     ahead: dict[str, float] = {}
     live = set()
