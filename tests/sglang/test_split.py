@@ -14,7 +14,6 @@ cache in `test_kit_0523.py` (`kit_split_0523.py`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import time
@@ -483,10 +482,6 @@ def test_a_split_request_being_chunked_counts_in_the_gpu_backlog_without_what_it
     _, total = w.pol.gpu_backlog(w.cache, model)
     assert total == pytest.approx(model.predict_compute(new - joined, held), rel=1e-6)
     assert total < model.predict_compute(new, held) - 0.5 * model.predict_compute(joined, held)
-    w.b.policy_config = dataclasses.replace(w.b.policy_config, chunked_tail=False)  # counted whole, as before
-    w.pol.backlog = None
-    assert w.pol.gpu_backlog(w.cache, model)[1] == pytest.approx(model.predict_compute(new, held), rel=1e-6)
-    w.b.policy_config = dataclasses.replace(w.b.policy_config, chunked_tail=True)
     w.pol.tails.pop("r1")  # a tail dropped (or never started): the request is computed whole
     w.pol.backlog = None
     assert w.pol.gpu_backlog(w.cache, model)[1] == pytest.approx(model.predict_compute(new, held), rel=1e-6)

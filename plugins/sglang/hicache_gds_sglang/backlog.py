@@ -74,9 +74,7 @@ def gpu_backlog(pol: Any, cache: Any, model: CostModel) -> tuple[dict[str, float
             new, held = max(0, new - (through - held)), through
         # a split request computes its head in chunks: what its tail brings is not prefill (counted
         # whole, a burst's first request, split, put its tail's compute ahead of every later admission)
-        backend = view.backend_of(cache)
-        if backend is None or backend.policy_config.chunked_tail:
-            new = max(0, new - _joined_after(pol, crid, held))
+        new = max(0, new - _joined_after(pol, crid, held))
         acc += model.predict_compute(new, held) or 0.0
     ahead: dict[str, float] = {}
     live = set()

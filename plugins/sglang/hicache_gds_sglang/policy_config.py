@@ -19,7 +19,7 @@ FALLBACK = "timeout"  # SGLang's default: what our name turns into where the pol
 # their deprecated names here (`hicache_gds.SEED_ALIASES`), still accepted.
 POLICY_KEYS = ("policy", *SEED_KEYS, "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
                "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park", "policy_split_cut", "policy_idle_wait_ms",
-               "policy_room_wait", "policy_chunked_tail")
+               "policy_room_wait")
 # Keys of settings measured not to pay in a running server and removed (`benchmarks/RESULTS.md`,
 # runs 9, 10 and 26): passing one is an error naming it, as an unknown key is.
 REMOVED_KEYS = {
@@ -91,9 +91,7 @@ class PolicyConfig:
     return instead of spinning on the GIL the reads need (`idle`; every prefetch policy; 0: off).
     room_wait: a load turned down only because the host pool is full waits for room, held in the
     waiting queue while loading still finishes first, instead of being recomputed (`room`; agreed
-    across ranks). chunked_tail: the GPU backlog counts SGLang's chunked request, where it was
-    split, without the tail tokens its join is forecast to bring (`backlog`; False: counted whole,
-    as before run 26 -- kept to measure the two in one server)."""
+    across ranks)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -106,7 +104,6 @@ class PolicyConfig:
     split_cut: bool = True
     idle_wait_ms: float = 2.0
     room_wait: bool = True
-    chunked_tail: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -144,8 +141,6 @@ class PolicyConfig:
             kw["split_park"] = parse_bool(extra["policy_split_park"], "policy_split_park")
         if "policy_split_cut" in extra:
             kw["split_cut"] = parse_bool(extra["policy_split_cut"], "policy_split_cut")
-        if "policy_chunked_tail" in extra:
-            kw["chunked_tail"] = parse_bool(extra["policy_chunked_tail"], "policy_chunked_tail")
         if "policy_room_wait" in extra:
             kw["room_wait"] = parse_bool(extra["policy_room_wait"], "policy_room_wait")
         if "policy_idle_wait_ms" in extra:
