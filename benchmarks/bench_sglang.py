@@ -25,7 +25,9 @@ of the HiCacheGDS columns' gets in the last round (wall time, GIL waits included
 line splits a HiCacheGDS get into posting, waiting for IO and exposed checksums (the store's
 counters; the rest is the work around the IO); ``--timeline`` prints, for each of those gets, when
 each of its requests was posted and completed and how long its checksums ran after the last one.
-``--page-tokens 64`` gives the GPU runs' 8 MiB pages. A column ``gds:stripe=/mnt/a+/mnt/b+...``
+``--thread-cpu`` adds each get's CPU time per thread of this process (the kernel's per-thread
+``schedstat``, in ns; Python threads by name, the rest as ``native``): where a column's CPU goes,
+the calling thread against the checksum threads. ``--page-tokens 64`` gives the GPU runs' 8 MiB pages. A column ``gds:stripe=/mnt/a+/mnt/b+...``
 stripes hicache-gds's pages over those directories (one per device: its `GDS_PATH`).
 
 Every round writes fresh keys with each backend, drops the page cache (``echo 3 >
@@ -46,6 +48,7 @@ import contextlib
 import cProfile
 import pstats
 import subprocess
+import threading
 import sys
 import time
 
@@ -171,6 +174,22 @@ def phases(d):
     return {k[5:-3]: kv.get(k, 0) for k in ("read_post_ns", "read_wait_ns", "read_verify_ns")}
 
 
+def thread_cpu_ms() -> dict[str, float]:
+    """CPU time so far of each thread of this process, in ms, summed by name (Python threads by
+    their names, numbered pool threads as one; threads Python did not start as ``native``)."""
+    names = {t.native_id: t.name.rstrip("0123456789").rstrip("_") for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        name = names.get(int(tid), "native")
+        out[name] = out.get(name, 0.0) + ns / 1e6
+    return out
+
+
 def page_bytes():
     return 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
 
@@ -246,6 +265,7 @@ def main() -> None:
     ap.add_argument("--same-interval", action="store_true",
                     help="every backend under the smallest switch interval of them (as in one server process, "
                          "where a store lowers it for all)")
+    ap.add_argument("--thread-cpu", action="store_true", help="each get's CPU time per thread (schedstat)")
     ap.add_argument("--page-tokens", type=int, default=PAGE_TOKENS, help="tokens per page (16: 2 MiB pages; 64: 8 MiB)")
     ap.add_argument("--json", help="write the raw numbers here")
     ap.add_argument("--report", metavar="JSON", help="only print the tables of an earlier --json file")
@@ -313,6 +333,7 @@ def main() -> None:
             last_gds = r == args.rounds - 1 and d.name.startswith("HiCacheGDS")
             prof = cProfile.Profile() if args.profile and last_gds else None
             timeline = request_timeline([]) if args.timeline and last_gds else contextlib.nullcontext()
+            tc0 = thread_cpu_ms() if args.thread_cpu else {}
             t0, c0 = time.perf_counter(), time.process_time()
             with busy(d), timeline as reads:
                 if prof is not None:
@@ -323,6 +344,11 @@ def main() -> None:
                     prof.disable()
             t_get, cpu_get = time.perf_counter() - t0, time.process_time() - c0
             results[d.name].setdefault("get_cpu_ms", []).append(cpu_get * 1e3)  # this process's threads
+            if args.thread_cpu:
+                per = {k: round(v - tc0.get(k, 0.0), 1) for k, v in thread_cpu_ms().items()}
+                per = {k: v for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v >= 0.1}
+                results[d.name].setdefault("get_thread_cpu_ms", []).append(per)
+                print(f"get CPU per thread of {d.name}, round {r}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in per.items()))
             for rd in reads or ():
                 print(f"timeline of {d.name}: {rd['pages']} pages in {len(rd['posted_ms'])} requests, posted at "
                       f"{rd['posted_ms']} ms; waits returned at {rd['waits_ms']} ms; done at {rd['end_ms']} ms "
