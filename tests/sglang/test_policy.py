@@ -1058,6 +1058,36 @@ def test_prefill_batches_are_timed_and_decode_batches_ignored(gds_dir):
         b.close()
 
 
+def test_the_prefill_clock_measures_the_streams_time_between_prefill_batches(gds_dir, monkeypatch, caplog):
+    """The fit sees a batch's GPU time only; the time between prefill batches (decode steps, the
+    GPU idle while the scheduler prepares the next) is measured from the same events and logged
+    every window, and a pause longer than `GAP_MAX_S` (no work) is not a gap."""
+    monkeypatch.setattr(prefill_mod, "GAP_WINDOW", 4)
+    monkeypatch.setattr(prefill_mod, "GAP_MAX_S", 0.5)
+    b, _ = open_backend(gds_dir)
+    try:
+        _, _, pol = make_cache(b)
+        mode = types.SimpleNamespace(is_extend=lambda: True, is_mixed=lambda: False)
+        batch = types.SimpleNamespace(forward_mode=mode, extend_lens=[4000], prefix_lens=[0])
+        worker = object()
+        hooks.around_forward(lambda w, bt: time.sleep(0.01), worker, batch)  # the first: kernels compile
+        assert pol.clock.gaps() == {}
+        pauses = [0.6, 0.03, 0.03, 0.03]  # the first after the warm-up batch: a server without work
+        with caplog.at_level(logging.INFO, logger="hicache_gds_sglang.policy"):
+            for pause in pauses:
+                time.sleep(pause)
+                hooks.around_forward(lambda w, bt: time.sleep(0.02), worker, batch)
+                pol.poll()
+        got = pol.stats()["prefill_gaps"]
+        assert got["batches"] == 4 and got["gaps"] == 3
+        assert 0.08 <= got["gpu_s"] < 0.4  # four batches of 20 ms (wall clock on a machine without a GPU)
+        assert 0.09 <= got["gap_s"] < 0.3 and 30 <= got["gap_median_ms"] < 100 and got["gap_max_ms"] < 500
+        lines = [r.getMessage() for r in caplog.records if "prefill clock" in r.getMessage()]
+        assert len(lines) == 1 and "4 prefill batches ran" in lines[0] and "3 gaps" in lines[0]
+    finally:
+        b.close()
+
+
 class _Running:
     """A CUDA event the GPU has not reached yet."""
 

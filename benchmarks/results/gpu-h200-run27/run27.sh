@@ -6,21 +6,23 @@
 #   ct1:  8B shape, TP=1 (GPU 0), one RAM device (CAP: the store, 21G)
 #   ct2:  8B shape, TP=2, one RAM device
 #   ct32: 32B shape, TP=1, virtio disk
+# CONFIGS and REPS override the configurations and repetitions (the last call: CONFIGS=recompute,gds-compute_or_load
+# REPS=2 ct2, the prefill clock's gaps at TP=2).
 MODE=${1:?mode}; T=${T:-520}; D=$((T-25))
 bash benchmarks/e2e/gpu_prepare.sh 2>&1 | tail -1
 source /var/tmp/hgds-e2e/env.sh
 nproc; free -g | head -2; nvidia-smi -L
-LS=recompute,gds-compute_or_load,gds-compute_or_load+policy_chunked_tail=false
+LS=${CONFIGS:-recompute,gds-compute_or_load,gds-compute_or_load+policy_chunked_tail=false}
 case $MODE in
 ct32)
   CUDA_VISIBLE_DEVICES=0 E2E_OUT=/var/tmp/e2e-ct32 timeout -s TERM $T bash benchmarks/e2e/run_e2e.sh suite llama-32b-shape \
-    --capacity 41G --workloads burst --configs $LS --reps burst=3 --deadline $D >> /var/tmp/CT32.log 2>&1
+    --capacity 41G --workloads burst --configs $LS --reps burst=${REPS:-3} --deadline $D >> /var/tmp/CT32.log 2>&1
   echo "CT32 rc=$?" >> /var/tmp/CT32.log; tail -n 8 /var/tmp/CT32.log
   W=e2e-ct32; L=CT32.log;;
 ct2)
   R=/mnt/ram-f
   RAM_ROOT=$R RAM_SIZE=48G E2E_OUT=/var/tmp/e2e-CT2 timeout -s TERM $T bash benchmarks/e2e/run_fast_device.sh \
-    llama3-8b-shape --tp 2 --configs $LS --workloads burst --lengths 10240:26624 --prefixes 8 --reps burst=3 \
+    llama3-8b-shape --tp 2 --configs $LS --workloads burst --lengths 10240:26624 --prefixes 8 --reps burst=${REPS:-3} \
     --capacity 11G --raw-size 1G --deadline $D >> /var/tmp/CT2.log 2>&1
   echo "CT2 rc=$?" >> /var/tmp/CT2.log; tail -n 8 /var/tmp/CT2.log
   RAM_ROOT=$R bash benchmarks/e2e/run_fast_device.sh down 2>&1 | tail -1
@@ -28,7 +30,7 @@ ct2)
 ct1)
   R=/mnt/ram-f; N=CT1
   CUDA_VISIBLE_DEVICES=0 RAM_ROOT=$R RAM_SIZE=48G E2E_OUT=/var/tmp/e2e-$N timeout -s TERM $T bash benchmarks/e2e/run_fast_device.sh \
-    llama3-8b-shape --configs $LS --workloads burst --lengths 10240:26624 --prefixes 8 --reps burst=3 \
+    llama3-8b-shape --configs $LS --workloads burst --lengths 10240:26624 --prefixes 8 --reps burst=${REPS:-3} \
     --capacity ${CAP:-21G} --raw-size 1G --deadline $D >> /var/tmp/$N.log 2>&1
   echo "$N rc=$?" >> /var/tmp/$N.log; tail -n 8 /var/tmp/$N.log
   RAM_ROOT=$R bash benchmarks/e2e/run_fast_device.sh down 2>&1 | tail -1

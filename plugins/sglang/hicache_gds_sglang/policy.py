@@ -469,6 +469,7 @@ class LoadOrCompute:
             out.update(model.estimates())
         else:
             out.update(self.prefill.snapshot())
+        out["prefill_gaps"] = self.clock.gaps()
         return out
 
 

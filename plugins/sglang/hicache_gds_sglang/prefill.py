@@ -4,11 +4,19 @@
 forward_batch_generation``, no synchronisation), feeds the batches seen finished to the
 `PrefillModel`'s fit, and says how long the GPU stays busy with those launched and not yet seen
 finished (`in_flight`) and how far they reach into a request (`launched_through`).
+
+The fit sees each batch's time on the GPU, not the stream's time between batches: decode steps
+and the GPU idle while the scheduler prepares the next batch. The clock measures that too, from
+the same events (the end of one prefill batch to the start of the next, where under `GAP_MAX_S`:
+longer is a server without work) and logs it every `GAP_WINDOW` batches (`gaps`), so a forecast
+that runs optimistic can be told from a model that does.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -19,9 +27,12 @@ from hicache_gds import PrefillModel
 from . import view
 from .view import once
 
-__all__ = ["Launched", "PrefillClock", "MAX_BATCH_S"]
+__all__ = ["Launched", "PrefillClock", "MAX_BATCH_S", "GAP_MAX_S", "GAP_WINDOW"]
 
+log = logging.getLogger("hicache_gds_sglang.policy")
 MAX_BATCH_S = 600.0  # a prefill batch forecast beyond this is a broken forecast, not a backlog
+GAP_MAX_S = 1.0  # stream time between two prefill batches beyond this: no work, not a gap
+GAP_WINDOW = 64  # prefill batches per log line of their GPU time and the gaps between them
 
 
 class Launched(NamedTuple):
@@ -71,6 +82,9 @@ class PrefillClock:
         self.gpu_until = -math.inf  # forecast end of the last prefill batch launched (`in_flight`)
         self._warm = False  # the first prefill batch seen finished (kernel compilation) was left out of the fit
         self._lock = threading.Lock()
+        self._prev_end: Any = None  # the end event of the last batch seen finished
+        self._window: list[tuple[float, float | None]] = []  # (GPU s, gap before it or None) per batch
+        self.last_gaps: dict[str, float] = {}  # the last window's figures (`gaps`)
 
     def begin(self, batch: Any) -> Launched | None:
         shape = view.batch_shape(batch)
@@ -107,6 +121,10 @@ class PrefillClock:
                 if secs is None:
                     break
                 self.pending.popleft()
+                gap = _elapsed(self._prev_end, b.start) if self._prev_end is not None else None
+                self._prev_end = b.end
+                if gap is not None and not 0.0 <= gap < GAP_MAX_S:
+                    gap = None
                 if not self._warm:
                     # A server's first prefill batch compiles kernels: its seconds are no prefill
                     # cost. Fed to the fit, it and a second 64-token batch gave `b` alone (0.055 s
@@ -114,6 +132,28 @@ class PrefillClock:
                     self._warm = True
                     continue
                 self.model.observe(b.news, b.prefixes, secs)
+                self._window.append((secs, gap))
+                if len(self._window) >= GAP_WINDOW:
+                    self.last_gaps = self._gap_figures()
+                    self._window = []
+                    log.info("hicache-gds policy: prefill clock: %d prefill batches ran %.3f s on the GPU; between "
+                             "them the stream spent %.3f s elsewhere (decode steps, idle; %d gaps, median %.1f ms, "
+                             "largest %.1f ms)", self.last_gaps["batches"], self.last_gaps["gpu_s"],
+                             self.last_gaps["gap_s"], self.last_gaps["gaps"], self.last_gaps["gap_median_ms"],
+                             self.last_gaps["gap_max_ms"])
+
+    def _gap_figures(self) -> dict[str, float]:
+        gaps = [g for _, g in self._window if g is not None and not math.isnan(g)]
+        return {"batches": len(self._window), "gpu_s": sum(s for s, _ in self._window if not math.isnan(s)),
+                "gaps": len(gaps), "gap_s": sum(gaps),
+                "gap_median_ms": statistics.median(gaps) * 1e3 if gaps else 0.0,
+                "gap_max_ms": max(gaps, default=0.0) * 1e3}
+
+    def gaps(self) -> dict[str, float]:
+        """The GPU time of the last `GAP_WINDOW` prefill batches seen finished and the stream's time
+        between them (decode steps, idle), as last logged; empty before a window is complete."""
+        with self._lock:
+            return dict(self.last_gaps)
 
     def in_flight(self, now: float) -> float:
         """Seconds until the GPU finishes the prefill batches launched and not yet seen finished.
