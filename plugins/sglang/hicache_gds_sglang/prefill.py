@@ -143,7 +143,7 @@ class PrefillClock:
                              self.last_gaps["gap_max_ms"])
 
     def _gap_figures(self) -> dict[str, float]:
-        gaps = [g for _, g in self._window if g is not None and not math.isnan(g)]
+        gaps = [g for _, g in self._window if g is not None]  # NaN (a broken event) is None already
         return {"batches": len(self._window), "gpu_s": sum(s for s, _ in self._window if not math.isnan(s)),
                 "gaps": len(gaps), "gap_s": sum(gaps),
                 "gap_median_ms": statistics.median(gaps) * 1e3 if gaps else 0.0,
