@@ -33,8 +33,7 @@ def _compute_s(pol: Any, model: CostModel, rid: str, req: Any) -> float:
         if d.loads:
             return model.predict_compute(d.new - d.hit, d.held + d.hit) or 0.0
         if d.action == "split":
-            t = pol.tails.get(rid)
-            got = min(t.load.expect, t.load.tokens) if t is not None else 0
+            got = _joined_after(pol, rid, 0)
             return (model.predict_compute(d.hit, d.held) or 0.0) + (
                 model.predict_compute(d.new - d.hit - got, d.held + d.hit + got) or 0.0)
         return model.predict_compute(d.new, d.held) or 0.0
