@@ -28,6 +28,15 @@ fi
 if command -v service >/dev/null; then service redis-server stop >/dev/null 2>&1 || true; fi
 
 VENV=${VENV:-.venv-test}
+# Disk: the three venvs take ~16 GB together (torch 2.14.1 imports only beside its 3.2 GB of CUDA
+# libraries, in two of them). A CI run (CI set) or PRUNE_VENVS=1 removes each venv once its tests
+# are done and keeps no pip cache, so the run never holds more than one venv (~7.5 GB at most): a
+# CI machine's free disk varies, and one run ran out of it installing the third venv.
+PRUNE=${PRUNE_VENVS:-${CI:+1}}
+[ -n "$PRUNE" ] && export PIP_NO_CACHE_DIR=1
+disk() { echo "test.sh: $1: $(df -h --output=avail . | tail -1 | tr -d ' ') free on $(df --output=target . | tail -1)"; }
+prune() { if [ -n "$PRUNE" ]; then rm -rf "$1"; disk "removed $1"; fi; }
+disk "start"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 # --quick: the venv already has what the steps below install when SGLang's pinned set is there
@@ -86,11 +95,13 @@ if [ -z "${SKIP_SGLANG_0517:-}" ] && [ -x scripts/install-sglang-test-deps.sh ];
   rc2=$?
   [ $rc -eq 0 ] && rc=$rc2
 fi
+prune "$VENV"
 if [ -z "${SKIP_VLLM:-}" ]; then
   bash scripts/install-vllm-test-deps.sh python3 .venv-vllm 0.33 >/dev/null && \
     VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"
   rc2=$?
   [ $rc -eq 0 ] && rc=$rc2
+  prune .venv-vllm
   # vLLM 0.26 (the newest release on torch 2.11, the one a GPU machine with torch 2.11 runs): its own
   # venv over the CPU torch 2.13.0.
   if [ -z "${SKIP_VLLM_026:-}" ]; then
@@ -98,6 +109,7 @@ if [ -z "${SKIP_VLLM:-}" ]; then
       VLLM_TARGET_DEVICE=cpu .venv-vllm026/bin/python -m pytest -q -p no:cacheprovider tests/vllm "$@"
     rc2=$?
     [ $rc -eq 0 ] && rc=$rc2
+    prune .venv-vllm026
   fi
 fi
 set -e
