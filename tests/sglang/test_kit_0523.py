@@ -9,7 +9,7 @@ queued request admission sent to the GPU is prefetched after a prefill batch is 
 hit loads before the GPU reaches it (late admission), and loads. A split hit's tail
 (`kit_split_0523.py`) joins a real request where its chunks reach it, and a split request is held
 for its tail in SGLang's own ``PrefillAdder`` (`kit_park_0523.py`), whose chunk ends at the split's
-head (`kit_cut_0523.py`).
+head (`kit_cut_0523.py`); a finished load rides along a chunked request's pass there (`kit_ride_0523.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ KIT = os.path.join(os.path.dirname(__file__), "kit_0523.py")
 SPLIT_KIT = os.path.join(os.path.dirname(__file__), "kit_split_0523.py")
 HOLD_KIT = os.path.join(os.path.dirname(__file__), "kit_park_0523.py")
 CUT_KIT = os.path.join(os.path.dirname(__file__), "kit_cut_0523.py")
+RIDE_KIT = os.path.join(os.path.dirname(__file__), "kit_ride_0523.py")
 
 
 def _run_kit(path: str, names: tuple[str, ...]) -> None:
@@ -73,6 +74,14 @@ def test_a_split_head_is_cut_where_it_ends_in_sglang_0523s_real_adder():
     one (real ``add_chunked_req``), and the tail joins there byte for byte over a poisoned GPU pool;
     with ``policy_split_cut`` off the chunk keeps SGLang's size."""
     _run_kit(CUT_KIT, ("cut-first", "cut-next", "cut-off"))
+
+
+def test_a_finished_load_rides_along_a_chunked_requests_pass_in_sglang_0523s_real_adder():
+    """`kit_ride_0523.py`: with ``policy_ride`` on, a chunked request's next chunk gives back the
+    seats of two finished loads; a request decided compute ahead of them is skipped, the load with
+    a page left is added whole beside the chunk, the one with more left than its seat is refused by
+    SGLang's own rule, and no second chunked request starts."""
+    _run_kit(RIDE_KIT, ("ride",))
 
 
 def test_a_0523_pass_is_held_only_where_the_adder_caps_requests_and_the_last_chunk_is_checkpointed():

@@ -14,6 +14,7 @@ cache in `test_kit_0523.py` (`kit_split_0523.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -899,3 +900,60 @@ def test_a_hold_counts_the_heads_last_chunk_the_gpu_still_runs():
     # never more than what the pages counted leave
     assert split_policy._tail_costs(pol, req, tail, head, (end - head) // 2)[0] == \
         pytest.approx(model.predict_load((end - head) // 2 * 128 * 1024), rel=1e-6)
+
+
+@needs_0517
+def test_a_finished_load_rides_along_a_chunked_requests_pass_in_sglangs_real_adder(world, monkeypatch):
+    """0.5.17's real ``PrefillAdder`` (`ride`): a chunked request takes its next chunk, a request
+    decided compute waits ahead of a finished load in the queue. The chunk gives the load's last
+    tokens their pages back, the compute request is skipped, the load is added whole beside the
+    chunk, and no second chunked request starts; a load with more left than its seat is refused
+    by SGLang's own chunk rule, not chunked."""
+    import sglang.srt.managers.schedule_policy as sp
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from hicache_gds_sglang import cut, ride
+    from hicache_gds_sglang.records import Decided, Protected
+
+    w = world
+    monkeypatch.setattr(cut, "CUT_HOOKED", [True])
+    monkeypatch.setattr(sp, "is_dsa_prefill_cp_in_seq_split", lambda: False)
+    monkeypatch.setattr(sp, "is_prefill_context_parallel_enabled", lambda: False)
+    monkeypatch.setattr(w.b, "policy_config", dataclasses.replace(w.b.policy_config, ride=True))  # off by default
+    w.dev.available_size = lambda: len(w.dev.free_pages) * PS
+    budget = 16 * PS
+
+    def req(rid, held):
+        r = w.request(rid)
+        r.sampling_params = types.SimpleNamespace(ignore_eos=False, max_new_tokens=1)
+        r.retracted_stain, r.swa_host_hit_length, r.inflight_middle_chunks = False, 0, 0
+        r.needs_host_load_back = lambda: False
+        r.set_extend_range = lambda a, b, r=r: setattr(r, "extend_range", types.SimpleNamespace(
+            start=a, end=b, length=b - a))
+        if held:  # its load is read and back on the GPU: all but its last page
+            r.prefix_indices = w.dev.alloc(held)
+        return r
+
+    chunked, compute, loaded, long_left = req("c", 0), req("x", 0), req("p3", N - PS), req("p4", N - 4 * PS)
+    for r, got in ((loaded, N - PS), (long_left, N - 4 * PS)):
+        w.pol.decided[r.rid] = Decided("load", N, 0, N - PS)  # the decision forecast one page left for both
+        w.pol.protected[r.rid] = Protected(None, 0.0, N - PS)
+    w.sched.waiting_queue, w.sched.chunked_req = [compute, long_left, loaded], chunked
+    adder = PrefillAdder(PS, w.cache, w.dev, None, 0.5, 1 << 20, budget)
+    try:
+        out = hooks.hold_or_add(PrefillAdder.add_chunked_req, adder, chunked, True)
+        assert out is chunked and (chunked.extend_range.start, chunked.extend_range.end) == (0, budget - 4 * PS)  # two pages a load
+        for r in w.sched.waiting_queue:  # the scheduler's loop
+            res = cut.around_add_one_req(PrefillAdder.add_one_req, adder, r, has_chunked_req=True,
+                                         truncation_align_size=None)
+            if res != AddReqResult.CONTINUE:
+                break
+        assert adder.can_run_list == [chunked, loaded] and adder.new_chunked_req is None
+        assert (loaded.extend_range.start, loaded.extend_range.end) == (N - PS, N)  # whole: its last page beside the chunk
+        assert not hasattr(long_left, "extend_range")  # more than its seat: refused by SGLang's own chunk rule
+        assert w.pol.counts["ride"] == 1 and adder.rem_chunk_tokens >= 0
+    finally:
+        for r in (compute, long_left, loaded):
+            w.pol.protected.pop(r.rid, None)
+            w.pol.decided.pop(r.rid, None)
+        w.sched.waiting_queue, w.sched.chunked_req = [], None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import view
+from . import ride, view
 
 __all__ = ["CUT_HOOKED", "can_cut", "head_left", "capped", "around_add_one_req"]
 
@@ -79,5 +79,8 @@ def capped(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> An
 
 def around_add_one_req(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """``PrefillAdder.add_one_req`` (both releases): a split request's first chunk ends at its
-    head where the head is shorter than the pass's chunk budget (`capped`)."""
+    head where the head is shorter than the pass's chunk budget (`capped`); in a pass whose
+    chunked request left room to finished loads, only they are added (`ride`)."""
+    if getattr(adder, ride.SEATS, None) is not None:
+        return ride.around_add_one_req(original, adder, req, *args, **kwargs)
     return capped(original, adder, req, *args, **kwargs)

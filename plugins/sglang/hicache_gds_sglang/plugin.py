@@ -49,7 +49,9 @@ decision points (0.5.17's ``HiRadixCache``, 0.5.23's ``UnifiedRadixCache``):
    a split request held for its tail (``policy_split_park``); 0.5.23's ``PrefillAdder.add_chunked_req``
    (AROUND): the same hold, under 0.5.23's conditions (`park_0523`); ``PrefillAdder.add_one_req``
    (AROUND; both releases) and the same ``add_chunked_req`` hooks: a split's head may end at any
-   page, the chunk that crosses it cut there (`cut`; ``policy_split_cut``).
+   page, the chunk that crosses it cut there (`cut`; ``policy_split_cut``); finished loads ride
+   along a chunked request's pass, or the pass waits a decode step for their GPU memory (`ride`;
+   ``policy_ride``, off by default).
 
 9. ``Scheduler.on_idle`` (AFTER; both releases, every prefetch policy): a pass that ran nothing
    while this backend reads for waiting requests waits for the next get to return, a bounded

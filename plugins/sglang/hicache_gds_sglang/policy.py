@@ -130,6 +130,7 @@ class LoadOrCompute:
         self.split_plans: dict[str, SplitPlan] = {}  # until the tail starts
         self.tails: dict[str, Tail] = {}
         self.parked: dict[str, float] = {}  # split requests held for their tails: until when (`split_policy.park`)
+        self.ride_yields: dict[str, int] = {}  # passes held for a finished load's GPU memory, by rid (`ride`)
         self.park_checked: dict[str, float] = {}  # and when each was last looked at
         self.guards: list = []  # heads of joined tails locked until backed up (`split.HeadGuard`)
         self.backlog: Backlog | None = None

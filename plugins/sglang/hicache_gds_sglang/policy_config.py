@@ -19,7 +19,7 @@ FALLBACK = "timeout"  # SGLang's default: what our name turns into where the pol
 # their deprecated names here (`hicache_gds.SEED_ALIASES`), still accepted.
 POLICY_KEYS = ("policy", *SEED_KEYS, "policy_read_gbps", "policy_prefill_tokens_per_s", "policy_host_fraction",
                "policy_stop_margin", "policy_split", "policy_split_get", "policy_split_park", "policy_split_cut", "policy_idle_wait_ms",
-               "policy_room_wait")
+               "policy_room_wait", "policy_ride")
 # Keys of settings measured not to pay in a running server and removed (`benchmarks/RESULTS.md`,
 # runs 9, 10 and 26): passing one is an error naming it, as an unknown key is.
 REMOVED_KEYS = {
@@ -91,7 +91,9 @@ class PolicyConfig:
     return instead of spinning on the GIL the reads need (`idle`; every prefetch policy; 0: off).
     room_wait: a load turned down only because the host pool is full waits for room, held in the
     waiting queue while loading still finishes first, instead of being recomputed (`room`; agreed
-    across ranks)."""
+    across ranks). ride: finished loads ride along a chunked request's passes, a pass held for a
+    decode step where that gives a waiting load its GPU memory (`ride`; one-rank servers; off by
+    default until it is measured in a running server)."""
 
     policy: str | None = None
     read_gbps: float | None = None
@@ -104,6 +106,7 @@ class PolicyConfig:
     split_cut: bool = True
     idle_wait_ms: float = 2.0
     room_wait: bool = True
+    ride: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "PolicyConfig":
@@ -143,6 +146,8 @@ class PolicyConfig:
             kw["split_cut"] = parse_bool(extra["policy_split_cut"], "policy_split_cut")
         if "policy_room_wait" in extra:
             kw["room_wait"] = parse_bool(extra["policy_room_wait"], "policy_room_wait")
+        if "policy_ride" in extra:
+            kw["ride"] = parse_bool(extra["policy_ride"], "policy_ride")
         if "policy_idle_wait_ms" in extra:
             try:
                 w = float(extra["policy_idle_wait_ms"])

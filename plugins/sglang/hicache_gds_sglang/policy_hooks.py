@@ -15,7 +15,7 @@ from typing import Any
 
 from hicache_gds import METRICS, metric_values
 
-from . import cut, ranks, room, split_0523, split_policy, view
+from . import cut, ranks, ride, room, split_0523, split_policy, view
 from .policy import FALLBACK, POLICY, LoadOrCompute, policy_of, process_policies
 from .records import Decided, SplitPlan
 from .view import agree, agree_int, once
@@ -299,6 +299,16 @@ def hold_or_add(original: Any, adder: Any, req: Any, can_hold: bool, *args: Any,
                 return req
         except Exception as exc:  # noqa: BLE001 -- the request computes on; its tail is dropped
             _drop_tail_after(exc, "split-park", "a split request could not be held for its tail", pol, cache, req)
+    if pol is not None and cut.CUT_HOOKED[0]:
+        try:
+            go = ride.can_ride(pol, cache, adder)
+        except Exception as exc:  # noqa: BLE001 -- the chunk is SGLang's; finished loads wait for it
+            once("ride", "hicache-gds policy: loaded requests cannot ride along a chunk (%s: %s)", type(exc).__name__,
+                 exc)
+            go = False
+        if go:  # finished loads ride along its chunk, or it waits a decode step for their memory
+            return ride.around_chunk(pol, cache, adder, req, can_hold,
+                                     lambda: cut.capped(original, adder, req, *args, **kwargs))
     return cut.capped(original, adder, req, *args, **kwargs)  # its next chunk ends at its split head, if cut
 
 
