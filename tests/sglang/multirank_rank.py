@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -371,6 +372,41 @@ def room_any_release(w_of, rank, n, log):
     log.append(["deadline", check("n"), "n" in pol.room_wait])  # rank 0's has not passed
     pol.room_wait["n"] = pol.room_wait["n"]._replace(until=0.0)
     log.append(["deadline", check("n"), "n" in pol.room_wait, pol.counts["room_timeout"]])
+
+
+@scenario
+def ride_any_release(w_of, rank, n, log):
+    """Finished loads ride along a chunked request's pass (`ride`, ``policy_ride`` on) on the release
+    installed, each rank's plan a vote. Pass 0: p3's load finished on rank 0 only: no seat on any
+    rank. Pass 1: finished on every rank: p3 rides on every rank, beside a chunk shortened alike.
+    Pass 2: rank 0 alone lacks GPU memory for it (and would wait a decode step): no wait and no
+    seat anywhere. Pass 3: every rank lacks it: every rank waits a decode step."""
+    import dataclasses
+
+    import test_ride as R
+    from hicache_gds_sglang import cut
+    from hicache_gds_sglang.records import Decided, Protected
+
+    P, b, cache, pol = _tp_cache(rank, n, os.path.join(BASE[0], f"ride-rank{rank}"), ratio=0.1)
+    b.policy_config = dataclasses.replace(b.policy_config, ride=True)
+    cut.CUT_HOOKED[0] = True
+    sched = cache._test_scheduler
+    sched.tree_cache = cache
+    p3 = R._req("p3", 64, prompt=17280)
+    sched.waiting_queue = [R._req("x", 20000), p3]
+    pol.decided["p3"] = Decided("load", 17280, 0, 17216)
+    ending = [R._req("e", 0, prompt=22000, max_new=8, out=3)]
+    for step, (done, short) in enumerate([([True] + [False] * (n - 1), [False] * n), ([True] * n, [False] * n),
+                                          ([True] * n, [True] + [False] * (n - 1)), ([True] * n, [True] * n)]):
+        if done[rank]:
+            pol.protected["p3"] = Protected(None, 0.0, 17216)
+        chunked, p3.extend = R._req("c", 50000), None
+        adder = R.Adder(cache, room=R.CHUNK + (10000 if short[rank] else 10 ** 6), running=ending)
+        out = R._pass(types.SimpleNamespace(sched=sched), adder, chunked)
+        log.append(["pass", step, out is chunked, chunked.extend, [r.rid for r in adder.can_run_list],
+                    adder.prefill_max_requests])
+    pol.protected.pop("p3", None)
+    cut.CUT_HOOKED[0] = False
 
 
 class _Removed:

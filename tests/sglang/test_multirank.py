@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SPLIT = ("load_done_later", "fresh_seed", "split_join", "split_slow_rank", "mixed_verdicts", "hold_until_all_read", "hold_read_fails",
          "hold_limit_passes", "late_admission")
 SEEDS = ("seed_probed_one_device", "seed_probed_two_devices", "seed_configured")
-SCENARIOS = ("late_any_release", "room_any_release", *SEEDS, *(SPLIT if HiRadixCache is not None else ()))
+SCENARIOS = ("late_any_release", "room_any_release", "ride_any_release", *SEEDS, *(SPLIT if HiRadixCache is not None else ()))
 PAGES, PS, CHUNK = 16, 64, 256  # test_split's prompt
 BPT, A = 1024, 1 / 6000  # its KV bytes per token and prefill seconds per token
 RATIOS = [1.0, 1.3, 2.0, 1.6]  # multirank_rank's: each rank's read time against its prefill time
@@ -202,3 +202,12 @@ def test_ranks_with_a_configured_rate_keep_the_slowest_whole_on_one_device(ranks
     slowest = BPT / (A * max(RATIOS[:len(ranks)]))
     assert all(o[0] == "configured" and o[2] is False for o in own) and len({o[3] for o in own}) == 1
     assert abs(agreed[0] - slowest) <= 1 and agreed[1:] == [False, False, False]
+
+
+def test_finished_loads_ride_along_a_chunk_and_a_pass_waits_a_decode_step_only_where_every_rank_would(ranks):
+    log = _same(ranks, "ride_any_release")
+    whole, seat = 32 * PS, 2 * PS  # the chunk budget of test_ride's adder; p3's seat: its last page and one more
+    assert log[0] == ["pass", 0, True, whole, ["c"], None]  # finished on rank 0 only: no seat
+    assert log[1] == ["pass", 1, True, whole - seat, ["c", "p3"], None]  # rides on every rank
+    assert log[2] == ["pass", 2, True, whole, ["c"], None]  # rank 0 alone short of memory: neither
+    assert log[3] == ["pass", 3, True, None, [], 0]  # every rank short: every rank waits a decode step

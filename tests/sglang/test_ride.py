@@ -72,9 +72,9 @@ def world(monkeypatch):
     cfg = types.SimpleNamespace(ride=True, split_cut=True)
     backend = types.SimpleNamespace(policy_config=cfg)
     sched = types.SimpleNamespace(waiting_queue=[])
-    pol = types.SimpleNamespace(tails={}, parked={}, counts=Counter(), decided={}, protected={}, ride_yields={},
-                                scheduler=lambda: sched)
     cache = types.SimpleNamespace(page_size=PS, ongoing_prefetch={})
+    pol = types.SimpleNamespace(tails={}, parked={}, counts=Counter(), decided={}, protected={}, ride_yields={},
+                                scheduler=lambda: sched, cache=lambda: cache)
     monkeypatch.setattr(view, "attached", lambda c: pol if c is cache else None)
     monkeypatch.setattr(view, "backend_of", lambda c: backend)
     monkeypatch.setattr(view, "single_rank", lambda c: True)
@@ -185,7 +185,7 @@ def test_no_wait_where_the_memory_would_not_come_back_soon_or_the_pass_cannot_be
     assert adder.prefill_max_requests is None and not world.pol.counts["ride_yield"]
 
 
-@pytest.mark.parametrize("case", ["off", "multi-rank", "no chunk budget", "hybrid adder", "not a finished load"])
+@pytest.mark.parametrize("case", ["off", "no chunk budget", "hybrid adder", "not a finished load"])
 def test_anything_else_is_sglangs_own_pass(world, monkeypatch, case):
     chunked = _req("c", 50_000)
     compute = _req("x", 4 * PS)
@@ -194,8 +194,6 @@ def test_anything_else_is_sglangs_own_pass(world, monkeypatch, case):
     adder = Adder(world.cache, rem=None if case == "no chunk budget" else CHUNK)
     if case == "off":
         world.cfg.ride = False
-    if case == "multi-rank":
-        monkeypatch.setattr(view, "single_rank", lambda c: False)
     if case == "hybrid adder":
         adder.is_hybrid_swa = True
     if case == "not a finished load":
@@ -207,6 +205,34 @@ def test_anything_else_is_sglangs_own_pass(world, monkeypatch, case):
     assert out is chunked and chunked.extend == CHUNK  # the whole chunk, as SGLang sizes it
     assert adder.calls == [("p3", True, None)]  # the loop stops at the first waiting request, as SGLang's
     assert rider.extend is None and not world.pol.counts["ride"]
+
+
+@pytest.mark.parametrize("agreed", ["no seat", "a smaller seat", "hold", "other requests"])
+def test_on_a_multi_rank_server_the_ranks_agreed_plan_is_taken(world, monkeypatch, agreed):
+    """Each rank's plan is a vote (`ranks.ride`; its collectives: `test_multirank.py`)."""
+    from hicache_gds_sglang import ranks
+
+    monkeypatch.setattr(view, "single_rank", lambda c: False)
+    chunked = _req("c", 50_000)
+    rider = _loaded(world, "p3", 17_216)
+    votes = []
+
+    def agree(cache, names, hold_at, seats):
+        votes.append((list(names), hold_at, list(seats)))
+        return {"no seat": (None, [0]), "a smaller seat": (None, [PS]), "hold": (0, [0]),
+                "other requests": (None, [0])}[agreed]
+
+    monkeypatch.setattr(ranks, "ride", agree)
+    adder = Adder(world.cache)
+    out = _pass(world, adder, chunked)
+    assert votes == [(["p3"], None, [2 * PS])]  # this rank's vote: a seat of two pages for p3
+    assert out is chunked
+    if agreed == "hold":  # every rank voted to wait a decode step for p3
+        assert adder.prefill_max_requests == 0 and adder.can_run_list == []
+    elif agreed == "a smaller seat":
+        assert chunked.extend == CHUNK - PS and adder.can_run_list == [chunked, rider] and rider.extend == PS
+    else:
+        assert chunked.extend == CHUNK and adder.can_run_list == [chunked] and rider.extend is None
 
 
 def test_an_error_while_riding_leaves_sglangs_chunk_and_says_so_once(world, monkeypatch, caplog):

@@ -92,7 +92,7 @@ class PolicyConfig:
     room_wait: a load turned down only because the host pool is full waits for room, held in the
     waiting queue while loading still finishes first, instead of being recomputed (`room`; agreed
     across ranks). ride: finished loads ride along a chunked request's passes, a pass held for a
-    decode step where that gives a waiting load its GPU memory (`ride`; one-rank servers; off by
+    decode step where that gives a waiting load its GPU memory (`ride`; agreed across ranks; off by
     default until it is measured in a running server)."""
 
     policy: str | None = None

@@ -30,7 +30,10 @@ Agreed here (and where each is used):
 * a load in flight (``policy_hooks.around_can_terminate``, through `reduce`): stopped where any
   rank's policy stops it (or SGLang ended it on one rank), ended where every rank read it whole;
 * `first_all`: late admission (`policy.LoadOrCompute.late_admit`): the first waiting request
-  whose hit every rank can load before its GPU reaches it.
+  whose hit every rank can load before its GPU reaches it;
+* `ride`: each pass a chunked request takes its next chunk with ``policy_ride`` on (`ride`):
+  whether the pass waits a decode step (every rank would, for the same request) and the seats
+  finished loads get beside the chunk (each the fewest tokens any rank gives it).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from typing import Any, Sequence
 
 from . import view
 
-__all__ = ["multi", "reduce", "readers", "seed", "split_plan", "all_ok", "tail", "first_all", "JOIN", "WAIT", "HOLD"]
+__all__ = ["multi", "reduce", "readers", "seed", "split_plan", "all_ok", "tail", "first_all", "ride", "JOIN", "WAIT",
+           "HOLD"]
 
 JOIN, WAIT, HOLD = 0, 1, 2  # a tail's verdicts, most cautious first (the agreed one is the minimum)
 
@@ -147,7 +151,7 @@ def first_all(cache: Any, names: Sequence[str], votes: Sequence[bool]) -> int | 
     checked (their count and a digest, in the same collective) and nothing is picked where they
     differ, so a rank's stale view can cost a late admission, never a mismatched collective."""
     n = min(len(names), VOTES)
-    digest = int.from_bytes(hashlib.blake2b("\0".join(names[:n]).encode(), digest_size=7).digest(), "little")
+    digest = _digest(names[:n])
     padded = [int(bool(v)) for v in votes[:n]] + [0] * (VOTES - n)
     mins, maxs = reduce(cache, [n, digest, *padded], [n, digest])
     if mins[:2] != maxs:
@@ -155,3 +159,24 @@ def first_all(cache: Any, names: Sequence[str], votes: Sequence[bool]) -> int | 
                   "late admission at that step")
         return None
     return next((i for i, v in enumerate(mins[2:2 + n]) if v), None)
+
+
+def _digest(names: Sequence[str]) -> int:
+    return int.from_bytes(hashlib.blake2b("\0".join(names).encode(), digest_size=7).digest(), "little")
+
+
+def ride(cache: Any, names: Sequence[str], hold_at: int | None, seats: Sequence[int]) -> tuple[int | None, list[int]]:
+    """(the position among `names` of the request every rank waits a decode step for, or None;
+    per position the seat every rank gives it: the fewest tokens, 0 where a rank gives none).
+    `names`: the first `VOTES` waiting requests (the same on every rank, checked as in
+    `first_all`: where they differ, neither); `hold_at`, `seats`: this rank's plan."""
+    n = min(len(names), VOTES)
+    padded = [int(v) for v in seats[:n]] + [0] * (VOTES - n)
+    at = -1 if hold_at is None or hold_at >= n else int(hold_at)
+    mins, maxs = reduce(cache, [n, _digest(names[:n]), at, *padded], [n, _digest(names[:n]), at])
+    if mins[:2] != maxs[:2]:
+        view.once("ride-differ", "hicache-gds policy: ranks saw different waiting requests beside a chunk; no ride "
+                  "at that step")
+        return None, [0] * n
+    agreed = mins[2] if mins[2] >= 0 and mins[2] == maxs[2] else None
+    return agreed, ([0] * n if agreed is not None else mins[3:3 + n])

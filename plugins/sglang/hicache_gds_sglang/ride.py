@@ -25,8 +25,11 @@ riders: decided ``load``, read whole, in queue order):
   another request is skipped this pass, as it would have found no budget left, and a rider
   SGLang would have to chunk is skipped too, since a pass has one chunked request).
 
-Off on a multi-rank server (each rank forms its batch itself; the hold and the ride are not
-agreed across ranks), for a hybrid (SWA, Mamba) or dLLM adder, and where no chunk budget is set.
+On a multi-rank server each rank forms its batch itself, so every rank's plan is a vote
+(`ranks.ride`, each pass a chunked request takes its next chunk): the pass waits a decode step
+where every rank would, for the same request, and each finished load gets the smallest seat any
+rank gives it (none where one rank gives none), among the first `ranks.VOTES` waiting requests.
+Off for a hybrid (SWA, Mamba) or dLLM adder, and where no chunk budget is set.
 """
 
 from __future__ import annotations
@@ -48,10 +51,10 @@ SEATS = "_hicache_gds_ride"  # on the adder for one pass: {rid: tokens} of the r
 
 
 def can_ride(pol: Any, cache: Any, adder: Any) -> bool:
-    """Rides and yields are on, this server has one rank, and the adder is a plain one with a
-    chunk budget."""
+    """Rides and yields are on and the adder is a plain one with a chunk budget (the same answer
+    on every rank)."""
     cfg = getattr(view.backend_of(cache), "policy_config", None)
-    if not getattr(cfg, "ride", False) or ranks.multi(cache):
+    if not getattr(cfg, "ride", False):
         return False
     if getattr(adder, "rem_chunk_tokens", None) is None or getattr(adder, "dllm_config", None) is not None:
         return False
@@ -132,6 +135,19 @@ def _plan(pol: Any, cache: Any, adder: Any, req: Any, can_hold: bool) -> tuple[s
     return ("seats", seats) if seats else ("none", None)
 
 
+def _agreed(pol: Any, kind: str, plan: Any) -> tuple[str, Any]:
+    """The plan every rank takes (`ranks.ride`), from this rank's `kind` and `plan`."""
+    queue = view.waiting(pol.scheduler())[:ranks.VOTES]
+    names = [view.rid(r) for r in queue]
+    hold_at = names.index(view.rid(plan[0])) if kind == "hold" and view.rid(plan[0]) in names else None
+    mine = [plan.get(name, 0) if kind == "seats" else 0 for name in names]
+    at, seats = ranks.ride(pol.cache(), names, hold_at, mine)
+    if at is not None:  # every rank voted to hold for this request (its own plan says why)
+        return "hold", plan if kind == "hold" else (queue[at], -1, -1)
+    agreed = {name: s for name, s in zip(names, seats) if s > 0}
+    return ("seats", agreed) if agreed else ("none", None)
+
+
 def around_chunk(pol: Any, cache: Any, adder: Any, req: Any, can_hold: bool,
                  add: Callable[[], Any]) -> Any:
     """The chunked request `req`'s next chunk, formed by `add` (SGLang's method, cut where its
@@ -142,6 +158,8 @@ def around_chunk(pol: Any, cache: Any, adder: Any, req: Any, can_hold: bool,
         view.once("ride-plan", "hicache-gds policy: no ride along a chunk (%s: %s); finished loads wait for it",
                   type(exc).__name__, exc)
         kind, plan = "none", None
+    if ranks.multi(cache):  # every rank reaches this step: its plan is a vote
+        kind, plan = _agreed(pol, kind, plan)
     if kind == "hold":
         first, need, room = plan
         rid = view.rid(first)
