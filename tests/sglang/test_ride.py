@@ -74,7 +74,7 @@ def world(monkeypatch):
     sched = types.SimpleNamespace(waiting_queue=[])
     cache = types.SimpleNamespace(page_size=PS, ongoing_prefetch={})
     pol = types.SimpleNamespace(tails={}, parked={}, counts=Counter(), decided={}, protected={}, ride_yields={},
-                                scheduler=lambda: sched, cache=lambda: cache)
+                                scheduler=lambda: sched)
     monkeypatch.setattr(view, "attached", lambda c: pol if c is cache else None)
     monkeypatch.setattr(view, "backend_of", lambda c: backend)
     monkeypatch.setattr(view, "single_rank", lambda c: True)

@@ -21,9 +21,9 @@ riders: decided ``load``, read whole, in queue order):
 * otherwise the chunked request's chunk is shortened by what the riders that fit in GPU memory
   need (each its tokens past its hit, whole pages, at most `RIDE_SHARE` of the chunk together),
   and for the rest of the pass only riders may be added, each only whole and within its own seat
-  (`around_add_one_req`:
-  another request is skipped this pass, as it would have found no budget left, and a rider
-  SGLang would have to chunk is skipped too, since a pass has one chunked request).
+  (`around_add_one_req`: another request is skipped this pass, as it would have found no budget
+  left, and a rider SGLang would have to chunk is skipped too, since a pass has one chunked
+  request).
 
 On a multi-rank server each rank forms its batch itself, so every rank's plan is a vote
 (`ranks.ride`, each pass a chunked request takes its next chunk): the pass waits a decode step
@@ -135,13 +135,13 @@ def _plan(pol: Any, cache: Any, adder: Any, req: Any, can_hold: bool) -> tuple[s
     return ("seats", seats) if seats else ("none", None)
 
 
-def _agreed(pol: Any, kind: str, plan: Any) -> tuple[str, Any]:
+def _agreed(pol: Any, cache: Any, kind: str, plan: Any) -> tuple[str, Any]:
     """The plan every rank takes (`ranks.ride`), from this rank's `kind` and `plan`."""
     queue = view.waiting(pol.scheduler())[:ranks.VOTES]
     names = [view.rid(r) for r in queue]
     hold_at = names.index(view.rid(plan[0])) if kind == "hold" and view.rid(plan[0]) in names else None
     mine = [plan.get(name, 0) if kind == "seats" else 0 for name in names]
-    at, seats = ranks.ride(pol.cache(), names, hold_at, mine)
+    at, seats = ranks.ride(cache, names, hold_at, mine)
     if at is not None:  # every rank voted to hold for this request (its own plan says why)
         return "hold", plan if kind == "hold" else (queue[at], -1, -1)
     agreed = {name: s for name, s in zip(names, seats) if s > 0}
@@ -159,7 +159,7 @@ def around_chunk(pol: Any, cache: Any, adder: Any, req: Any, can_hold: bool,
                   type(exc).__name__, exc)
         kind, plan = "none", None
     if ranks.multi(cache):  # every rank reaches this step: its plan is a vote
-        kind, plan = _agreed(pol, kind, plan)
+        kind, plan = _agreed(pol, cache, kind, plan)
     if kind == "hold":
         first, need, room = plan
         rid = view.rid(first)
