@@ -1082,10 +1082,14 @@ def test_the_prefill_clock_measures_the_streams_time_between_prefill_batches(gds
         assert got["batches"] == 4 and got["gaps"] == 3
         assert 0.08 <= got["gpu_s"] < 0.4  # four batches of 20 ms (wall clock on a machine without a GPU)
         assert 0.09 <= got["gap_s"] < 0.3 and 30 <= got["gap_median_ms"] < 100 and got["gap_max_ms"] < 500
+        # what was forecast for them at launch: the first from the test's seed (4000 tokens x A), each
+        # later one from the fit of the 20 ms batches before it
+        assert 4000 * A + 0.04 <= got["forecast_s"] < 4000 * A + 0.4 and 0.5 <= got["ran_over_forecast"] <= 2.0
         # this policy's clock logged its window once (policies other tests left in this process see the
         # same batches and log their own windows)
-        mine = (f"prefill clock: 4 prefill batches ran {got['gpu_s']:.3f} s on the GPU; between them the stream spent "
-                f"{got['gap_s']:.3f} s elsewhere (decode steps, idle; 3 gaps")
+        mine = (f"prefill clock: 4 prefill batches ran {got['gpu_s']:.3f} s on the GPU (forecast at launch "
+                f"{got['forecast_s']:.3f} s; per batch ran/forecast median {got['ran_over_forecast']:.2f}); between "
+                f"them the stream spent {got['gap_s']:.3f} s elsewhere (decode steps, idle; 3 gaps")
         assert sum(mine in r.getMessage() for r in caplog.records) == 1
     finally:
         b.close()

@@ -8,8 +8,9 @@ finished (`in_flight`) and how far they reach into a request (`launched_through`
 The fit sees each batch's time on the GPU, not the stream's time between batches: decode steps
 and the GPU idle while the scheduler prepares the next batch. The clock measures that too, from
 the same events (the end of one prefill batch to the start of the next, where under `GAP_MAX_S`:
-longer is a server without work) and logs it every `GAP_WINDOW` batches (`gaps`), so a forecast
-that runs optimistic can be told from a model that does.
+longer is a server without work) and logs it every `GAP_WINDOW` batches (`gaps`), with what the
+fit had forecast for those batches at their launch, so a forecast that runs optimistic can be
+told from a model that does.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class PrefillClock:
         self._warm = False  # the first prefill batch seen finished (kernel compilation) was left out of the fit
         self._lock = threading.Lock()
         self._prev_end: Any = None  # the end event of the last batch seen finished
-        self._window: list[tuple[float, float | None]] = []  # (GPU s, gap before it or None) per batch
+        self._window: list[tuple[float, float | None, float]] = []  # (GPU s, gap before it or None, forecast s)
         self.last_gaps: dict[str, float] = {}  # the last window's figures (`gaps`)
 
     def begin(self, batch: Any) -> Launched | None:
@@ -132,26 +133,33 @@ class PrefillClock:
                     self._warm = True
                     continue
                 self.model.observe(b.news, b.prefixes, secs)
-                self._window.append((secs, gap))
+                self._window.append((secs, gap, b.pred))
                 if len(self._window) >= GAP_WINDOW:
                     self.last_gaps = self._gap_figures()
                     self._window = []
-                    log.info("hicache-gds policy: prefill clock: %d prefill batches ran %.3f s on the GPU; between "
-                             "them the stream spent %.3f s elsewhere (decode steps, idle; %d gaps, median %.1f ms, "
-                             "largest %.1f ms)", self.last_gaps["batches"], self.last_gaps["gpu_s"],
-                             self.last_gaps["gap_s"], self.last_gaps["gaps"], self.last_gaps["gap_median_ms"],
-                             self.last_gaps["gap_max_ms"])
+                    g = self.last_gaps
+                    log.info("hicache-gds policy: prefill clock: %d prefill batches ran %.3f s on the GPU (forecast "
+                             "at launch %.3f s; per batch ran/forecast median %.2f); between them the stream spent "
+                             "%.3f s elsewhere (decode steps, idle; %d gaps, median %.1f ms, largest %.1f ms)",
+                             g["batches"], g["gpu_s"], g["forecast_s"], g["ran_over_forecast"], g["gap_s"], g["gaps"],
+                             g["gap_median_ms"], g["gap_max_ms"])
 
     def _gap_figures(self) -> dict[str, float]:
-        gaps = [g for _, g in self._window if g is not None]  # NaN (a broken event) is None already
-        return {"batches": len(self._window), "gpu_s": sum(s for s, _ in self._window if not math.isnan(s)),
+        gaps = [g for _, g, _ in self._window if g is not None]  # NaN (a broken event) is None already
+        ran = [(s, f) for s, _, f in self._window if not math.isnan(s)]
+        ratios = [s / f for s, f in ran if f > 0]
+        return {"batches": len(self._window), "gpu_s": sum(s for s, _ in ran),
+                "forecast_s": sum(f for _, f in ran),
+                "ran_over_forecast": statistics.median(ratios) if ratios else math.nan,
                 "gaps": len(gaps), "gap_s": sum(gaps),
                 "gap_median_ms": statistics.median(gaps) * 1e3 if gaps else 0.0,
                 "gap_max_ms": max(gaps, default=0.0) * 1e3}
 
     def gaps(self) -> dict[str, float]:
-        """The GPU time of the last `GAP_WINDOW` prefill batches seen finished and the stream's time
-        between them (decode steps, idle), as last logged; empty before a window is complete."""
+        """The GPU time of the last `GAP_WINDOW` prefill batches seen finished, what the fit had
+        forecast for them at launch (in all, and the median of each batch's ratio), and the
+        stream's time between them (decode steps, idle), as last logged; empty before a window is
+        complete."""
         with self._lock:
             return dict(self.last_gaps)
 
