@@ -29,10 +29,10 @@ if command -v service >/dev/null; then service redis-server stop >/dev/null 2>&1
 
 VENV=${VENV:-.venv-test}
 # Disk: the three venvs take ~16 GB together (torch 2.14.1 imports only beside its 3.2 GB of CUDA
-# libraries, in two of them). A CI run (CI set) or PRUNE_VENVS=1 removes each venv once its tests
+# libraries, in two of them). A CI run (CI=true) or PRUNE_VENVS=1 removes each venv once its tests
 # are done and keeps no pip cache, so the run never holds more than one venv (~7.5 GB at most): a
 # CI machine's free disk varies, and one run ran out of it installing the third venv.
-PRUNE=${PRUNE_VENVS:-${CI:+1}}
+case "${PRUNE_VENVS:-${CI:-}}" in 1|true|yes) PRUNE=1 ;; *) PRUNE= ;; esac
 [ -n "$PRUNE" ] && export PIP_NO_CACHE_DIR=1
 disk() { echo "test.sh: $1: $(df -h --output=avail . | tail -1 | tr -d ' ') free on $(df --output=target . | tail -1)"; }
 prune() { if [ -n "$PRUNE" ]; then rm -rf "$1"; disk "removed $1"; fi; }
