@@ -242,6 +242,29 @@ def test_the_forecast_report_sets_each_ranks_gpu_waits_and_load_times_against_th
     assert "TP1" not in out
 
 
+def test_the_forecast_report_sets_out_how_long_finished_loads_waited_on_the_host_and_beside_what(tmp_path, capsys):
+    import forecast_report
+    pre = "[2026-11-29 23:26:44] hicache-gds policy: "
+    batch = "[2026-11-29 23:26:45] Prefill batch, #new-seq: {}, #new-token: 8192, #cached-token: 0, token usage: {}, " \
+            "#running-req: {}, #queue-req: 3, #pending-token: 66944, cuda graph: False"
+    lines = [  # as run 27's TP=1 burst logged them (p3 waited behind p4's chunks, p0 and p1 decoding)
+        pre + "p3-9a76 load of 17216 tokens protected on host until the GPU takes it; host pool 3968 tokens free",
+        batch.format(1, "0.87", 2),
+        pre + "p5-db75 load of 21888 tokens protected on host until the GPU takes it; host pool 4032 tokens free",
+        batch.format(1, "0.61", 1),
+        pre + "p3-9a76 host protection of 17216 tokens released after 1.126 s (left the waiting queue)",
+        pre + "p5-db75 host protection of 21888 tokens released after 0.006 s (left the waiting queue)",
+        pre + "p9-0000 host protection of 100 tokens released after 5.000 s (left the waiting queue)",  # never seen protected
+    ]
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(lines) + "\n")
+    got = forecast_report.host_waits(log.read_text().splitlines())
+    assert got == {"-": [(1.126, 0.87, 2), (0.006, 0.61, 1)]}  # each the fullest pool and most decoding it saw
+    assert forecast_report.main([str(log)]) == 0
+    out = capsys.readouterr().out
+    assert f"| {log} | - | 2 | 0.566 s | 1.126 s | 1 | 0.87-0.87 | 2-2 |" in out
+
+
 def test_the_ideal_server_fits_the_prefill_and_bounds_the_open_loop():
     import open_loop_bound as olb
     true = olb.Server(a=2e-5, b=5e-9, c0=0.1, read_Bps=1.5e9, kv_bytes=128 << 10)
