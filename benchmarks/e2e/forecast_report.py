@@ -59,7 +59,7 @@ def ratios(lines, min_ahead: float = 0.3) -> dict[str, dict[str, list[float]]]:
     return dict(out)
 
 
-def host_waits(lines, long: float = 0.3) -> dict[str, list[tuple[float, float | None, int | None]]]:
+def host_waits(lines) -> dict[str, list[tuple[float, float | None, int | None]]]:
     """{rank: [(seconds a finished load waited on the host, the fullest GPU pool and the most
     requests decoding in the prefill batches formed meanwhile, None where none was), ...]}."""
     out: dict[str, list[tuple[float, float | None, int | None]]] = collections.defaultdict(list)

@@ -2,7 +2,7 @@
 ``PrefillAdder``, on the real ``UnifiedRadixCache`` of `kit_split_0523.py`, run by
 `test_kit_0523.py` in a subprocess.
 
-The world is `kit_park_0523`'s (the plugin's hooks placed on ``add_chunked_req`` and
+The world is `kit_cut_0523`'s (the plugin's hooks placed on ``add_chunked_req`` and
 ``add_one_req`` as SGLang's HookRegistry places them). The chunked request has its first chunk
 computed and checkpointed; three requests wait: one decided compute, then two whose loads have
 finished (decided ``load``, protected), each sharing the chunk's computed prefix. One has a page
@@ -21,30 +21,27 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kit_0523 as k  # noqa: E402  (the CPU set-up and load_plugins())
-import kit_park_0523 as kp  # noqa: E402
+import kit_cut_0523 as kc  # noqa: E402
 
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from hicache_gds_sglang import cut, ride  # noqa: E402
+from hicache_gds_sglang import ride  # noqa: E402
 from hicache_gds_sglang.records import Decided, Protected  # noqa: E402
 
-ADD = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 BUDGET = 32  # the pass's chunk budget (tokens; 4-token pages)
 
 
-class RideOn0523(kp.HoldOn0523):
+class RideOn0523(kc.CutOn0523):
+    """`kit_cut_0523`'s world with both adder hooks placed (`kit_park_0523.HoldOn0523`'s hold on
+    ``add_chunked_req``, the cut's on ``add_one_req``) and every tail get reading at once."""
+
     def setUp(self) -> None:
         super().setUp()
-        if not getattr(RideOn0523, "_ride_placed", False):
-            kp.place_adder_hook(ADD, "cut@0.5.23")
-            RideOn0523._ride_placed = True
-        saved = (cut.CUT_HOOKED[0], ride.RIDE_SHARE)
-        cut.CUT_HOOKED[0] = True  # as plugin.register sets it where both adder points are hooked
+        saved = ride.RIDE_SHARE
         ride.RIDE_SHARE = 0.5  # two seats of two pages in a 32-token chunk
-        self.addCleanup(lambda: (cut.CUT_HOOKED.__setitem__(0, saved[0]), setattr(ride, "RIDE_SHARE", saved[1])))
-        self.gate.set()
+        self.addCleanup(lambda: setattr(ride, "RIDE_SHARE", saved))
 
     def _waiting(self, w, rid, tokens, decided=None):
         r = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", tokens),

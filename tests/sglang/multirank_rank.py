@@ -389,7 +389,7 @@ def ride_any_release(w_of, rank, n, log):
 
     P, b, cache, pol = _tp_cache(rank, n, os.path.join(BASE[0], f"ride-rank{rank}"), ratio=0.1)
     b.policy_config = dataclasses.replace(b.policy_config, ride=True)
-    cut.CUT_HOOKED[0] = True
+    saved, cut.CUT_HOOKED[0] = cut.CUT_HOOKED[0], True  # as plugin.register sets it where both adder points are hooked
     sched = cache._test_scheduler
     sched.tree_cache = cache
     p3 = R._req("p3", 64, prompt=17280)
@@ -406,7 +406,7 @@ def ride_any_release(w_of, rank, n, log):
         log.append(["pass", step, out is chunked, chunked.extend, [r.rid for r in adder.can_run_list],
                     adder.prefill_max_requests])
     pol.protected.pop("p3", None)
-    cut.CUT_HOOKED[0] = False
+    cut.CUT_HOOKED[0] = saved
 
 
 class _Removed:

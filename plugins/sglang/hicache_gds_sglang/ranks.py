@@ -173,7 +173,8 @@ def ride(cache: Any, names: Sequence[str], hold_at: int | None, seats: Sequence[
     n = min(len(names), VOTES)
     padded = [int(v) for v in seats[:n]] + [0] * (VOTES - n)
     at = -1 if hold_at is None or hold_at >= n else int(hold_at)
-    mins, maxs = reduce(cache, [n, _digest(names[:n]), at, *padded], [n, _digest(names[:n]), at])
+    digest = _digest(names[:n])
+    mins, maxs = reduce(cache, [n, digest, at, *padded], [n, digest, at])
     if mins[:2] != maxs[:2]:
         view.once("ride-differ", "hicache-gds policy: ranks saw different waiting requests beside a chunk; no ride "
                   "at that step")

@@ -107,7 +107,8 @@ def _free_soon(adder: Any) -> int:
 
 
 def _plan(pol: Any, cache: Any, adder: Any, req: Any, can_hold: bool) -> tuple[str, Any]:
-    """("hold", the first rider) where the pass waits a decode step; ("seats", {rid: tokens})
+    """("hold", (the first rider, GPU tokens it needs, free beside the chunk, held by running
+    requests near their end)) where the pass waits a decode step; ("seats", {rid: tokens})
     for the riders the chunk leaves room to; ("none", None) for SGLang's own pass."""
     sched = pol.scheduler()
     rem = adder.rem_chunk_tokens
@@ -121,9 +122,10 @@ def _plan(pol: Any, cache: Any, adder: Any, req: Any, can_hold: bool) -> tuple[s
     room = getattr(adder, "rem_total_tokens", None)
     room = None if room is None else int(room) - _pages(rem, ps) - ps  # less what this chunk takes
     first, _, first_need = found[0]
-    if (room is not None and first_need > room and can_hold
-            and pol.ride_yields.get(view.rid(first), 0) < YIELD_STEPS and first_need <= room + _free_soon(adder)):
-        return "hold", (first, first_need, room)
+    if room is not None and first_need > room and can_hold and pol.ride_yields.get(view.rid(first), 0) < YIELD_STEPS:
+        freed = _free_soon(adder)
+        if first_need <= room + freed:
+            return "hold", (first, first_need, room, freed)
     budget, seats = int(rem * RIDE_SHARE) // ps * ps, {}
     for r, extend, need in found:
         if extend > budget or (room is not None and need > room):
@@ -143,7 +145,7 @@ def _agreed(pol: Any, cache: Any, kind: str, plan: Any) -> tuple[str, Any]:
     mine = [plan.get(name, 0) if kind == "seats" else 0 for name in names]
     at, seats = ranks.ride(cache, names, hold_at, mine)
     if at is not None:  # every rank voted to hold for this request (its own plan says why)
-        return "hold", plan if kind == "hold" else (queue[at], -1, -1)
+        return "hold", plan if kind == "hold" else (queue[at], -1, -1, -1)
     agreed = {name: s for name, s in zip(names, seats) if s > 0}
     return ("seats", agreed) if agreed else ("none", None)
 
@@ -161,13 +163,13 @@ def around_chunk(pol: Any, cache: Any, adder: Any, req: Any, can_hold: bool,
     if ranks.multi(cache):  # every rank reaches this step: its plan is a vote
         kind, plan = _agreed(pol, cache, kind, plan)
     if kind == "hold":
-        first, need, room = plan
+        first, need, room, freed = plan
         rid = view.rid(first)
         pol.ride_yields[rid] = pol.ride_yields.get(rid, 0) + 1
         pol.counts["ride_yield"] += 1
         log.info("hicache-gds policy: %s's next chunk waits a decode step: loaded %s needs %d GPU tokens, %d are "
                  "free beside the chunk, running requests near their end hold %d", view.rid(req), rid, need, room,
-                 _free_soon(adder))
+                 freed)
         view.hold_batch(adder)
         return req
     if kind != "seats":
